@@ -1,0 +1,94 @@
+"""The registry of composable APIs: which API was applied to which module, and with what state.
+
+[Note: why a registry and not a wrapper]
+A composable API attaches to the user's module instead of wrapping it, so the module's type and
+every FQN stay as they were and several APIs (``fully_shard``, ``checkpoint``) can be applied to the
+same module in either order. The registry is a pair of weak maps so that attaching state never keeps
+a module alive and never appears in ``named_modules()``/``state_dict()``.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any, Callable, Generic, Optional, TypeVar
+
+from torch import nn
+
+__all__: list[str] = []
+
+_S = TypeVar("_S")
+
+# module -> {api name: state}
+_module_to_states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+
+
+def _insert_module_state(module: nn.Module, api: str, state: Any) -> None:
+    states = _module_to_states.setdefault(module, {})
+    if api in states:
+        raise RuntimeError(
+            f"{api} was already applied to this {type(module).__name__}; apply it once per module "
+            "(for nested units, call it on the children first, then on the parent)"
+        )
+    states[api] = state
+
+
+def _get_module_state(module: nn.Module, api: str) -> Optional[Any]:
+    return _module_to_states.get(module, {}).get(api)
+
+
+def _remove_module_state(module: nn.Module, api: str) -> None:
+    _module_to_states.get(module, {}).pop(api, None)
+
+
+def _applied_apis(module: nn.Module) -> tuple[str, ...]:
+    return tuple(_module_to_states.get(module, {}))
+
+
+def _structure_of(module: nn.Module) -> tuple[type, list[str], list[str], list[str]]:
+    return (
+        type(module),
+        [n for n, _ in module.named_modules(remove_duplicate=False)],
+        [n for n, _ in module.named_parameters(remove_duplicate=False)],
+        [n for n, _ in module.named_buffers(remove_duplicate=False)],
+    )
+
+
+class _Contract(Generic[_S]):
+    """A composable API: the function plus ``.state(module)`` to read what it attached."""
+
+    def __init__(self, name: str, fn: Callable[..., nn.Module]) -> None:
+        self.name = name
+        self._fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"{self.name} expects an nn.Module as its first argument, got {type(module).__name__}")
+        before = _structure_of(module)
+        out = self._fn(module, *args, **kwargs)
+        if out is not module:
+            raise AssertionError(f"{self.name} must return the module it was given")
+        after = _structure_of(module)
+        if before != after:
+            raise AssertionError(f"{self.name} changed the module's type or FQNs, which composable APIs must not do")
+        return module
+
+    def state(self, module: nn.Module) -> _S:
+        """Return the state ``self`` attached to ``module``; raise if it was not applied there."""
+        state = _get_module_state(module, self.name)
+        if state is None:
+            raise ValueError(
+                f"{self.name} was not applied to this {type(module).__name__}; "
+                f"call {self.name}(module) first (APIs applied: {list(_applied_apis(module)) or 'none'})"
+            )
+        return state  # type: ignore[no-any-return]
+
+
+def contract(name: str) -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
+    """Decorate a composable API so it is checked to keep the module's type and FQNs."""
+
+    def decorator(fn: Callable[..., nn.Module]) -> _Contract[Any]:
+        return _Contract(name, fn)
+
+    return decorator

@@ -1,0 +1,384 @@
+"""`FlatParameter` and `FlatParamHandle`: flatten, shard, unshard and reshard one unit's parameters.
+
+[Note: original parameters are views]
+A unit's original parameters are concatenated into one 1-D tensor, padded to a multiple of the
+world size, and each rank keeps its contiguous 1/N shard in a `FlatParameter`. The original
+``nn.Parameter`` objects are never replaced: we only repoint their ``.data``.
+
+- sharded: each original parameter is a 1-D view of its slice of the local shard (possibly empty),
+  so the optimizer steps original parameters in place and writes through to the shard.
+- unsharded: each original parameter is a view, with its original shape, into the padded unsharded
+  buffer that the all-gather wrote (no copy-out).
+
+Because the parameter objects stay the same, autograd's saved tensors and gradient accumulators
+survive every transition: backward reads ``param.data`` after the pre-backward unshard has
+repointed it. Reshard frees the unsharded buffer's storage (``resize_(0)``) and unshard regrows the
+same storage, so any view autograd saved of it is valid again once the all-gather lands.
+
+[Note: gradients land in the flat buffer]
+Before a unit's backward we point each trainable original parameter's ``.grad`` at a view of one
+zeroed, padded, unsharded gradient buffer. Autograd then accumulates in place into that buffer, which
+is exactly the reduce-scatter input: no gather-into-flat copy. A gradient that autograd created
+some other way (the user replaced ``.grad``) is copied in before the reduction.
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable import _collectives
+from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _check_transition
+from fsdp_composable.api import ShardingStrategy
+
+__all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
+
+
+class HandleTrainingState(enum.Enum):
+    """What one unit's handle is doing; transitions are checked."""
+
+    IDLE = enum.auto()
+    FORWARD = enum.auto()
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+    SUMMON_FULL_PARAMS = enum.auto()
+
+
+_H = HandleTrainingState
+_HANDLE_TRANSITIONS: dict[Any, frozenset[Any]] = {
+    _H.IDLE: frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.SUMMON_FULL_PARAMS}),
+    _H.FORWARD: frozenset({_H.IDLE}),
+    _H.BACKWARD_PRE: frozenset({_H.BACKWARD_POST, _H.IDLE}),
+    _H.BACKWARD_POST: frozenset({_H.IDLE}),
+    _H.SUMMON_FULL_PARAMS: frozenset({_H.IDLE}),
+}
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One original parameter of a unit. ``holders`` lists every (module, attribute, FQN) that
+    registers it: more than one for tied parameters. FQNs are relative to the unit's module."""
+
+    fqn: str
+    shape: torch.Size
+    numel: int
+    offset: int
+    holders: tuple[tuple[nn.Module, str, str], ...]
+
+
+@dataclass(frozen=True)
+class FlatLayout:
+    """Where each original parameter lives in the flat parameter, and how it is sharded."""
+
+    infos: tuple[ParamInfo, ...]
+    unpadded_numel: int
+    padded_numel: int
+    shard_numel: int
+    rank: int
+    world_size: int
+
+    def shard_range(self, info: ParamInfo) -> tuple[int, int]:
+        """``info``'s slice of this rank's shard, as [start, end) offsets into the shard."""
+        lo = self.rank * self.shard_numel
+        start = min(max(info.offset - lo, 0), self.shard_numel)
+        end = min(max(info.offset + info.numel - lo, 0), self.shard_numel)
+        return start, max(start, end)
+
+
+class FlatParameter(nn.Parameter):
+    """This rank's 1-D shard of a unit's flattened, padded original parameters.
+
+    Test for it with ``type(p) is FlatParameter``: other tensor subclasses that are parameters make
+    ``isinstance`` true for any parameter subclass.
+    """
+
+    _layout: FlatLayout
+    _unit_fqn: str
+
+
+def _build_layout(
+    params: list[nn.Parameter], holders: list[list[tuple[nn.Module, str, str]]], rank: int, world_size: int
+) -> FlatLayout:
+    infos = []
+    offset = 0
+    for param, param_holders in zip(params, holders):
+        infos.append(ParamInfo(param_holders[0][2], param.shape, param.numel(), offset, tuple(param_holders)))
+        offset += param.numel()
+    padded = max(math.ceil(offset / world_size) * world_size, world_size)
+    return FlatLayout(tuple(infos), offset, padded, padded // world_size, rank, world_size)
+
+
+class FlatParamHandle:
+    """Owns one unit's flat parameter, its unsharded buffer and gradient buffer, and their transitions.
+
+    The runtime decides *when* (`_runtime_utils`); the handle knows *how*.
+    """
+
+    def __init__(
+        self,
+        module: nn.Module,
+        unit_fqn: str,
+        params: list[nn.Parameter],
+        holders: list[list[tuple[nn.Module, str, str]]],
+        process_group: dist.ProcessGroup,
+        config: UnitConfig,
+        device: torch.device,
+    ) -> None:
+        self.module = module
+        self.unit_fqn = unit_fqn
+        self.params = params
+        self.process_group = process_group
+        self.config = config
+        self.device = device
+        self.training_state = HandleTrainingState.IDLE
+        sharded = config.strategy is not ShardingStrategy.NO_SHARD
+        rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
+        self.layout = _build_layout(params, holders, rank, world)
+        self.dtype = params[0].dtype if params else torch.float32
+        mp = config.mixed_precision
+        self.compute_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or self.dtype
+        self.reduce_dtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or self.compute_dtype
+        self.flat_param = self._flatten_and_shard()
+        self.requires_grad = any(p.requires_grad for p in params)
+        # The all-gather writes straight into the padded buffer the original parameters view, unless
+        # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
+        self._needs_buffer = sharded or self.compute_dtype != self.dtype
+        self._unsharded: Optional[torch.Tensor] = None
+        self._unsharded_views: list[torch.Tensor] = []
+        self._sharded_views: list[torch.Tensor] = []
+        self._grad_buffer: Optional[torch.Tensor] = None
+        self._grad_views: list[torch.Tensor] = []
+        self._sharded_grad_views: list[torch.Tensor] = []
+        self._unshard_work: Optional[dist.Work] = None
+        self.is_unsharded = False
+        self.expose_orig_grads = True
+        # per-backward bookkeeping, reset by the final callback
+        self.ran_pre_backward = False
+        self.pending_triggers = 0
+        self._init_views()
+        self.use_sharded_views()
+
+    # ---------------------------------------------------------------- construction
+    def _flatten_and_shard(self) -> FlatParameter:
+        layout = self.layout
+        with torch.no_grad():
+            pieces = [p.detach().reshape(-1).to(self.device) for p in self.params]
+            pad = layout.padded_numel - layout.unpadded_numel
+            pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
+            flat = torch.cat(pieces)
+            lo = layout.rank * layout.shard_numel
+            shard = flat[lo : lo + layout.shard_numel].clone()
+        flat_param = FlatParameter(shard, requires_grad=any(p.requires_grad for p in self.params))
+        flat_param._layout = layout
+        flat_param._unit_fqn = self.unit_fqn
+        for param in self.params:
+            setattr(param, FSDP_FLATTENED, True)
+        return flat_param
+
+    def _init_views(self) -> None:
+        layout = self.layout
+        shard = self.flat_param.data
+        keep_shape = layout.world_size == 1
+        self._sharded_views = []
+        for info in layout.infos:
+            start, end = layout.shard_range(info)
+            view = shard[start:end]
+            self._sharded_views.append(view.view(info.shape) if keep_shape else view)
+        if self._needs_buffer:
+            self._unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self._unsharded_views = self._views_of(self._unsharded)
+            self._free_unsharded()
+        else:
+            self._unsharded_views = list(self._sharded_views)
+
+    def _views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        return [flat[i.offset : i.offset + i.numel].view(i.shape) for i in self.layout.infos]
+
+    # ---------------------------------------------------------------- state machine
+    def set_training_state(self, new: HandleTrainingState) -> None:
+        _check_transition(
+            "HandleTrainingState",
+            f"unit '{self.unit_fqn or '<root>'}'",
+            self.training_state,
+            new,
+            _HANDLE_TRANSITIONS,
+        )
+        self.training_state = new
+
+    # ---------------------------------------------------------------- views
+    def _point_params_at(self, views: list[torch.Tensor]) -> None:
+        for param, view in zip(self.params, views):
+            param.data = view
+
+    def use_sharded_views(self) -> None:
+        self._point_params_at(self._sharded_views)
+
+    def use_unsharded_views(self) -> None:
+        self._point_params_at(self._unsharded_views)
+
+    # ---------------------------------------------------------------- unshard / reshard
+    @property
+    def unshard_in_flight(self) -> bool:
+        return self._unshard_work is not None
+
+    def unshard(self) -> None:
+        """Start gathering (and casting) the full flat parameter; `wait_unshard` finishes it."""
+        if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
+            return
+        assert self._unsharded is not None
+        self._alloc_unsharded()
+        shard = self.flat_param.data
+        if self.layout.world_size == 1:
+            self._unsharded.copy_(shard)
+            self.is_unsharded = True
+            return
+        src = shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
+        self._unshard_work = _collectives.all_gather(self._unsharded, src, self.process_group)
+
+    def wait_unshard(self) -> None:
+        """Finish a pending unshard and point the original parameters at the unsharded views."""
+        if self._unshard_work is not None:
+            self._unshard_work.wait()
+            self._unshard_work = None
+            self.is_unsharded = True
+        elif not self._needs_buffer:
+            self.is_unsharded = True
+        if not self.is_unsharded:
+            self.unshard()
+            self.wait_unshard()
+            return
+        self.use_unsharded_views()
+
+    def reshard(self) -> None:
+        """Point the original parameters back at the shard and free the unsharded storage."""
+        if self._unshard_work is not None:  # never free memory a collective is still writing
+            self._unshard_work.wait()
+            self._unshard_work = None
+        self.use_sharded_views()
+        if self._needs_buffer:
+            self._free_unsharded()
+        self.is_unsharded = False
+
+    def _alloc_unsharded(self) -> None:
+        assert self._unsharded is not None
+        storage = self._unsharded.untyped_storage()
+        nbytes = self._unsharded.numel() * self._unsharded.element_size()
+        if storage.size() != nbytes:
+            storage.resize_(nbytes)
+
+    def _free_unsharded(self) -> None:
+        assert self._unsharded is not None
+        self._unsharded.untyped_storage().resize_(0)
+
+    # ---------------------------------------------------------------- gradients
+    def stash_sharded_grads(self) -> None:
+        """Fold what the user left in the original parameters' ``.grad`` into the sharded gradient.
+
+        Between steps ``.grad`` is a view of the sharded gradient; ``zero_grad(set_to_none=True)``
+        sets it to None, and a user may assign a tensor of its own. Called before a backward
+        repoints ``.grad`` at the unsharded gradient buffer.
+        """
+        if not self.expose_orig_grads:
+            return
+        grads = [p.grad for p in self.params]
+        ours = self._sharded_grad_views
+        if all(g is None for g in grads):
+            self.flat_param.grad = None
+        elif not (len(ours) == len(grads) and all(g is v for g, v in zip(grads, ours))):
+            flat_grad = self.flat_param.grad
+            if flat_grad is None:
+                flat_grad = torch.zeros_like(self.flat_param)
+            views = self._sharded_views_of(flat_grad)
+            with torch.no_grad():
+                for i, (grad, view) in enumerate(zip(grads, views)):
+                    mine = ours[i] if ours else None
+                    if grad is None:
+                        view.zero_()
+                    elif grad is not mine:
+                        view.copy_(grad.reshape(view.shape))
+            self.flat_param.grad = flat_grad
+        for param in self.params:
+            param.grad = None
+        self._sharded_grad_views = []
+
+    def _sharded_views_of(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+        keep_shape = self.layout.world_size == 1
+        out = []
+        for info in self.layout.infos:
+            start, end = self.layout.shard_range(info)
+            view = flat_shard[start:end]
+            out.append(view.view(info.shape) if keep_shape else view)
+        return out
+
+    def prepare_gradient_buffer(self) -> None:
+        """Point each trainable parameter's ``.grad`` at a zeroed unsharded gradient buffer."""
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self._grad_views = self._views_of(self._grad_buffer)
+        for param, view in zip(self.params, self._grad_views):
+            if param.requires_grad:
+                param.grad = view
+
+    def has_gradient_buffer(self) -> bool:
+        return self._grad_buffer is not None
+
+    def start_reduce(self) -> "PendingReduce":
+        """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""
+        buffer = self._grad_buffer
+        assert buffer is not None, "start_reduce called without a gradient buffer"
+        with torch.no_grad():
+            for param, view in zip(self.params, self._grad_views):
+                if param.grad is not None and param.grad is not view:
+                    view.copy_(param.grad)
+                param.grad = None
+            world = dist.get_world_size(self.process_group)
+            send = buffer if buffer.dtype == self.reduce_dtype else buffer.to(self.reduce_dtype)
+            if world > 1:
+                send.div_(world)  # pre-divide: exact for powers of two, no overflow in low precision
+            if self.layout.world_size == 1:
+                work = _collectives.all_reduce(send, self.process_group) if world > 1 else None
+                out = send
+            else:
+                out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+                work = _collectives.reduce_scatter(out, send, self.process_group)
+        self._grad_buffer = None
+        self._grad_views = []
+        return PendingReduce(self, work, out, send)
+
+    def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
+        """Add a reduced shard gradient to the flat parameter's ``.grad`` and expose views of it."""
+        grad = reduced if reduced.dtype == self.dtype else reduced.to(self.dtype)
+        if self.flat_param.grad is None:
+            self.flat_param.grad = grad
+        else:
+            self.flat_param.grad.add_(grad)
+        self.expose_sharded_grads()
+
+    def expose_sharded_grads(self) -> None:
+        flat_grad = self.flat_param.grad
+        if not self.expose_orig_grads or flat_grad is None:
+            return
+        self._sharded_grad_views = self._sharded_views_of(flat_grad)
+        for param, view in zip(self.params, self._sharded_grad_views):
+            param.grad = view if param.requires_grad else None
+
+
+@dataclass
+class PendingReduce:
+    """A gradient reduction in flight: wait for ``work``, then accumulate ``out`` into the shard."""
+
+    handle: FlatParamHandle
+    work: Optional[dist.Work]
+    out: torch.Tensor
+    send: torch.Tensor  # kept alive until the collective completes
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.handle.accumulate_sharded_grad(self.out)

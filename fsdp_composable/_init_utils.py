@@ -1,0 +1,289 @@
+"""`_init_<intent>_state` functions: the constructor, shared by `fully_shard` and the wrapper class.
+
+Each function validates one group of arguments (naming the argument and what to do on bad input)
+and fills in one part of the `_FSDPState`.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _FSDPState, _get_fsdp_state
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _get_submodule_to_states
+from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+
+__all__: list[str] = []
+
+ProcessGroupArg = Optional[dist.ProcessGroup]
+
+
+def _check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
+    if not isinstance(value, types):
+        raise TypeError(f"fully_shard argument {name!r} must be {hint}, got {type(value).__name__}: {value!r}")
+
+
+def _validate_args(
+    strategy: Any,
+    mixed_precision: Any,
+    cpu_offload: Any,
+    backward_prefetch: Any,
+    forward_prefetch: Any,
+    limit_all_gathers: Any,
+    sync_module_states: Any,
+    param_init_fn: Any,
+    policy: Any,
+) -> None:
+    _check_type("strategy", strategy, ShardingStrategy, "a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD)")
+    _check_type("mixed_precision", mixed_precision, (MixedPrecision, type(None)), "a MixedPrecision or None")
+    _check_type("cpu_offload", cpu_offload, (CPUOffload, type(None)), "a CPUOffload or None")
+    _check_type("backward_prefetch", backward_prefetch, (BackwardPrefetch, type(None)), "a BackwardPrefetch or None")
+    for name, value in (
+        ("forward_prefetch", forward_prefetch),
+        ("limit_all_gathers", limit_all_gathers),
+        ("sync_module_states", sync_module_states),
+    ):
+        _check_type(name, value, bool, "True or False")
+    if param_init_fn is not None and not callable(param_init_fn):
+        raise TypeError(
+            f"fully_shard argument 'param_init_fn' must be a callable(module) or None, got {param_init_fn!r}"
+        )
+    _as_policy(policy)
+
+
+def _init_process_group_state(process_group: ProcessGroupArg) -> tuple[dist.ProcessGroup, int, int]:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs an initialised default process group: call "
+            "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the "
+            "environment for you)"
+        )
+    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
+        raise TypeError(
+            f"fully_shard argument 'process_group' must be a torch.distributed.ProcessGroup or None, "
+            f"got {type(process_group).__name__}"
+        )
+    group = process_group if process_group is not None else dist.group.WORLD
+    assert group is not None
+    return group, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _init_ignored_module_states(
+    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]]
+) -> tuple[set[nn.Module], set[nn.Parameter]]:
+    if ignored_modules is None:
+        return set(), set()
+    if isinstance(ignored_modules, nn.Module) or not isinstance(ignored_modules, Iterable):
+        raise TypeError(
+            "fully_shard argument 'ignored_modules' must be an iterable of submodules (e.g. a list), "
+            f"got {type(ignored_modules).__name__}"
+        )
+    ignored = set(ignored_modules)
+    submodules = set(module.modules())
+    for m in ignored:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"ignored_modules must contain nn.Module instances, got {type(m).__name__}")
+        if m is module:
+            raise ValueError("ignored_modules cannot contain the module fully_shard is applied to")
+        if m not in submodules:
+            raise ValueError(
+                f"ignored_modules contains a {type(m).__name__} that is not a submodule of the "
+                f"{type(module).__name__} passed to fully_shard; pass only its submodules"
+            )
+    expanded = {sub for m in ignored for sub in m.modules()}
+    params = {p for m in expanded for p in m.parameters(recurse=False)}
+    return expanded, params
+
+
+def _init_device(
+    module: nn.Module, device_id: Union[int, torch.device, None], ignored: set[nn.Parameter]
+) -> torch.device:
+    """The compute device: ``device_id`` (moving the module there) or where the parameters are."""
+    if device_id is not None:
+        if not isinstance(device_id, (int, torch.device)):
+            raise TypeError(
+                f"fully_shard argument 'device_id' must be an int, a torch.device or None, got {device_id!r}"
+            )
+        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        module.to(device)
+        return device
+    devices = {p.device for p in module.parameters() if p not in ignored}
+    devices.discard(torch.device("meta"))
+    if len(devices) > 1:
+        raise ValueError(
+            f"fully_shard found parameters of {type(module).__name__} on several devices "
+            f"({sorted(str(d) for d in devices)}); move the module to one device or pass device_id"
+        )
+    return devices.pop() if devices else torch.device("cpu")
+
+
+def _init_core_state(
+    module: nn.Module,
+    process_group: dist.ProcessGroup,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    strategy: ShardingStrategy,
+    mixed_precision: Optional[MixedPrecision],
+    cpu_offload: Optional[CPUOffload],
+    use_orig_params: bool,
+) -> _FSDPState:
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        raise NotImplementedError(
+            "ShardingStrategy.HYBRID_SHARD is not implemented yet; use FULL_SHARD (or SHARD_GRAD_OP)"
+        )
+    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
+        strategy = ShardingStrategy.NO_SHARD  # nothing to shard: skip the collectives entirely
+    config = UnitConfig(strategy, mixed_precision, bool(cpu_offload and cpu_offload.offload_params))
+    return _FSDPState(
+        module=module,
+        process_group=process_group,
+        rank=rank,
+        world_size=world_size,
+        device=device,
+        config=config,
+        backward_prefetch=None,
+        forward_prefetch=False,
+        limit_all_gathers=True,
+        use_orig_params=use_orig_params,
+    )
+
+
+def _init_runtime_state(state: _FSDPState, limit_all_gathers: bool) -> None:
+    state.limit_all_gathers = limit_all_gathers
+
+
+def _init_prefetching_state(
+    state: _FSDPState, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool
+) -> None:
+    state.backward_prefetch = backward_prefetch
+    state.forward_prefetch = forward_prefetch
+
+
+def _init_buffer_state(state: _FSDPState, module: nn.Module) -> None:
+    """Record every buffer's original dtype under its clean FQN (see `_runtime_utils` casting)."""
+    state.buffer_name_to_orig_dtype = {
+        name: buf.dtype for name, buf in module.named_buffers() if not _in_ignored(module, name, state)
+    }
+
+
+def _in_ignored(module: nn.Module, buffer_fqn: str, state: _FSDPState) -> bool:
+    owner = module.get_submodule(buffer_fqn.rpartition(".")[0]) if "." in buffer_fqn else module
+    return owner in state.ignored_modules
+
+
+def _check_not_applied_below_parent(module: nn.Module, ignored: set[nn.Parameter]) -> None:
+    for name, param in module.named_parameters():
+        if getattr(param, FSDP_FLATTENED, False) and param not in ignored and _owning_state_is_ancestor(module, name):
+            raise RuntimeError(
+                f"parameter '{name}' of this {type(module).__name__} is already managed by fully_shard "
+                "applied to a parent module. Apply fully_shard bottom-up: first to the children, then "
+                "to the parent (or give the parent a policy)"
+            )
+
+
+def _owning_state_is_ancestor(module: nn.Module, param_fqn: str) -> bool:
+    """True when the flattened parameter is not managed by a state inside ``module``'s subtree."""
+    parts = param_fqn.split(".")[:-1]
+    current = module
+    for part in parts:
+        current = current.get_submodule(part)
+        if _get_fsdp_state(current) is not None:
+            return False
+    return True
+
+
+def _materialize_meta_module(
+    root: nn.Module,
+    unit_module: nn.Module,
+    fqn: str,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+    device: torch.device,
+) -> None:
+    """Materialise a unit's meta parameters with ``param_init_fn`` or ``reset_parameters``."""
+    metas = [p for p in unit_module.parameters() if p.is_meta and not getattr(p, FSDP_FLATTENED, False)]
+    if not metas:
+        return
+    if param_init_fn is not None:
+        param_init_fn(unit_module)
+        return
+    modules = [m for m in unit_module.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
+    missing = [m for m in modules if not callable(getattr(m, "reset_parameters", None))]
+    if missing:
+        raise ValueError(
+            f"unit '{fqn or '<root>'}' has parameters on the meta device and "
+            f"{type(missing[0]).__name__} has no reset_parameters(); pass param_init_fn= to fully_shard "
+            "to materialise them"
+        )
+    for m in modules:
+        m.to_empty(device=device, recurse=False)
+        with torch.no_grad():
+            getattr(m, "reset_parameters")()  # noqa: B009 (checked callable above)
+
+
+def _init_param_handles_from_module(
+    state: _FSDPState,
+    policy: Any,
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+) -> dict[nn.Module, SubmoduleState]:
+    module = state.module
+    _check_not_applied_below_parent(module, state.ignored_params)
+    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params)
+    for unit_module, sub in reversed(list(submodule_states.items())):  # bottom-up: one unit at a time
+        _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device)
+    # materialisation may have replaced parameter objects: look again
+    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params)
+    for unit_module, sub in submodule_states.items():
+        if not sub.params:
+            continue
+        config = _unit_config(state.config, sub.overrides)
+        _check_unit_params(sub)
+        state.handles[unit_module] = FlatParamHandle(
+            unit_module, sub.fqn, sub.params, sub.holders, state.process_group, config, state.device
+        )
+    return submodule_states
+
+
+def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:
+    strategy = overrides.get("strategy", base.strategy)
+    if base.strategy is ShardingStrategy.NO_SHARD:  # world size 1 forces NO_SHARD everywhere
+        strategy = ShardingStrategy.NO_SHARD
+    return UnitConfig(strategy, overrides.get("mixed_precision", base.mixed_precision), base.offload_params)
+
+
+def _check_unit_params(sub: SubmoduleState) -> None:
+    first = sub.params[0]
+    for param, holders in zip(sub.params, sub.holders):
+        where = f"'{sub.fqn}.{holders[0][2]}'" if sub.fqn else f"'{holders[0][2]}'"
+        if param.is_meta:
+            raise ValueError(f"parameter {where} is still on the meta device after initialisation; check param_init_fn")
+        if param.dtype != first.dtype:
+            raise ValueError(
+                f"unit '{sub.fqn or '<root>'}' mixes dtypes: parameter {where} is {param.dtype} but the unit's "
+                f"first parameter is {first.dtype}. Give these parameters their own unit with the policy, "
+                "or cast the model to one dtype (use MixedPrecision for low-precision compute)"
+            )
+        if param.device != first.device:
+            raise ValueError(
+                f"unit '{sub.fqn or '<root>'}' has parameters on different devices: {where} is on "
+                f"{param.device}, others on {first.device}; move the module to one device first"
+            )
+
+
+def _warn_batchnorm_under_mixed_precision(state: _FSDPState) -> None:
+    mp = state.config.mixed_precision
+    if mp is None or mp.param_dtype is None:
+        return
+    for name, m in state.module.named_modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            warnings.warn(
+                f"module '{name}' is a BatchNorm under mixed precision; give it its own unit in full "
+                "precision (CustomPolicy returning {'mixed_precision': None}) for stable statistics",
+                stacklevel=3,
+            )
+            return

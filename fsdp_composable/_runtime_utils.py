@@ -1,0 +1,283 @@
+"""The runtime of one step: hooks for root pre-forward, pre/post forward, pre/post backward, and the
+final callback. Each hook is a function taking the state (and handle) first.
+
+[Note: one step]
+root pre-forward (lazy init once; every state enters FORWARD_BACKWARD; cast root inputs) -> per
+unit: pre-forward (unshard, wait, prefetch the next unit, attach the post-backward trigger to the
+inputs) -> forward -> post-forward (reshard unless root unit or SHARD_GRAD_OP/NO_SHARD; hook the
+outputs for pre-backward) ... backward: pre-backward (unshard, prefetch, point ``.grad`` at the
+gradient buffer) -> autograd fills the buffer -> post-backward (start the async reduction, reshard)
+-> final callback (finish every reduction, reshard leftovers, every state back to IDLE).
+
+[Note: when post-backward runs]
+A unit's gradients are complete once autograd has run the whole module backward, i.e. once the
+gradients of the module's *inputs* are computed. Pre-forward passes the inputs that require grad
+through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
+triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
+trigger never runs reduce in the final callback.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.autograd import Variable
+from torch.utils import _pytree as pytree
+
+from fsdp_composable._common_utils import (
+    TrainingState,
+    _FSDPState,
+    _get_fsdp_states,
+    _iter_handles,
+    _set_training_state,
+)
+from fsdp_composable._exec_order_utils import _ExecOrderData
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
+
+__all__: list[str] = []
+
+_BACKWARD_STATES = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST)
+
+
+# ---------------------------------------------------------------------------- registration
+def _register_hooks(state: _FSDPState) -> None:
+    """Attach the root hooks to ``state.module`` and the unit hooks to each unit module."""
+    module = state.module
+    state.hook_handles.append(
+        module.register_forward_pre_hook(
+            functools.partial(_fsdp_root_pre_forward, state), prepend=True, with_kwargs=True
+        )
+    )
+    for unit_module, handle in state.handles.items():
+        state.hook_handles.append(
+            unit_module.register_forward_pre_hook(
+                functools.partial(_pre_forward, state, handle), prepend=unit_module is not module, with_kwargs=True
+            )
+        )
+        state.hook_handles.append(unit_module.register_forward_hook(functools.partial(_post_forward, state, handle)))
+    state.hook_handles.append(module.register_forward_hook(functools.partial(_fsdp_root_post_forward, state)))
+
+
+# ---------------------------------------------------------------------------- lazy init
+def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
+    """On the first forward: the state whose module runs first is the root; share its per-step
+    data (exec order, pending reductions) with every state below it."""
+    if state.is_root is not None:
+        return
+    states = _get_fsdp_states(root_module)
+    exec_order = _ExecOrderData()
+    for s in states:
+        s.is_root = s is state
+        s.root_state = state
+        s.exec_order_data = exec_order
+    state.all_states = states
+
+
+def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
+    root = state.root_state
+    return root is not None and handle.module is root.module
+
+
+# ---------------------------------------------------------------------------- forward
+def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    _lazy_init(state, module)
+    if not state.is_root:
+        return None
+    if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in state.all_states):
+        raise RuntimeError(
+            f"forward of {type(module).__name__} was called inside unshard_params(); leave the "
+            "unshard_params context before running forward"
+        )
+    for s in state.all_states:
+        _set_training_state(s, TrainingState.FORWARD_BACKWARD)
+    _finish_pending_reductions(state)
+    mp = state.config.mixed_precision
+    if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
+        return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+    return None
+
+
+def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
+    if not state.is_root:
+        return output
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
+        _finish_step(state)  # no backward will follow: leave everything IDLE and resharded now
+    return output
+
+
+def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    if handle.training_state in _BACKWARD_STATES:  # recomputation by activation checkpointing
+        _unshard(state, handle)
+        handle.wait_unshard()
+        return None
+    handle.set_training_state(HandleTrainingState.FORWARD)
+    eo = state.exec_order_data
+    assert eo is not None, "pre-forward before lazy init"
+    eo.record_pre_forward(handle)
+    _unshard(state, handle)
+    if state.forward_prefetch:
+        _prefetch(state, eo.forward_prefetch_target(handle))
+    handle.wait_unshard()
+    mp = handle.config.mixed_precision
+    if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
+        args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+    if torch.is_grad_enabled():
+        args, kwargs = _attach_post_backward_trigger(state, handle, args, kwargs)
+    return args, kwargs
+
+
+def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
+    if handle.training_state in _BACKWARD_STATES:
+        return output
+    eo = state.exec_order_data
+    assert eo is not None
+    eo.record_post_forward(handle)
+    if _reshard_after_forward(state, handle):
+        handle.reshard()
+    handle.set_training_state(HandleTrainingState.IDLE)
+    if torch.is_grad_enabled():
+        hook = functools.partial(_pre_backward_hook, state, handle)
+        for t in _tensors(output):
+            if t.requires_grad:
+                t.register_hook(hook)
+    return output
+
+
+def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
+    if _is_root_unit(state, handle):
+        return False  # needed first in backward; the root post-forward reshards it if none follows
+    return not torch.is_grad_enabled() or handle.config.strategy is ShardingStrategy.FULL_SHARD
+
+
+# ---------------------------------------------------------------------------- backward
+def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
+    if handle.ran_pre_backward:
+        return
+    root = state.root_state
+    assert root is not None
+    if not root.final_callback_queued:
+        root.final_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, root))
+    handle.ran_pre_backward = True
+    handle.set_training_state(HandleTrainingState.BACKWARD_PRE)
+    _unshard(state, handle)
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+        _prefetch_for_backward(state, handle)
+    handle.wait_unshard()
+    if handle.requires_grad:
+        handle.stash_sharded_grads()
+        handle.prepare_gradient_buffer()
+
+
+def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Start the unit's gradient reduction and reshard; runs once per backward per unit."""
+    if handle.training_state is not HandleTrainingState.BACKWARD_PRE:
+        return
+    handle.set_training_state(HandleTrainingState.BACKWARD_POST)
+    if handle.has_gradient_buffer():
+        root = state.root_state
+        assert root is not None
+        root.pending_reductions.append(handle.start_reduce())
+    handle.reshard()
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+        _prefetch_for_backward(state, handle)
+
+
+def _post_backward_final_callback(root: _FSDPState) -> None:
+    """End of backward: reduce units whose trigger did not run, finish every reduction, go IDLE."""
+    state_of = {id(h): s for s in root.all_states for h in s.handles.values()}
+    for handle in _iter_handles(root):
+        if handle.training_state is HandleTrainingState.BACKWARD_PRE:
+            _post_backward(state_of[id(handle)], handle)
+    _finish_step(root)
+
+
+def _finish_step(root: _FSDPState) -> None:
+    _finish_pending_reductions(root)
+    for handle in _iter_handles(root):
+        if handle.is_unsharded or handle.unshard_in_flight:
+            handle.reshard()
+        if handle.training_state is not HandleTrainingState.IDLE:
+            handle.set_training_state(HandleTrainingState.IDLE)
+        handle.ran_pre_backward = False
+        handle.pending_triggers = 0
+    for s in root.all_states:
+        if s.training_state is TrainingState.FORWARD_BACKWARD:
+            _set_training_state(s, TrainingState.IDLE)
+    root.final_callback_queued = False
+    if root.exec_order_data is not None:
+        root.exec_order_data.next_iter()
+
+
+def _finish_pending_reductions(root: _FSDPState) -> None:
+    pending, root.pending_reductions = root.pending_reductions, []
+    for reduction in pending:
+        reduction.finish()
+
+
+# ---------------------------------------------------------------------------- unshard / prefetch
+def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
+    handle.unshard()
+
+
+def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle]) -> None:
+    if handle is not None and not handle.is_unsharded:
+        handle.unshard()
+
+
+def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    eo = state.exec_order_data
+    if eo is not None:
+        _prefetch(state, eo.backward_prefetch_target(handle))
+
+
+# ---------------------------------------------------------------------------- post-backward trigger
+class _PostBackwardTrigger(torch.autograd.Function):
+    """Identity on a unit's inputs whose backward runs when the unit's backward is done."""
+
+    @staticmethod
+    def forward(ctx: Any, fire: Callable[[], None], *inputs: torch.Tensor) -> Any:
+        ctx.fire = fire
+        return inputs if len(inputs) != 1 else inputs[0]
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> Any:
+        ctx.fire()
+        return (None, *grads)
+
+
+def _attach_post_backward_trigger(
+    state: _FSDPState, handle: FlatParamHandle, args: Any, kwargs: Any
+) -> tuple[Any, Any]:
+    if not handle.requires_grad:
+        return args, kwargs
+    flat, spec = pytree.tree_flatten((args, kwargs))
+    positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if not positions:
+        return args, kwargs
+    handle.pending_triggers += 1
+    outs = _PostBackwardTrigger.apply(functools.partial(_on_trigger, state, handle), *(flat[i] for i in positions))
+    outs = (outs,) if isinstance(outs, torch.Tensor) else outs
+    for i, out in zip(positions, outs):
+        flat[i] = out
+    return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
+
+
+def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
+    handle.pending_triggers -= 1
+    if handle.pending_triggers == 0:
+        _post_backward(state, handle)
+
+
+# ---------------------------------------------------------------------------- tensors in structures
+def _tensors(structure: Any) -> list[torch.Tensor]:
+    return [x for x in pytree.tree_leaves(structure) if isinstance(x, torch.Tensor)]
+
+
+def _cast_floating(structure: Any, dtype: torch.dtype) -> Any:
+    """Cast floating-point tensors in ``structure`` to ``dtype``; integers and others pass through."""
+    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, structure)

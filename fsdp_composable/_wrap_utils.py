@@ -1,0 +1,252 @@
+"""Wrap policies and `_get_submodule_to_states`: auto-wrapping that picks units without wrapping.
+
+[Note: which unit owns a parameter]
+The policy picks unit modules; the root of the call is always one. Each original parameter belongs
+to the deepest unit module that is an ancestor of *every* module registering it, so a parameter
+shared by several modules (tied embeddings) lands in their lowest common ancestor's unit and is
+flattened once. Modules already managed by an earlier `fully_shard` call (manual bottom-up nesting)
+and ignored modules are skipped with their whole subtree, and so are parameters already flattened.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable, Optional, Union
+
+from torch import nn
+
+from fsdp_composable._common_utils import FSDP_FLATTENED, _get_fsdp_state
+from fsdp_composable.api import MixedPrecision, ShardingStrategy
+
+__all__ = ["CustomPolicy", "ModuleWrapPolicy", "Policy", "SizeBasedPolicy"]
+
+# The per-unit settings a `CustomPolicy` may override, with the type each must have.
+UNIT_OVERRIDES: dict[str, tuple[type, ...]] = {
+    "strategy": (ShardingStrategy,),
+    "mixed_precision": (MixedPrecision, type(None)),
+}
+
+
+class Policy:
+    """Decides which submodules own a unit. Subclass and implement `_unit_overrides`."""
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        """``None``: not a unit. A dict (possibly empty): a unit, with these setting overrides.
+
+        ``unassigned_numel`` counts the parameters in ``module``'s subtree not yet owned by a unit
+        found deeper down (the policy sees modules bottom-up)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class ModuleWrapPolicy(Policy):
+    """Make every module whose class is in ``module_classes`` a unit (e.g. transformer blocks)."""
+
+    module_classes: frozenset[type]
+
+    def __init__(self, module_classes: Iterable[type]) -> None:
+        classes = frozenset(module_classes)
+        bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
+        if bad:
+            raise TypeError(f"ModuleWrapPolicy expects nn.Module subclasses, got {bad!r}")
+        object.__setattr__(self, "module_classes", classes)
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        return {} if type(module) in self.module_classes else None
+
+
+@dataclass(frozen=True)
+class SizeBasedPolicy(Policy):
+    """Make a module a unit once the parameters below it that no deeper unit owns reach
+    ``min_num_params``."""
+
+    min_num_params: int = int(1e8)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.min_num_params, int) or self.min_num_params < 1:
+            raise ValueError(f"SizeBasedPolicy.min_num_params must be a positive int, got {self.min_num_params!r}")
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        return {} if unassigned_numel >= self.min_num_params else None
+
+
+@dataclass(frozen=True)
+class CustomPolicy(Policy):
+    """``fn(module)`` returns ``True``/``False``, or a dict of per-unit overrides (keys: ``strategy``,
+    ``mixed_precision``) that makes the module a unit with those settings."""
+
+    fn: Callable[[nn.Module], Union[bool, dict[str, Any]]]
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        result = self.fn(module)
+        if isinstance(result, dict):
+            _check_overrides(result, fqn)
+            return dict(result)
+        if not isinstance(result, bool):
+            raise TypeError(
+                f"CustomPolicy's function returned {type(result).__name__} for module '{fqn}'; "
+                "return a bool or a dict of per-unit overrides"
+            )
+        return {} if result else None
+
+
+@dataclass(frozen=True)
+class _CallablePolicy(Policy):
+    fn: Callable[[nn.Module], bool]
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        return {} if self.fn(module) else None
+
+
+def _check_overrides(overrides: dict[str, Any], fqn: str) -> None:
+    for key, value in overrides.items():
+        if key not in UNIT_OVERRIDES:
+            raise ValueError(
+                f"CustomPolicy returned an unknown override {key!r} for module '{fqn}'; "
+                f"allowed keys: {sorted(UNIT_OVERRIDES)}"
+            )
+        if not isinstance(value, UNIT_OVERRIDES[key]):
+            raise TypeError(
+                f"CustomPolicy override {key!r} for module '{fqn}' must be "
+                f"{' or '.join(t.__name__ for t in UNIT_OVERRIDES[key])}, got {type(value).__name__}"
+            )
+
+
+def _as_policy(policy: Any) -> Optional[Policy]:
+    if policy is None or isinstance(policy, Policy):
+        return policy
+    if callable(policy):
+        return _CallablePolicy(policy)
+    raise TypeError(
+        f"policy must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, "
+        f"got {type(policy).__name__}"
+    )
+
+
+@dataclass
+class SubmoduleState:
+    """What one unit module will manage: its parameters, where each is registered, and overrides."""
+
+    fqn: str
+    params: list[nn.Parameter] = field(default_factory=list)
+    # per parameter: every (module, attribute name, FQN relative to the unit module) registering it
+    holders: list[list[tuple[nn.Module, str, str]]] = field(default_factory=list)
+    overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _managed_tree(
+    root: nn.Module, skip: set[nn.Module]
+) -> tuple[dict[nn.Module, str], dict[nn.Module, Optional[nn.Module]]]:
+    """Modules under ``root`` (pre-order) that this call manages, with each one's parent."""
+    fqns: dict[nn.Module, str] = {root: ""}
+    parents: dict[nn.Module, Optional[nn.Module]] = {root: None}
+    stack: list[tuple[nn.Module, str]] = [(root, "")]
+    while stack:
+        module, prefix = stack.pop()
+        children = []
+        for name, child in module.named_children():
+            if child in skip or child in fqns or _get_fsdp_state(child) is not None:
+                continue
+            fqns[child] = f"{prefix}{name}"
+            parents[child] = module
+            children.append((child, f"{prefix}{name}."))
+        stack.extend(reversed(children))
+    return fqns, parents
+
+
+def _get_submodule_to_states(
+    root: nn.Module,
+    policy: Any,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+) -> dict[nn.Module, SubmoduleState]:
+    """Map each unit module under ``root`` (the root first, then pre-order) to what it manages.
+
+    No module is wrapped or moved; see [Note: which unit owns a parameter]."""
+    pol = _as_policy(policy)
+    fqns, parents = _managed_tree(root, ignored_modules)
+    overrides = _pick_units(root, pol, fqns, parents, ignored_params)
+    states = {m: SubmoduleState(fqns[m], overrides=overrides[m]) for m in fqns if m in overrides}
+    owner_of: dict[nn.Parameter, nn.Module] = {}
+    holders_of: dict[nn.Parameter, list[tuple[nn.Module, str]]] = {}
+    for module in fqns:
+        for name, param in module._parameters.items():
+            if param is None or param in ignored_params or getattr(param, FSDP_FLATTENED, False):
+                continue
+            holders_of.setdefault(param, []).append((module, name))
+            unit = _nearest_unit(module, parents, states)
+            owner_of[param] = unit if param not in owner_of else _common_unit(owner_of[param], unit, parents, states)
+    for param, where in holders_of.items():
+        unit = owner_of[param]
+        sub = states[unit]
+        prefix = f"{sub.fqn}." if sub.fqn else ""
+        sub.params.append(param)
+        sub.holders.append([(m, n, _join(fqns[m], n)[len(prefix) :]) for m, n in where])
+    return {m: s for m, s in states.items() if s.params or m is root}
+
+
+def _pick_units(
+    root: nn.Module,
+    policy: Optional[Policy],
+    fqns: dict[nn.Module, str],
+    parents: dict[nn.Module, Optional[nn.Module]],
+    ignored_params: set[nn.Parameter],
+) -> dict[nn.Module, dict[str, Any]]:
+    """Ask the policy about each managed module bottom-up, tracking unassigned parameter counts."""
+    chosen: dict[nn.Module, dict[str, Any]] = {root: {}}
+    if policy is None:
+        return chosen
+    unassigned: dict[nn.Module, int] = {m: 0 for m in fqns}
+    seen: set[nn.Parameter] = set()
+    for module in reversed(list(fqns)):  # reversed pre-order visits children before parents
+        for param in module._parameters.values():
+            if param is None or param in seen or param in ignored_params or getattr(param, FSDP_FLATTENED, False):
+                continue
+            seen.add(param)
+            unassigned[module] += param.numel()
+        if module is not root:
+            result = policy._unit_overrides(module, fqns[module], unassigned[module])
+            if result is not None:
+                chosen[module] = result
+                continue  # its parameters are assigned: do not count them upward
+        parent = parents[module]
+        if parent is not None:
+            unassigned[parent] += unassigned[module]
+    return chosen
+
+
+def _nearest_unit(
+    module: nn.Module, parents: dict[nn.Module, Optional[nn.Module]], states: dict[nn.Module, Any]
+) -> nn.Module:
+    current: Optional[nn.Module] = module
+    while current is not None and current not in states:
+        current = parents[current]
+    assert current is not None, "the root is always a unit"
+    return current
+
+
+def _unit_chain(
+    unit: nn.Module, parents: dict[nn.Module, Optional[nn.Module]], states: dict[nn.Module, Any]
+) -> list[nn.Module]:
+    chain = []
+    current: Optional[nn.Module] = unit
+    while current is not None:
+        if current in states:
+            chain.append(current)
+        current = parents[current]
+    return chain[::-1]
+
+
+def _common_unit(
+    a: nn.Module, b: nn.Module, parents: dict[nn.Module, Optional[nn.Module]], states: dict[nn.Module, Any]
+) -> nn.Module:
+    common = a
+    for x, y in zip(_unit_chain(a, parents, states), _unit_chain(b, parents, states)):
+        if x is not y:
+            break
+        common = x
+    return common
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name

@@ -1,0 +1,123 @@
+"""Public enums and frozen configuration dataclasses. No logic lives here beyond validation."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+__all__ = [
+    "BackwardPrefetch",
+    "CPUOffload",
+    "FullStateDictConfig",
+    "LocalStateDictConfig",
+    "MixedPrecision",
+    "ShardedStateDictConfig",
+    "ShardingStrategy",
+    "StateDictConfig",
+    "StateDictType",
+]
+
+
+class ShardingStrategy(enum.Enum):
+    """How a unit's parameters, gradients and optimizer state are split across ranks.
+
+    - ``FULL_SHARD``: parameters are sharded between steps and resharded after forward; gradients
+      are reduce-scattered. Least memory, one extra all-gather in backward.
+    - ``SHARD_GRAD_OP``: parameters stay unsharded from forward to the end of backward; gradients and
+      optimizer state are sharded. No all-gather in backward.
+    - ``NO_SHARD``: every rank holds everything; gradients are all-reduced (DDP semantics).
+    - ``HYBRID_SHARD``: ``FULL_SHARD`` inside a shard group, replicated across groups.
+    """
+
+    FULL_SHARD = enum.auto()
+    SHARD_GRAD_OP = enum.auto()
+    NO_SHARD = enum.auto()
+    HYBRID_SHARD = enum.auto()
+
+
+class BackwardPrefetch(enum.Enum):
+    """When backward issues the next unit's all-gather.
+
+    - ``BACKWARD_PRE``: before the current unit computes its gradients (most overlap, one more unit
+      unsharded at once).
+    - ``BACKWARD_POST``: after the current unit's gradients are computed (less memory).
+    """
+
+    BACKWARD_PRE = enum.auto()
+    BACKWARD_POST = enum.auto()
+
+
+class StateDictType(enum.Enum):
+    """What ``module.state_dict()`` returns inside :func:`state_dict_type`."""
+
+    FULL_STATE_DICT = enum.auto()
+    SHARDED_STATE_DICT = enum.auto()
+    LOCAL_STATE_DICT = enum.auto()
+
+
+def _check_float_dtype(field: str, dtype: Optional[torch.dtype]) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(
+            f"MixedPrecision.{field} must be a floating-point torch.dtype or None, got {dtype!r}; "
+            "use e.g. torch.bfloat16 or torch.float16"
+        )
+
+
+@dataclass(frozen=True)
+class MixedPrecision:
+    """Low-precision compute and communication with full-precision sharded parameters.
+
+    ``param_dtype``: dtype of unsharded parameters (all-gather and compute). ``reduce_dtype``: dtype
+    of gradient reduction (defaults to ``param_dtype``). ``buffer_dtype``: dtype of every floating
+    buffer during compute (``None`` keeps buffers as they are).
+    """
+
+    param_dtype: Optional[torch.dtype] = None
+    reduce_dtype: Optional[torch.dtype] = None
+    buffer_dtype: Optional[torch.dtype] = None
+    keep_low_precision_grads: bool = False
+    cast_forward_inputs: bool = False
+    cast_root_forward_inputs: bool = True
+
+    def __post_init__(self) -> None:
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+            _check_float_dtype(field, getattr(self, field))
+
+
+@dataclass(frozen=True)
+class CPUOffload:
+    """Keep sharded parameters and gradients in CPU memory; the optimizer steps there.
+
+    On a machine without an accelerator parameters already live on the CPU, so this changes nothing.
+    """
+
+    offload_params: bool = False
+
+
+@dataclass(frozen=True)
+class StateDictConfig:
+    """Base of the per-type state-dict configs. ``offload_to_cpu`` moves returned tensors to CPU."""
+
+    offload_to_cpu: bool = False
+
+
+@dataclass(frozen=True)
+class FullStateDictConfig(StateDictConfig):
+    """``rank0_only``: only rank 0 materialises the full state dict; other ranks get ``{}``."""
+
+    rank0_only: bool = False
+
+
+@dataclass(frozen=True)
+class ShardedStateDictConfig(StateDictConfig):
+    """Sharded state dict of ``DTensor`` values (for ``torch.distributed.checkpoint``)."""
+
+
+@dataclass(frozen=True)
+class LocalStateDictConfig(StateDictConfig):
+    """Local state dict: this rank's flat shards."""

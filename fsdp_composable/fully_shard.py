@@ -1,0 +1,118 @@
+"""`fully_shard`: the composable API. It attaches state and hooks and wraps nothing."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable import _init_utils as init
+from fsdp_composable._common_utils import API_NAME, _FSDPState
+from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
+from fsdp_composable._runtime_utils import _register_hooks
+from fsdp_composable._state_dict_utils import _register_state_dict_hooks
+from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+
+__all__ = ["fully_shard"]
+
+
+@contract(API_NAME)
+def fully_shard(
+    module: nn.Module,
+    policy: Any = None,
+    *,
+    process_group: Optional[dist.ProcessGroup] = None,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: Optional[MixedPrecision] = None,
+    cpu_offload: Optional[CPUOffload] = None,
+    ignored_modules: Optional[Iterable[nn.Module]] = None,
+    device_id: Union[int, torch.device, None] = None,
+    param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+    sync_module_states: bool = False,
+    forward_prefetch: bool = False,
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+    limit_all_gathers: bool = True,
+) -> nn.Module:
+    """Shard ``module``'s parameters across the ranks of ``process_group``, in place.
+
+    ``policy`` picks which submodules own a unit (all-gathered and freed together); the rest go to
+    ``module``'s own unit. Returns ``module`` itself: its type and every parameter, buffer and module
+    FQN are unchanged, and its parameters are the same objects (views of this rank's shard between
+    steps), so build the optimizer after calling this. Read the attached state with
+    ``fully_shard.state(module)``.
+    """
+    _build_state(
+        module,
+        policy,
+        process_group,
+        strategy,
+        mixed_precision,
+        cpu_offload,
+        ignored_modules,
+        device_id,
+        param_init_fn,
+        sync_module_states,
+        forward_prefetch,
+        backward_prefetch,
+        limit_all_gathers,
+        True,
+    )
+    return module
+
+
+def _build_state(
+    module: nn.Module,
+    policy: Any,
+    process_group: Optional[dist.ProcessGroup],
+    strategy: ShardingStrategy,
+    mixed_precision: Optional[MixedPrecision],
+    cpu_offload: Optional[CPUOffload],
+    ignored_modules: Optional[Iterable[nn.Module]],
+    device_id: Union[int, torch.device, None],
+    param_init_fn: Optional[Callable[[nn.Module], None]],
+    sync_module_states: bool,
+    forward_prefetch: bool,
+    backward_prefetch: Optional[BackwardPrefetch],
+    limit_all_gathers: bool,
+    use_orig_params: bool,
+) -> _FSDPState:
+    """The constructor shared with the wrapper class: a short sequence of `_init_*` calls."""
+    if _get_module_state(module, API_NAME) is not None:
+        raise RuntimeError(
+            f"fully_shard was already applied to this {type(module).__name__} (directly or as a unit of "
+            "a parent's policy); apply it once per module"
+        )
+    init._validate_args(
+        strategy,
+        mixed_precision,
+        cpu_offload,
+        backward_prefetch,
+        forward_prefetch,
+        limit_all_gathers,
+        sync_module_states,
+        param_init_fn,
+        policy,
+    )
+    group, rank, world_size = init._init_process_group_state(process_group)
+    ignored_mods, ignored_params = init._init_ignored_module_states(module, ignored_modules)
+    device = init._init_device(module, device_id, ignored_params)
+    state = init._init_core_state(
+        module, group, rank, world_size, device, strategy, mixed_precision, cpu_offload, use_orig_params
+    )
+    state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
+    init._init_runtime_state(state, limit_all_gathers)
+    init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
+    init._init_buffer_state(state, module)
+    init._warn_batchnorm_under_mixed_precision(state)
+    init._init_param_handles_from_module(state, policy, param_init_fn)
+    for unit_module in {module, *state.handles}:
+        _insert_module_state(unit_module, API_NAME, state)
+    _register_hooks(state)
+    _register_state_dict_hooks(state)
+    return state
+
+
+# `fully_shard.state(module)` is typed by the contract; this alias documents the return type.
+_FullyShard = _Contract[_FSDPState]

@@ -1,0 +1,158 @@
+"""`FullyShardedDataParallel`: the wrapper-class API, built from the same `_init_*` functions.
+
+For users migrating from ``torch.distributed.fsdp.FullyShardedDataParallel``. It wraps only the
+module it is given; the policy's units are attached to submodules exactly as `fully_shard` does.
+With ``use_orig_params=False`` (the default, as in FSDP1) each unit module registers its flat
+parameter as ``_flat_param`` in place of its original parameters, so ``named_parameters()`` and the
+optimizer see flat parameters; with ``True`` they see the original parameters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable, Iterable, Iterator, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._state_dict_utils import _register_prefix_hooks
+from fsdp_composable._unshard_param_utils import unshard_params
+from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_composable.fully_shard import _build_state
+
+__all__ = ["FullyShardedDataParallel"]
+
+WRAPPED = "_fsdp_wrapped_module"
+FLAT_PARAM = "_flat_param"
+
+
+class FullyShardedDataParallel(nn.Module):
+    """Shard ``module`` across ranks; same runtime as `fully_shard`, FSDP1-style constructor."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        process_group: Optional[dist.ProcessGroup] = None,
+        sharding_strategy: Optional[ShardingStrategy] = None,
+        cpu_offload: Optional[CPUOffload] = None,
+        auto_wrap_policy: Any = None,
+        backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+        mixed_precision: Optional[MixedPrecision] = None,
+        ignored_modules: Optional[Iterable[nn.Module]] = None,
+        param_init_fn: Optional[Callable[[nn.Module], None]] = None,
+        device_id: Union[int, torch.device, None] = None,
+        sync_module_states: bool = False,
+        forward_prefetch: bool = False,
+        limit_all_gathers: bool = True,
+        use_orig_params: bool = False,
+    ) -> None:
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}")
+        if not isinstance(use_orig_params, bool):
+            raise TypeError(
+                f"FullyShardedDataParallel argument 'use_orig_params' must be True or False, got {use_orig_params!r}"
+            )
+        super().__init__()
+        self._fsdp_wrapped_module = module
+        strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        state = _build_state(
+            module,
+            auto_wrap_policy,
+            process_group,
+            strategy,
+            mixed_precision,
+            cpu_offload,
+            ignored_modules,
+            device_id,
+            param_init_fn,
+            sync_module_states,
+            forward_prefetch,
+            backward_prefetch,
+            limit_all_gathers,
+            use_orig_params,
+        )
+        object.__setattr__(self, "_fsdp_state", state)
+        _register_prefix_hooks(self, WRAPPED)
+        if not use_orig_params:
+            _register_flat_mode_hooks(self, state)
+            _use_flat_params(state)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fsdp_wrapped_module(*args, **kwargs)
+
+    @property
+    def module(self) -> nn.Module:
+        """The wrapped module."""
+        return self._fsdp_wrapped_module
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self._fsdp_wrapped_module, name)
+
+    def __getitem__(self, index: int) -> Any:
+        return self._fsdp_wrapped_module.__getitem__(index)  # type: ignore[operator]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        inner = f"{prefix}{'.' if prefix else ''}{WRAPPED}."
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield (prefix + ("." if prefix else "") + name[len(inner) :] if name.startswith(inner) else name), param
+
+    def unshard_params(self, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        """See `fsdp_composable.unshard_params`."""
+        return _unshard_in_orig_mode(self, **kwargs)
+
+    summon_full_params = unshard_params
+
+
+@contextlib.contextmanager
+def _unshard_in_orig_mode(wrapper: FullyShardedDataParallel, **kwargs: Any) -> Iterator[None]:
+    state: _FSDPState = object.__getattribute__(wrapper, "_fsdp_state")
+    flat = not state.use_orig_params
+    if flat:
+        _use_orig_params(state)
+    try:
+        with unshard_params(wrapper.module, **kwargs):
+            yield
+    finally:
+        if flat:
+            _use_flat_params(state)
+
+
+# ---------------------------------------------------------------------------- flat-parameter mode
+def _registrations(handle: FlatParamHandle) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    return [(m, name, p) for p, info in zip(handle.params, handle.layout.infos) for m, name, _ in info.holders]
+
+
+def _use_flat_params(state: _FSDPState) -> None:
+    """Unregister original parameters (kept reachable as plain attributes for forward) and
+    register each unit's flat parameter on its module."""
+    for unit_module, handle in state.handles.items():
+        handle.expose_orig_grads = False
+        for module, name, param in _registrations(handle):
+            module._parameters.pop(name, None)
+            object.__setattr__(module, name, param)
+        unit_module.register_parameter(FLAT_PARAM, handle.flat_param)
+
+
+def _use_orig_params(state: _FSDPState) -> None:
+    """The reverse of `_use_flat_params`, in the original registration order."""
+    for unit_module, handle in state.handles.items():
+        unit_module._parameters.pop(FLAT_PARAM, None)
+        for module, name, param in _registrations(handle):
+            module.__dict__.pop(name, None)
+            module._parameters[name] = param
+
+
+def _register_flat_mode_hooks(wrapper: nn.Module, state: _FSDPState) -> None:
+    """State dicts always speak original FQNs: switch to original parameters around save and load."""
+    wrapper.register_state_dict_pre_hook(lambda *args: _use_orig_params(state))
+    wrapper._register_state_dict_hook(lambda *args: _use_flat_params(state))
+    wrapper._register_load_state_dict_pre_hook(lambda *args: _use_orig_params(state))
+    wrapper.register_load_state_dict_post_hook(lambda *args: _use_flat_params(state))

@@ -1,0 +1,118 @@
+"""A pool of gloo ranks that stays up for the whole test session.
+
+Starting a process and importing torch costs seconds, so each world size gets one pool of worker
+processes, each with an initialised gloo process group. A test sends a module-level function to
+every rank and gets each rank's return value back, or every rank's traceback as one failure. A test
+that hangs is killed after its timeout and the pool restarts, so the suite never hangs.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue
+import socket
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch.multiprocessing as mp
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class RankError:
+    rank: int
+    text: str
+
+
+def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_timeout_s: float) -> None:
+    sys.path.insert(0, TESTS_DIR)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    while True:
+        task = tasks.get()
+        if task is None:
+            break
+        fn, args, kwargs = task
+        try:
+            results.put((rank, True, fn(*args, **kwargs)))
+        except BaseException:
+            results.put((rank, False, traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class DistPool:
+    def __init__(self, world_size: int, pg_timeout_s: float = 60.0) -> None:
+        self.world_size = world_size
+        self.pg_timeout_s = pg_timeout_s
+        self._start()
+
+    def _start(self) -> None:
+        ctx = mp.get_context("spawn")
+        self._results = ctx.Queue()
+        self._tasks = [ctx.Queue() for _ in range(self.world_size)]
+        port = free_port()
+        self._procs = [
+            ctx.Process(
+                target=_worker,
+                args=(r, self.world_size, port, self._tasks[r], self._results, self.pg_timeout_s),
+                daemon=True,
+            )
+            for r in range(self.world_size)
+        ]
+        for p in self._procs:
+            p.start()
+
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 180.0, **kwargs: Any) -> list[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the per-rank results in rank order."""
+        for q in self._tasks:
+            q.put((fn, args, kwargs))
+        out: dict[int, Any] = {}
+        errors: list[RankError] = []
+        deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
+        while len(out) + len(errors) < self.world_size:
+            remaining = (deadline - datetime.datetime.now()).total_seconds()
+            try:
+                rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
+            except queue.Empty:
+                self.restart()
+                raise TimeoutError(
+                    f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s"
+                ) from None
+            if ok:
+                out[rank] = value
+            else:
+                errors.append(RankError(rank, value))
+        if errors:
+            self.restart()  # a failed collective can leave the process group unusable
+            text = "\n".join(f"--- rank {e.rank} ---\n{e.text}" for e in sorted(errors, key=lambda e: e.rank))
+            raise AssertionError(f"{fn.__name__} failed on {len(errors)} rank(s):\n{text}")
+        return [out[r] for r in range(self.world_size)]
+
+    def restart(self) -> None:
+        self.close(graceful=False)
+        self._start()
+
+    def close(self, graceful: bool = True) -> None:
+        if graceful:
+            for q in self._tasks:
+                q.put(None)
+            for p in self._procs:
+                p.join(timeout=10)
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
