@@ -94,6 +94,7 @@ summon_full_params = unshard_params
 def _summon_handle(
     handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Optional[torch.Tensor]:
+    handle.stash_sharded_grads()  # the flat gradient now reflects what the user left in `.grad`
     full = _gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
@@ -109,7 +110,6 @@ def _summon_handle(
 
 
 def _gather_full_grad(handle: FlatParamHandle) -> torch.Tensor:
-    handle.stash_sharded_grads()
     grad = handle.flat_param.grad
     return _gather_full_flat(handle, grad.detach() if grad is not None else torch.zeros_like(handle.flat_param))
 

@@ -1,0 +1,77 @@
+"""Parity helpers run on every rank: train a sharded copy and the unsharded reference side by side."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+
+
+def local_slice(batch: Batch, rank: int, world_size: int) -> Batch:
+    per = batch[0].shape[0] // world_size
+    return batch[0][rank * per : (rank + 1) * per], batch[1][rank * per : (rank + 1) * per]
+
+
+def two_group_optimizer(model: nn.Module, kind: str) -> torch.optim.Optimizer:
+    """Two param groups drawn from the same unit: weights decay, biases/norms do not, different lr.
+    ``kind == "sgd-flat"``: one group, for optimizers over flat parameters."""
+    if kind == "sgd-flat":
+        return torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    # by name only: a sharded parameter is 1-D, so its dim() says nothing
+    decay = [p for n, p in model.named_parameters() if n.endswith("weight") and "ln" not in n]
+    ids = {id(p) for p in decay}
+    rest = [p for p in model.parameters() if id(p) not in ids]
+    groups: list[dict[str, Any]] = [
+        {"params": decay, "weight_decay": 0.1},
+        {"params": rest, "weight_decay": 0.0, "lr": 0.02},
+    ]
+    if kind == "sgd":
+        return torch.optim.SGD(groups, lr=0.05, momentum=0.9)
+    return torch.optim.AdamW(groups, lr=0.01)
+
+
+def global_mean(value: torch.Tensor) -> float:
+    t = value.detach().clone()
+    dist.all_reduce(t)
+    return float(t.item()) / dist.get_world_size()
+
+
+def train_side_by_side(
+    ref: nn.Module,
+    shard: Callable[[nn.Module], nn.Module],
+    loss_fn: Callable[[nn.Module, Batch], torch.Tensor],
+    batch_fn: Callable[[int, int], Batch],
+    per_rank_batch: int,
+    steps: int,
+    optim: str,
+) -> dict[str, Any]:
+    """Return reference and sharded losses per step and the max abs difference of final weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = shard(copy.deepcopy(ref))
+    opt_ref, opt = two_group_optimizer(ref, optim), two_group_optimizer(model, optim)
+    ref_losses, losses = [], []
+    for step in range(steps):
+        batch = batch_fn(step, per_rank_batch * world)
+        loss_ref = loss_fn(ref, batch)
+        loss_ref.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        loss = loss_fn(model, local_slice(batch, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        ref_losses.append(loss_ref.item())
+        losses.append(global_mean(loss))
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    return {
+        "ref_losses": ref_losses,
+        "losses": losses,
+        "keys_equal": list(sd) == list(ref_sd),
+        "shapes_equal": all(sd[k].shape == ref_sd[k].shape and sd[k].dtype == ref_sd[k].dtype for k in ref_sd),
+        "max_weight_diff": max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd),
+    }
