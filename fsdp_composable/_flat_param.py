@@ -136,6 +136,8 @@ class FlatParamHandle:
         self.process_group = process_group
         self.config = config
         self.device = device
+        # CPUOffload: the shard, its gradient and the optimizer live on the CPU; compute stays on `device`
+        self.shard_device = torch.device("cpu") if config.offload_params else device
         self.training_state = HandleTrainingState.IDLE
         sharded = config.strategy is not ShardingStrategy.NO_SHARD
         rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
@@ -148,7 +150,7 @@ class FlatParamHandle:
         self.requires_grad = any(p.requires_grad for p in params)
         # The all-gather writes straight into the padded buffer the original parameters view, unless
         # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
-        self._needs_buffer = sharded or self.compute_dtype != self.dtype
+        self._needs_buffer = sharded or self.compute_dtype != self.dtype or self.shard_device != device
         self._unsharded: Optional[torch.Tensor] = None
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []
@@ -173,7 +175,9 @@ class FlatParamHandle:
             pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
             flat = torch.cat(pieces)
             lo = layout.rank * layout.shard_numel
-            shard = flat[lo : lo + layout.shard_numel].clone()
+            shard = flat[lo : lo + layout.shard_numel].clone().to(self.shard_device)
+            if self.shard_device != self.device and torch.cuda.is_available():
+                shard = shard.pin_memory()  # lets the host-to-device copy of unshard run asynchronously
         flat_param = FlatParameter(shard, requires_grad=any(p.requires_grad for p in self.params))
         flat_param._layout = layout
         flat_param._unit_fqn = self.unit_fqn
@@ -238,7 +242,8 @@ class FlatParamHandle:
             self._unsharded.copy_(shard)
             self.is_unsharded = True
             return
-        src = shard if shard.dtype == self.compute_dtype else shard.to(self.compute_dtype)
+        src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
+        src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
         self._unshard_work = _collectives.all_gather(self._unsharded, src, self.process_group)
 
     def wait_unshard(self) -> None:
@@ -352,12 +357,20 @@ class FlatParamHandle:
         return PendingReduce(self, work, out, send)
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
-        """Add a reduced shard gradient to the flat parameter's ``.grad`` and expose views of it."""
-        grad = reduced if reduced.dtype == self.dtype else reduced.to(self.dtype)
-        if self.flat_param.grad is None:
-            self.flat_param.grad = grad
+        """Add a reduced shard gradient to the flat parameter's ``.grad`` and expose views of it.
+
+        The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With
+        CPU offload it is copied to the host *blocking*: the optimizer steps on the CPU right after
+        backward and must never read a partially copied gradient (NO_SHARD made this race visible).
+        """
+        mp = self.config.mixed_precision
+        dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else self.dtype
+        grad = reduced.to(device=self.shard_device, dtype=dtype, non_blocking=False)
+        flat_grad = self.flat_param.grad
+        if flat_grad is None or flat_grad.dtype != grad.dtype:
+            _assign_grad(self.flat_param, grad)
         else:
-            self.flat_param.grad.add_(grad)
+            flat_grad.add_(grad)
         self.expose_sharded_grads()
 
     def expose_sharded_grads(self) -> None:
@@ -366,7 +379,22 @@ class FlatParamHandle:
             return
         self._sharded_grad_views = self._sharded_views_of(flat_grad)
         for param, view in zip(self.params, self._sharded_grad_views):
-            param.grad = view if param.requires_grad else None
+            if param.requires_grad:
+                _assign_grad(param, view)
+
+
+def _assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when ``grad``'s dtype differs (``keep_low_precision_grads``).
+
+    Autograd only checks dtype/shape when ``.grad`` is assigned, so for a low-precision gradient we
+    point ``.data`` at the gradient for the assignment and then restore it."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    data = param.data
+    param.data = grad
+    param.grad = grad
+    param.data = data
 
 
 @dataclass

@@ -233,11 +233,13 @@ def _init_param_handles_from_module(
 ) -> dict[nn.Module, SubmoduleState]:
     module = state.module
     _check_not_applied_below_parent(module, state.ignored_params)
-    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params)
+    bn = _warn_batchnorm_under_mixed_precision(state)
+    args = (module, policy, state.ignored_modules, state.ignored_params, bn)
+    submodule_states = _get_submodule_to_states(*args)
     for unit_module, sub in reversed(list(submodule_states.items())):  # bottom-up: one unit at a time
         _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device)
     # materialisation may have replaced parameter objects: look again
-    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params)
+    submodule_states = _get_submodule_to_states(*args)
     for unit_module, sub in submodule_states.items():
         if not sub.params:
             continue
@@ -275,15 +277,17 @@ def _check_unit_params(sub: SubmoduleState) -> None:
             )
 
 
-def _warn_batchnorm_under_mixed_precision(state: _FSDPState) -> None:
+def _warn_batchnorm_under_mixed_precision(state: _FSDPState) -> bool:
+    """True (with a warning) when BatchNorm modules must become their own full-precision units."""
     mp = state.config.mixed_precision
     if mp is None or mp.param_dtype is None:
-        return
-    for name, m in state.module.named_modules():
-        if isinstance(m, nn.modules.batchnorm._BatchNorm):
-            warnings.warn(
-                f"module '{name}' is a BatchNorm under mixed precision; give it its own unit in full "
-                "precision (CustomPolicy returning {'mixed_precision': None}) for stable statistics",
-                stacklevel=3,
-            )
-            return
+        return False
+    names = [name for name, m in state.module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+    if names:
+        warnings.warn(
+            f"fully_shard under mixed precision gives each BatchNorm module its own unit in full precision "
+            f"({', '.join(repr(n) for n in names[:3])}{', ...' if len(names) > 3 else ''}): low-precision "
+            "running statistics are inaccurate. Its inputs keep their dtype",
+            stacklevel=4,
+        )
+    return bool(names)

@@ -29,6 +29,7 @@ from torch.utils import _pytree as pytree
 
 from fsdp_composable._common_utils import (
     TrainingState,
+    UnitConfig,
     _FSDPState,
     _get_fsdp_states,
     _iter_handles,
@@ -60,6 +61,7 @@ def _register_hooks(state: _FSDPState) -> None:
         )
         state.hook_handles.append(unit_module.register_forward_hook(functools.partial(_post_forward, state, handle)))
     state.hook_handles.append(module.register_forward_hook(functools.partial(_fsdp_root_post_forward, state)))
+    state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
 # ---------------------------------------------------------------------------- lazy init
@@ -75,6 +77,69 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.root_state = state
         s.exec_order_data = exec_order
     state.all_states = states
+    buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
+    _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+# ---------------------------------------------------------------------------- buffers
+# [Note: buffer casting]
+# Every floating-point buffer is cast once, at lazy init, to the ``buffer_dtype`` of the unit whose
+# module tree holds it (per submodule, whatever the buffer's name), and stays so for computation.
+# Checkpoints must not see that: each state records its buffers' original dtypes under clean FQNs at
+# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`).
+def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
+    """The settings governing each module: its deepest enclosing unit's (states are outermost first,
+    handles root first then pre-order, so deeper assignments come later and win)."""
+    config: dict[nn.Module, UnitConfig] = {}
+    for s in root.all_states:
+        for m in s.module.modules():
+            config[m] = s.config
+        for unit_module, handle in s.handles.items():
+            for m in unit_module.modules():
+                config[m] = handle.config
+        for m in s.ignored_modules:
+            config.pop(m, None)
+    return config
+
+
+def _get_buffers_and_dtypes_for_computation(
+    root: _FSDPState,
+) -> tuple[list[tuple[nn.Module, str]], list[Optional[torch.dtype]]]:
+    buffers: list[tuple[nn.Module, str]] = []
+    dtypes: list[Optional[torch.dtype]] = []
+    for module, config in _module_to_unit_config(root).items():
+        mp = config.mixed_precision
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            buffers.append((module, name))
+            cast = mp is not None and mp.buffer_dtype is not None and buf.is_floating_point()
+            dtypes.append(mp.buffer_dtype if cast and mp is not None else None)
+    return buffers, dtypes
+
+
+def _get_buffers_and_dtypes_for_checkpoint(state: _FSDPState) -> dict[str, torch.dtype]:
+    """Clean buffer FQN (relative to ``state.module``) -> the dtype it had before any casting."""
+    return state.buffer_name_to_orig_dtype
+
+
+def _cast_buffers_to_dtype_and_device(
+    buffers: list[tuple[nn.Module, str]], dtypes: list[Optional[torch.dtype]], device: torch.device
+) -> None:
+    """Replace each ``module._buffers[name]`` by its cast (``None`` dtype: keep the dtype)."""
+    for (module, name), dtype in zip(buffers, dtypes):
+        buf = module._buffers[name]
+        assert buf is not None
+        module._buffers[name] = buf.to(device=device, dtype=dtype or buf.dtype)
+
+
+def _buffer_dtype_state_dict_hook(
+    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    for fqn, dtype in _get_buffers_and_dtypes_for_checkpoint(state).items():
+        value = state_dict.get(prefix + fqn)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            state_dict[prefix + fqn] = value.to(dtype)
 
 
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:

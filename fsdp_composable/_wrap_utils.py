@@ -98,6 +98,19 @@ class _CallablePolicy(Policy):
         return {} if self.fn(module) else None
 
 
+@dataclass(frozen=True)
+class _BatchNormInFullPrecision(Policy):
+    """Under mixed precision every BatchNorm becomes its own full-precision unit: low-precision
+    running statistics drift (see `_init_utils._warn_batchnorm_under_mixed_precision`)."""
+
+    inner: Optional[Policy]
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        if isinstance(module, nn.modules.batchnorm._BatchNorm):
+            return {"mixed_precision": None}
+        return self.inner._unit_overrides(module, fqn, unassigned_numel) if self.inner is not None else None
+
+
 def _check_overrides(overrides: dict[str, Any], fqn: str) -> None:
     for key, value in overrides.items():
         if key not in UNIT_OVERRIDES:
@@ -159,11 +172,14 @@ def _get_submodule_to_states(
     policy: Any,
     ignored_modules: set[nn.Module],
     ignored_params: set[nn.Parameter],
+    batchnorm_full_precision: bool = False,
 ) -> dict[nn.Module, SubmoduleState]:
     """Map each unit module under ``root`` (the root first, then pre-order) to what it manages.
 
     No module is wrapped or moved; see [Note: which unit owns a parameter]."""
     pol = _as_policy(policy)
+    if batchnorm_full_precision:
+        pol = _BatchNormInFullPrecision(pol)
     fqns, parents = _managed_tree(root, ignored_modules)
     overrides = _pick_units(root, pol, fqns, parents, ignored_params)
     states = {m: SubmoduleState(fqns[m], overrides=overrides[m]) for m in fqns if m in overrides}

@@ -105,7 +105,6 @@ def _build_state(
     init._init_runtime_state(state, limit_all_gathers)
     init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
     init._init_buffer_state(state, module)
-    init._warn_batchnorm_under_mixed_precision(state)
     init._init_param_handles_from_module(state, policy, param_init_fn)
     for unit_module in {module, *state.handles}:
         _insert_module_state(unit_module, API_NAME, state)

@@ -177,7 +177,7 @@ def test_state_machines_and_sharded_views(dist_run) -> None:
     assert r["seen"]["bwd"] == (TrainingState.FORWARD_BACKWARD, HandleTrainingState.BACKWARD_PRE)
     assert r["after"] == (TrainingState.IDLE, {HandleTrainingState.IDLE})
     # root unit: l1 (5*7+7=42) + l3 (7+1=8) = 50 -> padded 50; l2: 7*3+3+3*7+7 = 52
-    for rank, res in enumerate(results):
+    for res in results:
         assert [s[1] for s in res["shards"]] == [50, 52]
         for flat_numel, padded, local, one_d, in_shard, grad_shapes in res["shards"]:
             assert flat_numel == padded // 2 and one_d and in_shard and grad_shapes and local <= flat_numel
