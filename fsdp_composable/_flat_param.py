@@ -330,6 +330,22 @@ class FlatParamHandle:
             if param.requires_grad:
                 param.grad = view
 
+    def keep_gradient_buffer(self) -> None:
+        """Detach the unsharded gradient buffer from the parameters but keep it for the next backward
+        (``no_sync``), and show the user the sharded gradient again."""
+        for param in self.params:
+            param.grad = None
+        self.expose_sharded_grads()
+
+    def discard_gradient_buffer(self) -> None:
+        """Drop a partially filled unsharded gradient buffer (after a failed backward)."""
+        if self._grad_buffer is not None:
+            for param in self.params:
+                param.grad = None
+            self._grad_buffer = None
+            self._grad_views = []
+            self.expose_sharded_grads()
+
     def has_gradient_buffer(self) -> bool:
         return self._grad_buffer is not None
 

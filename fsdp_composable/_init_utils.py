@@ -230,25 +230,53 @@ def _init_param_handles_from_module(
     state: _FSDPState,
     policy: Any,
     param_init_fn: Optional[Callable[[nn.Module], None]],
+    sync_module_states: bool = False,
 ) -> dict[nn.Module, SubmoduleState]:
+    """Create one handle per unit, bottom-up. Each unit is materialised (if on the meta device),
+    synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
+    stays near one unit unsharded."""
     module = state.module
     _check_not_applied_below_parent(module, state.ignored_params)
     bn = _warn_batchnorm_under_mixed_precision(state)
-    args = (module, policy, state.ignored_modules, state.ignored_params, bn)
-    submodule_states = _get_submodule_to_states(*args)
-    for unit_module, sub in reversed(list(submodule_states.items())):  # bottom-up: one unit at a time
+    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
+    handles: dict[nn.Module, FlatParamHandle] = {}
+    for unit_module, sub in reversed(list(submodule_states.items())):
         _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device)
-    # materialisation may have replaced parameter objects: look again
-    submodule_states = _get_submodule_to_states(*args)
-    for unit_module, sub in submodule_states.items():
+        _retie_and_refresh(sub)
+        if sync_module_states:
+            _broadcast_from_rank0(state, [p.detach() for p in sub.params])
         if not sub.params:
             continue
-        config = _unit_config(state.config, sub.overrides)
         _check_unit_params(sub)
-        state.handles[unit_module] = FlatParamHandle(
+        config = _unit_config(state.config, sub.overrides)
+        handles[unit_module] = FlatParamHandle(
             unit_module, sub.fqn, sub.params, sub.holders, state.process_group, config, state.device
         )
+    if sync_module_states:
+        _broadcast_from_rank0(state, [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)])
+    state.handles.update((m, handles[m]) for m in submodule_states if m in handles)  # root first, pre-order
     return submodule_states
+
+
+def _retie_and_refresh(sub: SubmoduleState) -> None:
+    """Initialisation (``to_empty``, a user's init function) may replace parameter objects: make every
+    holder of a parameter register the first holder's object again (tied weights stay tied)."""
+    for i, holders in enumerate(sub.holders):
+        first_module, first_name, _ = holders[0]
+        param = first_module._parameters[first_name]
+        assert param is not None
+        for m, name, _ in holders[1:]:
+            if m._parameters.get(name) is not param:
+                m._parameters[name] = param
+        sub.params[i] = param
+
+
+def _broadcast_from_rank0(state: _FSDPState, tensors: list[torch.Tensor]) -> None:
+    """``sync_module_states``: every rank starts from rank 0's values."""
+    src = dist.get_global_rank(state.process_group, 0)
+    with torch.no_grad():
+        for t in tensors:
+            dist.broadcast(t, src=src, group=state.process_group)
 
 
 def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:

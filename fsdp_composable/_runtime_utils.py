@@ -20,6 +20,7 @@ trigger never runs reduce in the final callback.
 from __future__ import annotations
 
 import functools
+import sys
 from typing import Any, Callable, Optional
 
 import torch
@@ -31,6 +32,7 @@ from fsdp_composable._common_utils import (
     TrainingState,
     UnitConfig,
     _FSDPState,
+    _get_fsdp_state,
     _get_fsdp_states,
     _iter_handles,
     _set_training_state,
@@ -60,7 +62,9 @@ def _register_hooks(state: _FSDPState) -> None:
             )
         )
         state.hook_handles.append(unit_module.register_forward_hook(functools.partial(_post_forward, state, handle)))
-    state.hook_handles.append(module.register_forward_hook(functools.partial(_fsdp_root_post_forward, state)))
+    state.hook_handles.append(
+        module.register_forward_hook(functools.partial(_fsdp_root_post_forward, state), always_call=True)
+    )
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
@@ -157,6 +161,8 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
             f"forward of {type(module).__name__} was called inside unshard_params(); leave the "
             "unshard_params context before running forward"
         )
+    if state.final_callback_queued:  # the previous backward raised before its final callback ran
+        _reset_after_failure(state)
     for s in state.all_states:
         _set_training_state(s, TrainingState.FORWARD_BACKWARD)
     _finish_pending_reductions(state)
@@ -169,6 +175,9 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
     if not state.is_root:
         return output
+    if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
+        _reset_after_failure(state)
+        return None
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
         _finish_step(state)  # no backward will follow: leave everything IDLE and resharded now
     return output
@@ -244,9 +253,12 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         return
     handle.set_training_state(HandleTrainingState.BACKWARD_POST)
     if handle.has_gradient_buffer():
-        root = state.root_state
-        assert root is not None
-        root.pending_reductions.append(handle.start_reduce())
+        if state.sync_gradients:
+            root = state.root_state
+            assert root is not None
+            root.pending_reductions.append(handle.start_reduce())
+        else:
+            handle.keep_gradient_buffer()  # `no_sync`: the next backward accumulates into it
     handle.reshard()
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_for_backward(state, handle)
@@ -278,6 +290,21 @@ def _finish_step(root: _FSDPState) -> None:
         root.exec_order_data.next_iter()
 
 
+def _reset_after_failure(root: _FSDPState) -> None:
+    """Forward or backward raised midway: drop partial gradients, reshard, and return every state and
+    handle to IDLE so the next step starts clean (the sharded gradients of earlier steps are kept)."""
+    _finish_pending_reductions(root)
+    for handle in _iter_handles(root):
+        handle.discard_gradient_buffer()
+        handle.reshard()
+        handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
+        handle.ran_pre_backward = False
+        handle.pending_triggers = 0
+    for s in root.all_states:
+        s.training_state = TrainingState.IDLE
+    root.final_callback_queued = False
+
+
 def _finish_pending_reductions(root: _FSDPState) -> None:
     pending, root.pending_reductions = root.pending_reductions, []
     for reduction in pending:
@@ -298,6 +325,41 @@ def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     eo = state.exec_order_data
     if eo is not None:
         _prefetch(state, eo.backward_prefetch_target(handle))
+
+
+# ---------------------------------------------------------------------------- other forward methods
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>`` (e.g. ``generate``) unshard and reshard like ``forward`` does.
+
+    Hooks only see ``forward``; this wraps the method on the instance so it runs the same pre/post
+    forward steps (as the root when ``module`` is the root)."""
+    state = _get_fsdp_state(module)
+    if state is None:
+        raise ValueError(
+            f"register_fsdp_forward_method: call fully_shard on this {type(module).__name__} before "
+            f"registering {method_name!r}"
+        )
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
+    handle = state.handles.get(module)
+
+    @functools.wraps(method)
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if module is state.module:
+            new = _fsdp_root_pre_forward(state, module, args, kwargs)
+            args, kwargs = new if new is not None else (args, kwargs)
+        if handle is not None:
+            new = _pre_forward(state, handle, module, args, kwargs)
+            args, kwargs = new if new is not None else (args, kwargs)
+        output = method(*args, **kwargs)
+        if handle is not None:
+            output = _post_forward(state, handle, module, args, output)
+        if module is state.module:
+            _fsdp_root_post_forward(state, module, args, output)
+        return output
+
+    object.__setattr__(module, method_name, wrapped)
 
 
 # ---------------------------------------------------------------------------- post-backward trigger
