@@ -256,6 +256,9 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         if state.sync_gradients:
             root = state.root_state
             assert root is not None
+            # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
+            # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
+            _finish_pending_reductions(root)
             root.pending_reductions.append(handle.start_reduce())
         else:
             handle.keep_gradient_buffer()  # `no_sync`: the next backward accumulates into it

@@ -1,0 +1,617 @@
+"""`describe` and `estimate_memory`: what `fully_shard` did (or would do) to a module, and what it costs.
+
+[Note: describe only reads]
+`describe(module)` walks every state in ``module``'s subtree and reads each handle's `FlatLayout`
+and `UnitConfig`. Layouts are fixed at construction and never change in a step, so the plan is the
+same before and after the first forward, in any training state, and on every rank except for the
+``rank`` field. It issues no collective, so it may be called on a single rank (e.g. only for logging
+on rank 0). Unit and parameter FQNs are relative to the module described, not to the module each
+`fully_shard` call was applied to (manual nesting makes one state per call, and each handle's
+``unit_fqn`` is relative to its own state's module); the wrapper class's inner-module attribute is
+dropped from FQNs, as its state dict does.
+
+[Note: estimate_memory predicts the plan]
+`estimate_memory` runs the same unit selection as `fully_shard` (`_get_submodule_to_states`, which
+needs no process group and reads only parameter shapes and dtypes, so a meta-device model works)
+and builds each unit's layout with the same function the handle uses, for rank 0. Its ``.plan`` is
+therefore what `describe` returns on rank 0 after sharding, and every byte count follows from it.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.utils import _pytree as pytree
+
+from fsdp_composable._common_utils import UnitConfig, _get_fsdp_state, _get_fsdp_states
+from fsdp_composable._flat_param import FlatLayout, _build_layout
+from fsdp_composable._init_utils import _unit_config
+from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _get_submodule_to_states
+from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
+from fsdp_composable.wrapper import WRAPPED
+
+__all__ = ["MemoryEstimate", "ShardingPlan", "UnitPlan", "describe", "estimate_memory"]
+
+ROOT_NAME = "<root>"
+
+# optimizer name -> how many tensors of a parameter's shape and dtype it keeps per trainable parameter
+OPTIMIZER_STATE_FACTORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
+
+TERMS = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "unsharded_grads", "activations")
+
+
+# ---------------------------------------------------------------------------- result types
+@dataclass(frozen=True)
+class UnitPlan:
+    """One unit: which original parameters its flat parameter holds and how it is sharded.
+
+    ``param_fqns`` lists every FQN of every original parameter in flat order, all aliases of a tied
+    parameter next to each other; ``tied_param_fqns`` groups those aliases. ``param_dtype`` and
+    ``reduce_dtype`` are the unit's `MixedPrecision` settings (``None`` when not set).
+    """
+
+    fqn: str
+    param_fqns: tuple[str, ...]
+    num_params: int
+    numel: int
+    padded_numel: int
+    shard_numel: int
+    dtype: torch.dtype
+    strategy: ShardingStrategy
+    param_dtype: Optional[torch.dtype]
+    reduce_dtype: Optional[torch.dtype]
+    offload_params: bool
+    tied_param_fqns: tuple[tuple[str, ...], ...] = ()
+
+    @property
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's shard of the flat parameter (padding included)."""
+        return self.shard_numel * _itemsize(self.dtype)
+
+
+@dataclass(frozen=True)
+class ShardingPlan:
+    """Every unit under a module, in module pre-order, with per-rank totals. ``str()`` is a table."""
+
+    units: tuple[UnitPlan, ...]
+    world_size: int
+    rank: int
+    ignored_param_fqns: tuple[str, ...] = ()
+
+    @property
+    def numel(self) -> int:
+        return sum(u.numel for u in self.units)
+
+    @property
+    def padded_numel(self) -> int:
+        return sum(u.padded_numel for u in self.units)
+
+    @property
+    def shard_numel(self) -> int:
+        return sum(u.shard_numel for u in self.units)
+
+    @property
+    def sharded_param_bytes(self) -> int:
+        """Bytes of this rank's shards of all flat parameters."""
+        return sum(u.shard_bytes for u in self.units)
+
+    def __str__(self) -> str:
+        return _format_plan(self)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Per-rank bytes of one training step, by term (see [Note: the memory model]).
+
+    ``plan`` is the predicted `describe` result on rank 0; ``breakdown`` maps each term in `TERMS`
+    to bytes (``activations`` only when a ``batch_example`` was given); ``explanations`` says what
+    each term counted. ``str()`` is a breakdown table.
+    """
+
+    plan: ShardingPlan
+    strategy: ShardingStrategy
+    optimizer: str
+    breakdown: dict[str, int]
+    explanations: dict[str, str]
+
+    @property
+    def sharded_param_bytes(self) -> int:
+        return self.breakdown["sharded_params"]
+
+    @property
+    def peak_bytes(self) -> int:
+        """The sum of every term: an upper bound on what is live at once (see the Note)."""
+        return sum(self.breakdown.values())
+
+    def __str__(self) -> str:
+        return _format_estimate(self)
+
+
+# ---------------------------------------------------------------------------- describe
+def describe(module: nn.Module) -> ShardingPlan:
+    """The sharding plan of every `fully_shard` unit under ``module``, read locally (no communication).
+
+    Works before and after the first forward and on any single rank; see [Note: describe only reads].
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"describe() expects an nn.Module, got {type(module).__name__}")
+    states = _get_fsdp_states(module)
+    if not states:
+        raise ValueError(
+            f"describe() found no fully_shard state on this {type(module).__name__} or its submodules; "
+            "call fully_shard(module, policy=...) (or wrap it in FullyShardedDataParallel) first, or use "
+            "estimate_memory() to predict the plan of an unsharded module"
+        )
+    fqns = _module_fqns(module)
+    order = {m: i for i, m in enumerate(fqns)}
+    handles = {id(h): h for s in states for h in s.handles.values() if h.module in fqns}
+    units = tuple(
+        _unit_plan(fqns[h.module], h.layout, h.dtype, h.config, fqns)
+        for h in sorted(handles.values(), key=lambda h: order[h.module])
+    )
+    ignored = {p for s in states for p in s.ignored_params}
+    return ShardingPlan(units, states[0].world_size, states[0].rank, _param_fqns_of(ignored, fqns))
+
+
+def _module_fqns(root: nn.Module) -> dict[nn.Module, str]:
+    """Module -> FQN relative to ``root`` in pre-order, without the wrapper class's inner attribute."""
+    return {
+        m: ".".join(part for part in name.split(".") if part and part != WRAPPED) for name, m in root.named_modules()
+    }
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _unit_plan(
+    unit_fqn: str, layout: FlatLayout, dtype: torch.dtype, config: UnitConfig, fqns: dict[nn.Module, str]
+) -> UnitPlan:
+    """Shared by `describe` (a handle's layout) and `estimate_memory` (a predicted layout)."""
+    groups = [tuple(_join(fqns.get(m, unit_fqn), attr) for m, attr, _ in info.holders) for info in layout.infos]
+    mp = config.mixed_precision
+    return UnitPlan(
+        fqn=unit_fqn,
+        param_fqns=tuple(name for group in groups for name in group),
+        num_params=len(layout.infos),
+        numel=layout.unpadded_numel,
+        padded_numel=layout.padded_numel,
+        shard_numel=layout.shard_numel,
+        dtype=dtype,
+        strategy=config.strategy,
+        param_dtype=mp.param_dtype if mp is not None else None,
+        reduce_dtype=mp.reduce_dtype if mp is not None else None,
+        offload_params=config.offload_params,
+        tied_param_fqns=tuple(group for group in groups if len(group) > 1),
+    )
+
+
+def _param_fqns_of(params: set[nn.Parameter], fqns: dict[nn.Module, str]) -> tuple[str, ...]:
+    return tuple(
+        _join(prefix, name)
+        for m, prefix in fqns.items()
+        for name, p in m._parameters.items()
+        if p is not None and p in params
+    )
+
+
+# ---------------------------------------------------------------------------- estimate_memory
+def estimate_memory(
+    module: nn.Module,
+    *,
+    policy: Any,
+    world_size: int,
+    strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
+    mixed_precision: Optional[MixedPrecision] = None,
+    optimizer: str = "adam",
+    batch_example: Any = None,
+    backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
+    forward_prefetch: bool = False,
+) -> MemoryEstimate:
+    """Predict per-rank bytes of training ``module`` under ``fully_shard(module, policy, ...)``.
+
+    ``module`` is unsharded and may live on the meta device; nothing is allocated and no process
+    group is needed. ``optimizer`` is one of ``adam``, ``adamw``, ``sgd``, ``sgd-momentum``.
+    ``batch_example`` (a tensor, a tuple of positional arguments, or a dict of keyword arguments
+    for ``module.forward``, one rank's batch) adds the activations its forward saves for backward,
+    measured on the meta device (see [Note: measuring activations]). The remaining arguments mean
+    what they mean to `fully_shard`. See [Note: the memory model] for what each term counts.
+    """
+    _check_estimate_args(
+        module,
+        policy,
+        world_size,
+        strategy,
+        mixed_precision,
+        optimizer,
+        backward_prefetch,
+        forward_prefetch,
+        batch_example,
+    )
+    if world_size == 1:
+        strategy = ShardingStrategy.NO_SHARD  # as fully_shard does: nothing to shard
+    fqns = _module_fqns(module)
+    base = UnitConfig(strategy, mixed_precision, False)
+    units: list[_UnitCost] = []
+    batchnorm_units = _batchnorm_gets_own_unit(module, mixed_precision)
+    subs = _get_submodule_to_states(module, policy, set(), set(), batchnorm_full_precision=batchnorm_units)
+    for sub in subs.values():
+        if sub.params:
+            units.append(_unit_cost(sub, base, world_size, fqns))
+    plan = ShardingPlan(tuple(u.plan for u in units), world_size, 0)
+    in_flight = 2 if backward_prefetch is BackwardPrefetch.BACKWARD_PRE or forward_prefetch else 1
+    breakdown, explanations = _memory_terms(units, OPTIMIZER_STATE_FACTORS[optimizer], optimizer, in_flight)
+    if batch_example is not None:
+        breakdown["activations"] = _activation_bytes(module, batch_example, mixed_precision)
+        explanations["activations"] = "saved for backward by forward(batch_example), once per storage"
+    return MemoryEstimate(plan, strategy, optimizer, breakdown, explanations)
+
+
+def _batchnorm_gets_own_unit(module: nn.Module, mp: Optional[MixedPrecision]) -> bool:
+    """Under low-precision compute fully_shard makes each BatchNorm a full-precision unit."""
+    low_precision = mp is not None and mp.param_dtype is not None
+    return low_precision and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+
+
+def _check_estimate_args(
+    module: Any,
+    policy: Any,
+    world_size: Any,
+    strategy: Any,
+    mixed_precision: Any,
+    optimizer: Any,
+    backward_prefetch: Any,
+    forward_prefetch: Any,
+    batch_example: Any,
+) -> None:
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"estimate_memory argument 'module' must be an nn.Module, got {type(module).__name__}")
+    sharded = [name for name, m in module.named_modules() if _get_fsdp_state(m) is not None]
+    if sharded:
+        raise ValueError(
+            f"estimate_memory argument 'module' ({type(module).__name__}) is already sharded by fully_shard "
+            f"(at '{sharded[0] or ROOT_NAME}'); pass the unsharded model (a meta-device copy is fine), or call "
+            "describe() on the sharded one"
+        )
+    try:
+        _as_policy(policy)
+    except TypeError as e:
+        raise TypeError(f"estimate_memory argument 'policy': {e}") from None
+    if isinstance(world_size, bool) or not isinstance(world_size, int):
+        raise TypeError(f"estimate_memory argument 'world_size' must be an int, got {type(world_size).__name__}")
+    if world_size < 1:
+        raise ValueError(f"estimate_memory argument 'world_size' must be at least 1, got {world_size}")
+    if not isinstance(strategy, ShardingStrategy):
+        raise TypeError(f"estimate_memory argument 'strategy' must be a ShardingStrategy, got {strategy!r}")
+    if strategy is ShardingStrategy.HYBRID_SHARD:
+        raise ValueError(
+            "estimate_memory argument 'strategy' is HYBRID_SHARD, which fully_shard does not implement yet; "
+            "use FULL_SHARD or SHARD_GRAD_OP"
+        )
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
+        raise TypeError(
+            f"estimate_memory argument 'mixed_precision' must be a MixedPrecision or None, got {mixed_precision!r}"
+        )
+    if not isinstance(optimizer, str) or optimizer not in OPTIMIZER_STATE_FACTORS:
+        raise ValueError(
+            f"estimate_memory argument 'optimizer' must be one of {sorted(OPTIMIZER_STATE_FACTORS)}, got {optimizer!r}"
+        )
+    if backward_prefetch is not None and not isinstance(backward_prefetch, BackwardPrefetch):
+        raise TypeError(
+            "estimate_memory argument 'backward_prefetch' must be a BackwardPrefetch or None, "
+            f"got {backward_prefetch!r}"
+        )
+    if not isinstance(forward_prefetch, bool):
+        raise TypeError(f"estimate_memory argument 'forward_prefetch' must be True or False, got {forward_prefetch!r}")
+    if batch_example is not None:
+        _call_args(batch_example)
+
+
+@dataclass(frozen=True)
+class _UnitCost:
+    """A predicted unit plus what its memory terms need beyond the plan."""
+
+    plan: UnitPlan
+    is_root: bool
+    requires_grad: bool
+    trainable_shard_numel: int  # elements of trainable parameters in rank 0's shard
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # of the sharded gradient kept between steps
+    needs_unsharded_buffer: bool  # the handle allocates an unsharded buffer (see FlatParamHandle)
+
+
+def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str]) -> _UnitCost:
+    config = _unit_config(base, sub.overrides)
+    _check_one_dtype(sub)
+    sharded = config.strategy is not ShardingStrategy.NO_SHARD
+    layout = _build_layout(sub.params, sub.holders, 0, world_size if sharded else 1)
+    dtype = sub.params[0].dtype
+    plan = _unit_plan(sub.fqn, layout, dtype, config, fqns)
+    compute = plan.param_dtype or dtype
+    reduce = plan.reduce_dtype or compute
+    mp = config.mixed_precision
+    trainable = 0
+    for param, info in zip(sub.params, layout.infos):
+        if param.requires_grad:
+            start, end = layout.shard_range(info)
+            trainable += end - start
+    return _UnitCost(
+        plan=plan,
+        is_root=sub.fqn == "",
+        requires_grad=any(p.requires_grad for p in sub.params),
+        trainable_shard_numel=trainable,
+        compute_dtype=compute,
+        reduce_dtype=reduce,
+        grad_dtype=reduce if mp is not None and mp.keep_low_precision_grads else dtype,
+        needs_unsharded_buffer=sharded or compute != dtype,
+    )
+
+
+def _check_one_dtype(sub: SubmoduleState) -> None:
+    first = sub.params[0]
+    for param, holders in zip(sub.params, sub.holders):
+        if param.dtype != first.dtype:
+            raise ValueError(
+                f"unit '{sub.fqn or ROOT_NAME}' mixes dtypes: parameter '{_join(sub.fqn, holders[0][2])}' is "
+                f"{param.dtype} but the unit's first parameter is {first.dtype}, which fully_shard rejects; give "
+                "these parameters their own unit with the policy, or cast the model to one dtype"
+            )
+
+
+# [Note: the memory model]
+# Bytes are per rank, for rank 0: padding sits at the end of each flat parameter, so rank 0 holds
+# no padding in any unit with at least world_size elements and its optimizer state is the largest.
+# Terms, with P/S a unit's padded/shard numel, b its parameter dtype size, c its compute dtype size
+# (MixedPrecision.param_dtype, else b) and r its reduce dtype size (reduce_dtype, else c):
+# - sharded_params: sum of S*b. NO_SHARD (or world size 1) keeps the whole unit, S = P = numel.
+# - sharded_grads: sum of S*b over units with a trainable parameter (the reduced gradient is cast
+#   back to the parameter dtype and kept in the flat parameter's .grad; S*r with
+#   keep_low_precision_grads).
+# - optimizer_state: factor * (trainable elements in the shard) * b; factor 2 for adam/adamw
+#   (exp_avg, exp_avg_sq, same dtype as the parameter), 1 for sgd-momentum, 0 for sgd. Scalar
+#   step counters are ignored.
+# - unsharded_params: P*c for every unit whose handle keeps an unsharded buffer (sharded, or
+#   NO_SHARD with a different compute dtype) and that is unsharded at the peak in backward:
+#   the root unit (never resharded after forward), every non-root SHARD_GRAD_OP/NO_SHARD unit
+#   (unsharded from its forward to its backward), and the largest FULL_SHARD units that can be
+#   unsharded at once: two with BACKWARD_PRE prefetch (the current unit and the prefetched one) or
+#   forward prefetch, else one. The all-gather limiter is assumed to allow that many.
+# - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
+#   differs from c; the largest such unit. This assumes a unit's reduction input is freed before
+#   the next unit's backward allocates its buffer; a runtime that holds every reduction until the
+#   end of backward has all units' buffers live at once (their sum, not the largest).
+# - activations: see [Note: measuring activations]; only with a batch_example.
+# peak_bytes is the sum: gradients, optimizer state and activations are not all live at the same
+# instant, so it is an upper bound on the steady-state peak of the accelerator's allocator (no
+# fragmentation, no communication buffers, no CPU-offload accounting).
+def _memory_terms(
+    units: Sequence[_UnitCost], factor: int, optimizer: str, in_flight: int
+) -> tuple[dict[str, int], dict[str, str]]:
+    breakdown = {
+        "sharded_params": sum(u.plan.shard_bytes for u in units),
+        "sharded_grads": sum(u.plan.shard_numel * _itemsize(u.grad_dtype) for u in units if u.requires_grad),
+        "optimizer_state": factor * sum(u.trainable_shard_numel * _itemsize(u.plan.dtype) for u in units),
+        "unsharded_params": _unsharded_param_bytes(units, in_flight),
+        "unsharded_grads": max((_grad_buffer_bytes(u) for u in units if u.requires_grad), default=0),
+    }
+    explanations = {
+        "sharded_params": "this rank's shard of every flat parameter",
+        "sharded_grads": "sharded gradient of every unit with a trainable parameter",
+        "optimizer_state": f"{optimizer}: {factor} x the trainable sharded parameters",
+        "unsharded_params": _unsharded_param_explanation(units, in_flight),
+        "unsharded_grads": "largest unit's unsharded gradient buffer (compute + reduce dtype)",
+    }
+    return breakdown, explanations
+
+
+def _unsharded_bytes(unit: _UnitCost) -> int:
+    return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
+
+
+def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
+    """(units unsharded through the whole step, the largest FULL_SHARD units unsharded at once)."""
+    with_buffer = [u for u in units if u.needs_unsharded_buffer]
+    kept = [u for u in with_buffer if u.is_root or u.plan.strategy is not ShardingStrategy.FULL_SHARD]
+    transient = [u for u in with_buffer if not u.is_root and u.plan.strategy is ShardingStrategy.FULL_SHARD]
+    return kept, sorted(transient, key=_unsharded_bytes, reverse=True)[:in_flight]
+
+
+def _unsharded_param_bytes(units: Sequence[_UnitCost], in_flight: int) -> int:
+    kept, transient = _in_flight_units(units, in_flight)
+    return sum(_unsharded_bytes(u) for u in (*kept, *transient))
+
+
+def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> str:
+    kept, transient = _in_flight_units(units, in_flight)
+    parts = ["root unit"] if any(u.is_root for u in kept) else []
+    if len(kept) > len(parts):
+        parts.append(f"{len(kept) - len(parts)} SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded")
+    if transient:
+        parts.append(f"{len(transient)} largest FULL_SHARD unit(s) in flight")
+    return " + ".join(parts) or "none: full-precision NO_SHARD computes on the shard itself"
+
+
+def _grad_buffer_bytes(unit: _UnitCost) -> int:
+    padded = unit.plan.padded_numel
+    copy_bytes = padded * _itemsize(unit.reduce_dtype) if unit.reduce_dtype != unit.compute_dtype else 0
+    return padded * _itemsize(unit.compute_dtype) + copy_bytes
+
+
+# ---------------------------------------------------------------------------- activations
+# [Note: measuring activations]
+# We copy the module onto the meta device (every parameter and buffer replaced by a meta tensor of
+# the same shape, in the compute dtype under mixed precision; nothing is allocated), move the batch
+# there too, and run one forward with grad enabled inside `torch.autograd.graph.saved_tensors_hooks`.
+# The pack hook sees every tensor autograd saves for backward; we add up the bytes of each distinct
+# storage once (views share a storage) and skip the parameters' and buffers' storages (parameters
+# are counted as unsharded_params). This is what the forward keeps alive until backward; temporaries
+# freed during forward and the loss computation are not counted. A forward that reads tensor values
+# (`.item()`, data-dependent shapes) or creates tensors on a fixed device cannot run on meta: we
+# raise and say so. The copy is a `copy.deepcopy` whose memo maps each parameter and buffer to its
+# meta replacement, so only plain (unregistered) tensor attributes are copied as they are.
+def _activation_bytes(module: nn.Module, batch_example: Any, mp: Optional[MixedPrecision]) -> int:
+    param_dtype = mp.param_dtype if mp is not None else None
+    buffer_dtype = mp.buffer_dtype if mp is not None else None
+    meta_module = _meta_copy(module, param_dtype, buffer_dtype)
+    input_dtype = param_dtype if mp is not None and mp.cast_root_forward_inputs else None
+    args, kwargs = _call_args(batch_example)
+    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _to_meta(t, input_dtype), (args, kwargs))
+    model_storages = {_storage_key(t) for t in [*meta_module.parameters(), *meta_module.buffers()]}
+    counted: set[int] = set()
+    kept: list[torch.Tensor] = []  # keep saved storages alive so no storage address is reused
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = _storage_key(t)
+        if key not in model_storages and key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
+        kept.append(t)
+        return t
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            meta_module(*args, **kwargs)
+    except Exception as e:
+        raise RuntimeError(
+            f"estimate_memory could not run {type(module).__name__}.forward(batch_example) on the meta device "
+            f"({type(e).__name__}: {e}); make the forward device-agnostic (create tensors on the input's "
+            "device, avoid .item()), or leave batch_example=None and add activations yourself"
+        ) from e
+    return total
+
+
+def _call_args(batch_example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch_example, torch.Tensor):
+        return (batch_example,), {}
+    if isinstance(batch_example, (tuple, list)):
+        return tuple(batch_example), {}
+    if isinstance(batch_example, dict):
+        return (), dict(batch_example)
+    raise TypeError(
+        "estimate_memory argument 'batch_example' must be a tensor, a tuple of positional arguments or a dict "
+        f"of keyword arguments for module.forward, got {type(batch_example).__name__}"
+    )
+
+
+def _to_meta(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty_like(t, device="meta", dtype=cast).requires_grad_(t.requires_grad and cast.is_floating_point)
+
+
+def _meta_copy(module: nn.Module, param_dtype: Optional[torch.dtype], buffer_dtype: Optional[torch.dtype]) -> nn.Module:
+    """A deep copy whose parameters and buffers are meta tensors; tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        dtype = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
+        memo[id(b)] = torch.empty_like(b, device="meta", dtype=dtype)
+    return copy.deepcopy(module, memo)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)
+
+
+# ---------------------------------------------------------------------------- formatting
+def _itemsize(dtype: torch.dtype) -> int:
+    return int(dtype.itemsize)
+
+
+def _human_bytes(n: int) -> str:
+    """Binary units with two decimals (``1.50 KiB``); plain bytes below 1 KiB."""
+    if n < 1024:
+        return f"{n} B"
+    exponent = min(int(math.log(n, 1024)), 4)
+    return f"{n / 1024**exponent:.2f} {('KiB', 'MiB', 'GiB', 'TiB')[exponent - 1]}"
+
+
+def _dtype_name(dtype: Optional[torch.dtype]) -> str:
+    return "-" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def _table(headers: Sequence[str], rows: Sequence[Sequence[str]], footer: Sequence[str], right: set[int]) -> list[str]:
+    """Columns aligned (numbers right, text left), a rule under the header and above the footer."""
+    widths = [max(len(r[i]) for r in (headers, *rows, footer)) for i in range(len(headers))]
+
+    def line(cells: Sequence[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "  ".join("-" * w for w in widths)
+    return [line(headers).rstrip(), rule, *(line(r).rstrip() for r in rows), rule, line(footer).rstrip()]
+
+
+def _format_plan(plan: ShardingPlan) -> str:
+    headers = (
+        "unit",
+        "params",
+        "numel",
+        "padded",
+        "shard",
+        "dtype",
+        "strategy",
+        "param_dtype",
+        "reduce_dtype",
+        "offload",
+        "shard bytes",
+    )
+    rows = [
+        (
+            u.fqn or ROOT_NAME,
+            str(u.num_params),
+            f"{u.numel:,}",
+            f"{u.padded_numel:,}",
+            f"{u.shard_numel:,}",
+            _dtype_name(u.dtype),
+            u.strategy.name,
+            _dtype_name(u.param_dtype),
+            _dtype_name(u.reduce_dtype),
+            "yes" if u.offload_params else "no",
+            _human_bytes(u.shard_bytes),
+        )
+        for u in plan.units
+    ]
+    footer = (
+        "total",
+        str(sum(u.num_params for u in plan.units)),
+        f"{plan.numel:,}",
+        f"{plan.padded_numel:,}",
+        f"{plan.shard_numel:,}",
+        *([""] * 5),
+        _human_bytes(plan.sharded_param_bytes),
+    )
+    units = f"{len(plan.units)} unit{'s' if len(plan.units) != 1 else ''}"
+    lines = [f"ShardingPlan: {units}, world size {plan.world_size}, rank {plan.rank}"]
+    lines += _table(headers, rows, footer, right={1, 2, 3, 4, 10})
+    for u in plan.units:
+        for group in u.tied_param_fqns:
+            lines.append(f"tied (one copy, in unit {u.fqn or ROOT_NAME}): {' = '.join(group)}")
+    if plan.ignored_param_fqns:
+        lines.append(f"ignored (not sharded, not counted): {', '.join(plan.ignored_param_fqns)}")
+    return "\n".join(lines)
+
+
+def _format_estimate(est: MemoryEstimate) -> str:
+    rows = []
+    for term in TERMS:
+        if term in est.breakdown:
+            n = est.breakdown[term]
+            rows.append((term, f"{n:,}", _human_bytes(n), est.explanations.get(term, "")))
+        else:
+            rows.append((term, "-", "-", "not estimated: pass batch_example="))
+    footer = ("peak", f"{est.peak_bytes:,}", _human_bytes(est.peak_bytes), "sum of the terms above (upper bound)")
+    plan = est.plan
+    header = (
+        f"MemoryEstimate per rank: world size {plan.world_size}, {len(plan.units)} units, "
+        f"{est.strategy.name}, optimizer {est.optimizer}"
+    )
+    return "\n".join([header, *_table(("term", "bytes", "size", "what"), rows, footer, right={1, 2})])

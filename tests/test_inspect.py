@@ -1,0 +1,504 @@
+"""describe() and estimate_memory(): golden plans at world sizes 1 and 2, each memory term against a
+hand computation, and the estimate against an actually sharded copy at world sizes 2 and 4."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import warnings
+from typing import Any, Iterator, Optional
+from unittest import mock
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss
+from torch import nn
+
+from fsdp_composable import (
+    BackwardPrefetch,
+    CPUOffload,
+    CustomPolicy,
+    FullyShardedDataParallel,
+    MemoryEstimate,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingPlan,
+    ShardingStrategy,
+    SizeBasedPolicy,
+    _collectives,
+    describe,
+    estimate_memory,
+    fully_shard,
+)
+from fsdp_composable._common_utils import _get_fsdp_states
+from fsdp_composable._flat_param import FlatParamHandle
+
+BF16 = torch.bfloat16
+POLICY = ModuleWrapPolicy({Block})
+
+
+def _gpt(tied: bool = False) -> TinyGPT:
+    torch.manual_seed(0)
+    return TinyGPT(tied=tied)
+
+
+def _step(model: nn.Module) -> None:
+    gpt_loss(model, gpt_batch(0, 2)).backward()
+
+
+def _without_rank(text: str) -> str:
+    return text.replace(", rank 1", ", rank 0")
+
+
+# ---------------------------------------------------------------------------- describe, on the ranks
+@contextlib.contextmanager
+def _no_collectives() -> Iterator[None]:
+    """Any collective issued inside raises (describe must not communicate)."""
+    names = ["all_reduce", "all_gather", "all_gather_object", "broadcast", "barrier", "reduce_scatter_tensor"]
+    names += ["all_gather_into_tensor", "broadcast_object_list", "send", "recv"]
+
+    def fail(*args: Any, **kwargs: Any) -> None:
+        raise AssertionError("describe() issued a collective")
+
+    with contextlib.ExitStack() as stack:
+        for name in names:
+            stack.enter_context(mock.patch.object(dist, name, fail))
+        for name in ["all_gather", "reduce_scatter", "all_reduce"]:
+            stack.enter_context(mock.patch.object(_collectives, name, fail))
+        yield
+
+
+def describe_policy_and_manual() -> dict:
+    """A policy on blocks vs. fully_shard on each block then the root: the same units."""
+    policy_model = fully_shard(_gpt(), POLICY)
+    with _no_collectives():
+        before = describe(policy_model)
+    _step(policy_model)
+    after = describe(policy_model)
+    manual = _gpt()
+    for block in manual.blocks:
+        fully_shard(block)
+    fully_shard(manual)
+    with _no_collectives():
+        manual_plan = describe(manual)
+    _step(manual)
+    return {
+        "policy": str(before),
+        "same_after_step": before == after,
+        "manual": manual_plan,
+        "manual_after_step": describe(manual) == manual_plan,
+        "manual_blocks": describe(manual.blocks),  # FQNs relative to the module described
+        "policy_units": before.units,
+    }
+
+
+def describe_tied_ignored_mixed_precision() -> dict:
+    tied = fully_shard(_gpt(tied=True), POLICY)
+    ignored = _gpt()
+    fully_shard(ignored, POLICY, ignored_modules=[ignored.head])
+    mp_model = _gpt()
+    full_precision_ln_f = CustomPolicy(
+        lambda m: isinstance(m, Block) or ({"mixed_precision": None} if m is mp_model.ln_f else False)
+    )
+    fully_shard(
+        mp_model,
+        full_precision_ln_f,
+        mixed_precision=MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32),
+        cpu_offload=CPUOffload(offload_params=True),
+    )
+    return {"tied": describe(tied), "ignored": describe(ignored), "mixed_precision": describe(mp_model)}
+
+
+def test_describe_nested_policy_and_manual(dist_run) -> None:
+    ranks = dist_run(2, describe_policy_and_manual)
+    r = ranks[0]
+    assert r["same_after_step"] and r["manual_after_step"]
+    assert r["manual"].units == r["policy_units"]
+    assert _without_rank(ranks[1]["policy"]) == r["policy"] and "rank 1" in ranks[1]["policy"]
+    assert [u.fqn for u in r["manual_blocks"].units] == ["0", "1"]
+    assert r["manual_blocks"].units[0].param_fqns[:2] == ("0.ln1.weight", "0.ln1.bias")
+    expecttest.TestCase().assertExpectedInline(
+        r["policy"],
+        """\
+ShardingPlan: 3 units, world size 2, rank 0
+unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+<root>         5  1,344   1,344    672  float32  FULL_SHARD  -            -             no          2.62 KiB
+blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+total         25  7,776   7,776  3,888                                                             15.19 KiB""",
+    )
+
+
+def test_describe_tied_ignored_mixed_precision(dist_run) -> None:
+    r = dist_run(2, describe_tied_ignored_mixed_precision)[0]
+    tc = expecttest.TestCase()
+    assert r["tied"].units[0].param_fqns == ("pos", "tok.weight", "head.weight", "ln_f.weight", "ln_f.bias")
+    assert r["tied"].units[0].tied_param_fqns == (("tok.weight", "head.weight"),)
+    tc.assertExpectedInline(
+        str(r["tied"]),
+        """\
+ShardingPlan: 3 units, world size 2, rank 0
+unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+<root>         4    752     752    376  float32  FULL_SHARD  -            -             no          1.47 KiB
+blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+total         24  7,184   7,184  3,592                                                             14.03 KiB
+tied (one copy, in unit <root>): tok.weight = head.weight""",
+    )
+    assert r["ignored"].ignored_param_fqns == ("head.weight",)
+    tc.assertExpectedInline(
+        str(r["ignored"]),
+        """\
+ShardingPlan: 3 units, world size 2, rank 0
+unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+<root>         4    752     752    376  float32  FULL_SHARD  -            -             no          1.47 KiB
+blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+total         24  7,184   7,184  3,592                                                             14.03 KiB
+ignored (not sharded, not counted): head.weight""",
+    )
+    tc.assertExpectedInline(
+        str(r["mixed_precision"]),
+        """\
+ShardingPlan: 4 units, world size 2, rank 0
+unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+<root>         3  1,312   1,312    656  float32  FULL_SHARD  bfloat16     float32       yes         2.56 KiB
+blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  bfloat16     float32       yes         6.28 KiB
+blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  bfloat16     float32       yes         6.28 KiB
+ln_f           2     32      32     16  float32  FULL_SHARD  -            -             yes             64 B
+--------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
+total         25  7,776   7,776  3,888                                                             15.19 KiB""",
+    )
+
+
+def describe_world_size_1() -> dict:
+    model = fully_shard(_gpt(tied=True), POLICY)
+    _step(model)
+    wrapped = FullyShardedDataParallel(_gpt(tied=True), auto_wrap_policy=POLICY)
+    partly = _gpt()
+    fully_shard(partly.blocks[0])
+    try:
+        estimate_memory(partly, policy=POLICY, world_size=2)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"plan": describe(model), "wrapper": describe(wrapped), "estimate_sharded_error": error}
+
+
+def test_describe_world_size_1(dist_run) -> None:
+    r = dist_run(1, describe_world_size_1)[0]
+    # the wrapper's inner-module attribute is not part of any FQN
+    assert r["wrapper"] == r["plan"]
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        str(r["plan"]),
+        """\
+ShardingPlan: 3 units, world size 1, rank 0
+unit      params  numel  padded  shard  dtype    strategy  param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  --------  -----------  ------------  -------  -----------
+<root>         4    752     752    752  float32  NO_SHARD  -            -             no          2.94 KiB
+blocks.0      10  3,216   3,216  3,216  float32  NO_SHARD  -            -             no         12.56 KiB
+blocks.1      10  3,216   3,216  3,216  float32  NO_SHARD  -            -             no         12.56 KiB
+--------  ------  -----  ------  -----  -------  --------  -----------  ------------  -------  -----------
+total         24  7,184   7,184  7,184                                                           28.06 KiB
+tied (one copy, in unit <root>): tok.weight = head.weight""",
+    )
+    tc.assertExpectedInline(
+        r["estimate_sharded_error"],
+        """estimate_memory argument 'module' (TinyGPT) is already sharded by fully_shard (at 'blocks.0'); pass the unsharded model (a meta-device copy is fine), or call describe() on the sharded one""",  # noqa: E501
+    )
+
+
+def test_describe_bad_input() -> None:
+    tc = expecttest.TestCase()
+    with pytest.raises(ValueError) as e:
+        describe(nn.Linear(2, 2))
+    tc.assertExpectedInline(
+        str(e.value),
+        """describe() found no fully_shard state on this Linear or its submodules; call fully_shard(module, policy=...) (or wrap it in FullyShardedDataParallel) first, or use estimate_memory() to predict the plan of an unsharded module""",  # noqa: E501
+    )
+    with pytest.raises(TypeError) as t:
+        describe("model")  # type: ignore[arg-type]
+    tc.assertExpectedInline(str(t.value), """describe() expects an nn.Module, got str""")
+
+
+# ---------------------------------------------------------------------------- estimate vs. actual
+def estimate_vs_sharded() -> list[tuple[int, int, bool]]:
+    """(estimated, actual sharded parameter bytes, predicted plan == describe) for three setups."""
+    world_size = dist.get_world_size()
+    mp = MixedPrecision(param_dtype=BF16)
+    setups = [
+        (lambda: _gpt(tied=True), POLICY, None),
+        (OddMLP, SizeBasedPolicy(20), None),
+        (lambda: nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2)), None, mp),
+    ]
+    out = []
+    for build, policy, mixed_precision in setups:
+        torch.manual_seed(0)
+        model = build()  # (a meta-device model gives the same estimate: see the test below; building on
+        # meta here would make every worker pay a one-time import of torch's meta kernels, seconds each)
+        est = estimate_memory(model, policy=policy, world_size=world_size, mixed_precision=mixed_precision)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the BatchNorm-under-mixed-precision notice is expected
+            fully_shard(model, policy, mixed_precision=mixed_precision)
+        handles = [h for s in _get_fsdp_states(model) for h in s.handles.values()]
+        actual = sum(h.flat_param.numel() * h.flat_param.element_size() for h in handles)
+        out.append((est.sharded_param_bytes, actual, est.plan.units == describe(model).units))
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_estimate_matches_sharded_copy(dist_run, world_size: int) -> None:
+    for rank, results in enumerate(dist_run(world_size, estimate_vs_sharded)):
+        for estimated, actual, same_plan in results:
+            assert estimated == actual, (rank, estimated, actual)
+            assert same_plan, rank  # units do not depend on the rank
+
+
+def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
+    """(estimated, measured peak) bytes of unsharded parameter buffers over two steps of TinyGPT.
+
+    The measurement wraps the handle's allocation and freeing of its unsharded buffer."""
+    live = {"now": 0, "peak": 0}
+    alloc, free = FlatParamHandle._alloc_unsharded, FlatParamHandle._free_unsharded
+
+    def storage_bytes(handle: FlatParamHandle) -> int:
+        assert handle._unsharded is not None
+        return int(handle._unsharded.untyped_storage().size())
+
+    def counted_alloc(handle: FlatParamHandle) -> None:
+        before = storage_bytes(handle)
+        alloc(handle)
+        live["now"] += storage_bytes(handle) - before
+        live["peak"] = max(live["peak"], live["now"])
+
+    def counted_free(handle: FlatParamHandle) -> None:
+        live["now"] -= storage_bytes(handle)
+        free(handle)
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    est = estimate_memory(model, policy=POLICY, world_size=dist.get_world_size(), strategy=strategy)
+    fully_shard(model, POLICY, strategy=strategy)
+    with mock.patch.object(FlatParamHandle, "_alloc_unsharded", counted_alloc):
+        with mock.patch.object(FlatParamHandle, "_free_unsharded", counted_free):
+            _step(model)
+            _step(model)
+    return est.breakdown["unsharded_params"], live["peak"]
+
+
+def measure_unsharded_param_peak() -> list[tuple[int, int]]:
+    return [_unsharded_param_peak(s) for s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.SHARD_GRAD_OP)]
+
+
+def test_unsharded_params_term_matches_runtime(dist_run) -> None:
+    (full_est, full_peak), (sgo_est, sgo_peak) = dist_run(2, measure_unsharded_param_peak)[0]
+    # TinyGPT(n_layers=3): root 1,344 elements, blocks 3,216 each, fp32
+    assert full_est == full_peak == (1344 + 2 * 3216) * 4  # root + two blocks in flight (BACKWARD_PRE)
+    assert sgo_est == sgo_peak == (1344 + 3 * 3216) * 4  # SHARD_GRAD_OP keeps every block unsharded
+
+
+# ---------------------------------------------------------------------------- estimate, by hand
+class Toy(nn.Module):
+    """Units under ModuleWrapPolicy({nn.Linear}): root (scale, 3), a (20), b (42), c (8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 7)
+        self.c = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x * self.scale)))))
+
+
+LINEARS = ModuleWrapPolicy({nn.Linear})
+BATCH = torch.zeros(4, 3)
+
+
+def _estimate(model: Optional[nn.Module] = None, **kwargs: Any) -> MemoryEstimate:
+    kwargs.setdefault("policy", LINEARS)
+    kwargs.setdefault("world_size", 2)
+    return estimate_memory(model if model is not None else Toy(), **kwargs)
+
+
+def test_estimate_terms_full_shard_by_hand() -> None:
+    # world size 2: padded = max(ceil(n/2)*2, 2): root 3 -> 4 (shard 2), a 20 (10), b 42 (21), c 8 (4)
+    est = _estimate(batch_example=BATCH)
+    assert [(u.fqn, u.numel, u.padded_numel, u.shard_numel) for u in est.plan.units] == [
+        ("", 3, 4, 2),
+        ("a", 20, 20, 10),
+        ("b", 42, 42, 21),
+        ("c", 8, 8, 4),
+    ]
+    shards = 2 + 10 + 21 + 4
+    assert est.breakdown["sharded_params"] == shards * 4 == est.sharded_param_bytes == est.plan.sharded_param_bytes
+    assert est.breakdown["sharded_grads"] == shards * 4
+    assert est.breakdown["optimizer_state"] == 2 * shards * 4  # adam: exp_avg + exp_avg_sq; rank 0 has no padding
+    # root unit (4) + the two largest non-root units in flight with BACKWARD_PRE: b (42) and a (20)
+    assert est.breakdown["unsharded_params"] == (4 + 42 + 20) * 4
+    assert est.breakdown["unsharded_grads"] == 42 * 4  # b's padded gradient buffer
+    # saved for backward: x (mul, for scale's grad), x*scale (a's input), relu(a) (a's output / b's
+    # input, one storage), relu(b); parameters are not activations
+    assert est.breakdown["activations"] == (4 * 3 + 4 * 3 + 4 * 5 + 4 * 7) * 4
+    assert est.peak_bytes == sum(est.breakdown.values())
+    expecttest.TestCase().assertExpectedInline(
+        str(est),
+        """\
+MemoryEstimate per rank: world size 2, 4 units, FULL_SHARD, optimizer adam
+term              bytes      size  what
+----------------  -----  --------  -----------------------------------------------------------------
+sharded_params      148     148 B  this rank's shard of every flat parameter
+sharded_grads       148     148 B  sharded gradient of every unit with a trainable parameter
+optimizer_state     296     296 B  adam: 2 x the trainable sharded parameters
+unsharded_params    264     264 B  root unit + 2 largest FULL_SHARD unit(s) in flight
+unsharded_grads     168     168 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
+activations         288     288 B  saved for backward by forward(batch_example), once per storage
+----------------  -----  --------  -----------------------------------------------------------------
+peak              1,312  1.28 KiB  sum of the terms above (upper bound)""",
+    )
+
+    # world size 4: root 3 -> 4 (1), a 20 (5), b 42 -> 44 (11), c 8 (2)
+    est4 = _estimate(world_size=4)
+    assert [(u.padded_numel, u.shard_numel) for u in est4.plan.units] == [(4, 1), (20, 5), (44, 11), (8, 2)]
+    assert est4.breakdown == {
+        "sharded_params": (1 + 5 + 11 + 2) * 4,
+        "sharded_grads": (1 + 5 + 11 + 2) * 4,
+        "optimizer_state": 2 * (1 + 5 + 11 + 2) * 4,
+        "unsharded_params": (4 + 44 + 20) * 4,
+        "unsharded_grads": 44 * 4,
+    }
+
+
+def test_estimate_strategies_and_prefetch_by_hand() -> None:
+    everything = 3 + 20 + 42 + 8
+    sgo = _estimate(strategy=ShardingStrategy.SHARD_GRAD_OP)
+    assert sgo.breakdown["unsharded_params"] == (4 + 20 + 42 + 8) * 4  # every unit stays unsharded
+    assert sgo.breakdown["sharded_params"] == (2 + 10 + 21 + 4) * 4
+    assert sgo.explanations["unsharded_params"] == "root unit + 3 SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded"
+    no_shard = _estimate(strategy=ShardingStrategy.NO_SHARD)
+    assert {u.strategy for u in no_shard.plan.units} == {ShardingStrategy.NO_SHARD}
+    assert no_shard.breakdown["sharded_params"] == everything * 4
+    assert no_shard.breakdown["unsharded_params"] == 0  # full precision NO_SHARD computes on the shard itself
+    assert no_shard.explanations["unsharded_params"].startswith("none: full-precision NO_SHARD")
+    assert no_shard.breakdown["unsharded_grads"] == 42 * 4
+    single = _estimate(world_size=1)
+    assert single.plan.units == no_shard.plan.units and single.strategy is ShardingStrategy.NO_SHARD
+    assert single.breakdown == no_shard.breakdown
+    post = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    assert post.breakdown["unsharded_params"] == (4 + 42) * 4  # root + one unit at a time
+    assert _estimate(backward_prefetch=None, forward_prefetch=True).breakdown["unsharded_params"] == (4 + 42 + 20) * 4
+
+
+def test_estimate_mixed_precision_by_hand() -> None:
+    mp = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
+    est = _estimate(mixed_precision=mp, batch_example=BATCH)
+    assert {(u.param_dtype, u.reduce_dtype, u.dtype) for u in est.plan.units} == {(BF16, torch.float32, torch.float32)}
+    assert est.breakdown["sharded_params"] == (2 + 10 + 21 + 4) * 4  # sharded parameters stay in fp32
+    assert est.breakdown["unsharded_params"] == (4 + 42 + 20) * 2  # gathered in bf16
+    assert est.breakdown["unsharded_grads"] == 42 * 2 + 42 * 4  # bf16 buffer + its fp32 reduce copy
+    assert est.breakdown["activations"] == (4 * 3 + 4 * 3 + 4 * 5 + 4 * 7) * 2  # inputs cast to bf16
+    low = _estimate(mixed_precision=MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True))
+    assert low.breakdown["sharded_grads"] == (2 + 10 + 21 + 4) * 2
+    assert low.breakdown["unsharded_grads"] == 42 * 2  # reduce dtype defaults to param_dtype: no copy
+    no_shard = _estimate(strategy=ShardingStrategy.NO_SHARD, mixed_precision=mp)
+    assert no_shard.breakdown["unsharded_params"] == (3 + 20 + 42 + 8) * 2  # cast copies kept through the step
+
+
+def test_estimate_optimizers_and_frozen_params_by_hand() -> None:
+    shards = 2 + 10 + 21 + 4
+    assert _estimate(optimizer="adamw").breakdown["optimizer_state"] == 2 * shards * 4
+    assert _estimate(optimizer="sgd-momentum").breakdown["optimizer_state"] == shards * 4
+    assert _estimate(optimizer="sgd").breakdown["optimizer_state"] == 0
+    frozen = Toy()
+    frozen.scale.requires_grad_(False)  # the whole root unit is frozen
+    frozen.b.weight.requires_grad_(False)  # b's flat: weight [0, 35) frozen, bias [35, 42); rank 0 holds [0, 21)
+    est = _estimate(frozen)
+    assert est.breakdown["sharded_grads"] == (10 + 21 + 4) * 4  # b keeps a sharded gradient for its bias
+    assert est.breakdown["optimizer_state"] == 2 * (10 + 0 + 4) * 4
+    assert est.breakdown["unsharded_grads"] == 42 * 4
+
+
+def test_estimate_meta_model_and_no_side_effects() -> None:
+    torch.manual_seed(0)
+    model = TinyGPT(tied=True)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = gpt_batch(0, 2)[0]
+    est = estimate_memory(model, policy=POLICY, world_size=4, batch_example=batch)
+    with torch.device("meta"):
+        meta_model = TinyGPT(tied=True)
+    assert estimate_memory(meta_model, policy=POLICY, world_size=4, batch_example=batch) == est
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert all(p.grad is None and not p.is_meta for p in model.parameters())
+    with pytest.raises(ValueError, match="call fully_shard"):
+        describe(model)  # estimate_memory attached nothing
+
+
+def test_estimate_batchnorm_unit_under_mixed_precision() -> None:
+    model = nn.Sequential(nn.Linear(3, 5), nn.BatchNorm1d(5), nn.Linear(5, 2))
+    est = _estimate(model, policy=None, mixed_precision=MixedPrecision(param_dtype=BF16))
+    assert [(u.fqn, u.param_dtype) for u in est.plan.units] == [("", BF16), ("1", None)]
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) * float(x.sum().item())
+
+
+def test_estimate_bad_arguments() -> None:
+    tc = expecttest.TestCase()
+    cases = {
+        "module": lambda: estimate_memory("model", policy=None, world_size=2),  # type: ignore[arg-type]
+        "policy": lambda: _estimate(policy=3),
+        "world_size type": lambda: _estimate(world_size=2.0),
+        "world_size value": lambda: _estimate(world_size=0),
+        "strategy": lambda: _estimate(strategy="FULL_SHARD"),
+        "hybrid": lambda: _estimate(strategy=ShardingStrategy.HYBRID_SHARD),
+        "mixed_precision": lambda: _estimate(mixed_precision=torch.bfloat16),
+        "optimizer": lambda: _estimate(optimizer="lamb"),
+        "backward_prefetch": lambda: _estimate(backward_prefetch="pre"),
+        "batch_example": lambda: _estimate(batch_example=3),
+    }
+    messages = {}
+    for name, call in cases.items():
+        with pytest.raises((TypeError, ValueError)) as e:
+            call()
+        messages[name] = f"{type(e.value).__name__}: {e.value}"
+    tc.assertExpectedInline(
+        "\n".join(f"{k}: {v}" for k, v in messages.items()),
+        """\
+module: TypeError: estimate_memory argument 'module' must be an nn.Module, got str
+policy: TypeError: estimate_memory argument 'policy': policy must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, got int
+world_size type: TypeError: estimate_memory argument 'world_size' must be an int, got float
+world_size value: ValueError: estimate_memory argument 'world_size' must be at least 1, got 0
+strategy: TypeError: estimate_memory argument 'strategy' must be a ShardingStrategy, got 'FULL_SHARD'
+hybrid: ValueError: estimate_memory argument 'strategy' is HYBRID_SHARD, which fully_shard does not implement yet; use FULL_SHARD or SHARD_GRAD_OP
+mixed_precision: TypeError: estimate_memory argument 'mixed_precision' must be a MixedPrecision or None, got torch.bfloat16
+optimizer: ValueError: estimate_memory argument 'optimizer' must be one of ['adam', 'adamw', 'sgd', 'sgd-momentum'], got 'lamb'
+backward_prefetch: TypeError: estimate_memory argument 'backward_prefetch' must be a BackwardPrefetch or None, got 'pre'
+batch_example: TypeError: estimate_memory argument 'batch_example' must be a tensor, a tuple of positional arguments or a dict of keyword arguments for module.forward, got int""",  # noqa: E501
+    )
+    with pytest.raises(RuntimeError, match=r"could not run DataDependent.forward\(batch_example\) on the meta device"):
+        _estimate(DataDependent(), policy=None, batch_example=torch.zeros(1, 2))
+
+
+def test_plan_is_frozen_and_copyable() -> None:
+    plan = _estimate().plan
+    assert isinstance(plan, ShardingPlan)
+    with pytest.raises(AttributeError):
+        plan.rank = 1  # type: ignore[misc]
+    assert copy.deepcopy(plan) == plan
