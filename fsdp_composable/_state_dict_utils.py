@@ -1,4 +1,5 @@
-"""State-dict hooks: FULL_STATE_DICT for every unit, and prefix hooks for wrapper modules.
+"""State-dict hooks for every unit (FULL / SHARDED / LOCAL), the `state_dict_type` context manager,
+and prefix hooks for wrapper modules.
 
 [Note: full state dicts from sharded units]
 Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
@@ -6,35 +7,207 @@ Between steps an original parameter is a 1-D view of its slice of this rank's sh
 parameter in full precision and puts each original parameter's full tensor under every FQN that
 registers it. A pre-hook on load does the reverse: it checks the full shape and replaces the value by
 this rank's slice, so ``nn.Module``'s own loader copies it straight into the shard.
+
+[Note: sharded state dicts are DTensors in torch.chunk layout]
+Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
+is generally not a block of its rows: it may start mid-row, or be empty. A ``Shard(0)`` DTensor (and
+so `torch.distributed.checkpoint`, which reads each piece's offset from the placement) assumes the
+`torch.chunk` rule: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world). So we move the
+elements instead of describing them: one all-to-all per unit sends each element from the rank whose
+flat shard holds it to the rank whose row chunk holds it. Every value is then an ordinary DTensor of
+the parameter's original shape, ``Shard(0)`` over a 1-D mesh of the unit's process group
+(``Replicate()`` for 0-dim parameters and for units that are not sharded), which DCP saves and loads at
+any world size. Loading runs the inverse all-to-all. Each rank sends and receives about one shard:
+nothing is gathered in full.
+
+[Note: local state dicts]
+LOCAL_STATE_DICT stores each unit's flat shard as ``<unit>._flat_param`` and, next to it, the layout
+that produced it (``<unit>._flat_param_layout``: rank, world size, numels, FQNs and shapes). The shard
+only means something under the same layout, so loading compares the two and names the unit if they
+differ. Per-parameter keys are absent; the load hook writes each parameter's slice back under its FQN
+so the usual strict checks still apply.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Optional
+import weakref
+from typing import Any, Iterator, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from fsdp_composable import _collectives
-from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
+from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable.api import (
+    FullStateDictConfig,
+    LocalStateDictConfig,
+    ShardedStateDictConfig,
+    StateDictConfig,
+    StateDictType,
+)
 
-__all__: list[str] = []
+__all__ = ["state_dict_type"]
+
+FLAT_PARAM_KEY = "_flat_param"
+LAYOUT_KEY = "_flat_param_layout"
+
+_CONFIG_TYPES: dict[StateDictType, type[StateDictConfig]] = {
+    StateDictType.FULL_STATE_DICT: FullStateDictConfig,
+    StateDictType.SHARDED_STATE_DICT: ShardedStateDictConfig,
+    StateDictType.LOCAL_STATE_DICT: LocalStateDictConfig,
+}
 
 
+# ---------------------------------------------------------------------------- state_dict_type
+@contextlib.contextmanager
+def state_dict_type(
+    module: nn.Module, state_dict_type: StateDictType, config: Optional[StateDictConfig] = None
+) -> Iterator[None]:
+    """Inside the context, ``module.state_dict()``, ``module.load_state_dict()`` and
+    ``optim_state_dict`` use ``state_dict_type`` (with ``config``) for every `fully_shard` state in
+    ``module``'s subtree; the previous settings come back on exit.
+
+    ``FULL_STATE_DICT`` (the default outside the context): the unsharded model's keys and full tensors.
+    ``SHARDED_STATE_DICT``: one DTensor per original parameter and buffer, for
+    ``torch.distributed.checkpoint``. ``LOCAL_STATE_DICT``: each unit's flat shard and its layout.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"state_dict_type argument 'module' must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(state_dict_type, StateDictType):
+        raise TypeError(
+            "state_dict_type argument 'state_dict_type' must be a StateDictType (e.g. "
+            f"StateDictType.SHARDED_STATE_DICT), got {type(state_dict_type).__name__}: {state_dict_type!r}"
+        )
+    expected = _CONFIG_TYPES[state_dict_type]
+    if config is not None and not isinstance(config, expected):
+        raise TypeError(
+            f"state_dict_type argument 'config' must be a {expected.__name__} or None for "
+            f"StateDictType.{state_dict_type.name}, got {type(config).__name__}"
+        )
+    states = _get_fsdp_states(module)
+    if not states:
+        raise ValueError(
+            f"state_dict_type: no fully_shard state on this {type(module).__name__} or its submodules; "
+            "call fully_shard(module) first"
+        )
+    previous = [(s.state_dict_type, s.state_dict_config) for s in states]
+    for s in states:
+        s.state_dict_type, s.state_dict_config = state_dict_type, config if config is not None else expected()
+    try:
+        yield
+    finally:
+        for s, (old_type, old_config) in zip(states, previous):
+            s.state_dict_type, s.state_dict_config = old_type, old_config
+
+
+def _config(state: _FSDPState) -> StateDictConfig:
+    return state.state_dict_config or _CONFIG_TYPES[state.state_dict_type]()
+
+
+def _drops_values(state: _FSDPState) -> bool:
+    """FULL with ``rank0_only``: this rank takes part in the collectives but returns nothing."""
+    config = _config(state)
+    return (
+        state.state_dict_type is StateDictType.FULL_STATE_DICT
+        and isinstance(config, FullStateDictConfig)
+        and config.rank0_only
+        and state.rank != 0
+    )
+
+
+def _to_output(state: _FSDPState, tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.cpu() if _config(state).offload_to_cpu else tensor
+
+
+def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` that owns its memory (on the CPU if the config asks), so the source can be freed."""
+    return view.cpu() if _config(state).offload_to_cpu and view.device.type != "cpu" else view.clone()
+
+
+# ---------------------------------------------------------------------------- registration
 def _register_state_dict_hooks(state: _FSDPState) -> None:
     for unit_module, handle in state.handles.items():
         state.hook_handles.append(
-            unit_module._register_state_dict_hook(functools.partial(_full_post_state_dict_hook, handle))
+            unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
         )
         state.hook_handles.append(
             unit_module._register_load_state_dict_pre_hook(
-                functools.partial(_full_pre_load_hook, handle), with_module=True
+                functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
             )
         )
+    # Registered after the unit hooks, so on the root unit they run after it.
+    state.hook_handles.append(
+        state.module._register_state_dict_hook(functools.partial(_root_post_state_dict_hook, state))
+    )
+    state.hook_handles.append(
+        state.module._register_load_state_dict_pre_hook(functools.partial(_root_pre_load_hook, state), with_module=True)
+    )
 
 
+def _post_state_dict_hook(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+) -> None:
+    kind = state.state_dict_type
+    if kind is StateDictType.FULL_STATE_DICT:
+        _full_post_state_dict_hook(state, handle, state_dict, prefix)
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        _sharded_post_state_dict_hook(state, handle, state_dict, prefix)
+    else:
+        _local_post_state_dict_hook(state, handle, state_dict, prefix)
+
+
+def _pre_load_state_dict_hook(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
+) -> None:
+    kind = state.state_dict_type
+    if kind is StateDictType.FULL_STATE_DICT:
+        _full_pre_load_hook(handle, state_dict, prefix, error_msgs)
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        _sharded_pre_load_hook(handle, state_dict, prefix, error_msgs)
+    else:
+        _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
+
+
+def _root_post_state_dict_hook(
+    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    if _drops_values(state):
+        for key in [k for k in state_dict if k.startswith(prefix)]:
+            del state_dict[key]
+    elif state.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        _replicate_buffers(state, state_dict, prefix)
+
+
+def _root_pre_load_hook(
+    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    # Buffers (and parameters of unsharded units) arrive as replicated DTensors: load their local value.
+    for key, value in list(state_dict.items()):
+        if key.startswith(prefix) and isinstance(value, DTensor) and _is_replicated(value):
+            state_dict[key] = value.to_local()
+
+
+# ---------------------------------------------------------------------------- FULL_STATE_DICT
 def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The unit's whole flat parameter (or flat ``shard`` of the same layout, e.g. its gradient) in
     full precision: a new tensor, never the unshard buffer."""
@@ -50,26 +223,31 @@ def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = N
 
 
 def _full_post_state_dict_hook(
-    handle: FlatParamHandle, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+    state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
 ) -> None:
+    # One unit's full flat tensor at a time: each parameter is cloned out and `full` dies here.
     full = _gather_full_flat(handle)
+    drop = _drops_values(state)
     for info in handle.layout.infos:
-        value = full[info.offset : info.offset + info.numel].view(info.shape).clone()
+        value = None if drop else _copy_out(state, full[info.offset : info.offset + info.numel].view(info.shape))
         for _, _, fqn in info.holders:
-            if prefix + fqn in state_dict:
+            if prefix + fqn not in state_dict:
+                continue
+            if value is None:
+                del state_dict[prefix + fqn]
+            else:
                 state_dict[prefix + fqn] = value
 
 
+def _size_mismatch(key: str, got: torch.Size, expected: torch.Size) -> str:
+    return (
+        f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
+        f"the shape in current model is {expected}."
+    )
+
+
 def _full_pre_load_hook(
-    handle: FlatParamHandle,
-    module: nn.Module,
-    state_dict: dict[str, Any],
-    prefix: str,
-    local_metadata: Any,
-    strict: bool,
-    missing_keys: list[str],
-    unexpected_keys: list[str],
-    error_msgs: list[str],
+    handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
 ) -> None:
     layout = handle.layout
     lo = layout.rank * layout.shard_numel
@@ -77,13 +255,12 @@ def _full_pre_load_hook(
         for _, _, fqn in info.holders:
             key = prefix + fqn
             value = state_dict.get(key)
+            if isinstance(value, DTensor):
+                value = value.full_tensor()
             if not isinstance(value, torch.Tensor):
                 continue
             if value.shape != info.shape:
-                error_msgs.append(
-                    f"size mismatch for {key}: copying a param with shape {value.shape} from checkpoint, "
-                    f"the shape in current model is {info.shape}."
-                )
+                error_msgs.append(_size_mismatch(key, value.shape, info.shape))
                 state_dict[key] = sharded_view.detach().clone()  # leave the parameter as it was
                 continue
             start, end = layout.shard_range(info)
@@ -91,15 +268,322 @@ def _full_pre_load_hook(
             state_dict[key] = value.reshape(-1)[begin : begin + end - start].view(sharded_view.shape)
 
 
+# ---------------------------------------------------------------------------- flat <-> chunk layout
+def _is_replicated_info(info: ParamInfo, layout: FlatLayout) -> bool:
+    return layout.world_size == 1 or len(info.shape) == 0
+
+
+def _chunk_rows(info: ParamInfo, world: int, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s rows [first, last) of ``info`` under ``Shard(0)``: the `torch.chunk` rule."""
+    rows = info.shape[0]
+    per_rank = -(-rows // world)
+    first = min(rank * per_rank, rows)
+    return first, min(first + per_rank, rows)
+
+
+def _chunk_range(info: ParamInfo, layout: FlatLayout, rank: int) -> tuple[int, int]:
+    """Rank ``rank``'s chunk of ``info`` as a [start, end) range of the unit's unpadded flat tensor."""
+    if _is_replicated_info(info, layout):
+        return info.offset, info.offset + info.numel
+    first, last = _chunk_rows(info, layout.world_size, rank)
+    row_numel = info.numel // info.shape[0] if info.shape[0] else 0
+    return info.offset + first * row_numel, info.offset + last * row_numel
+
+
+def _chunk_shape(info: ParamInfo, layout: FlatLayout, rank: int) -> torch.Size:
+    if _is_replicated_info(info, layout):
+        return info.shape
+    first, last = _chunk_rows(info, layout.world_size, rank)
+    return torch.Size((last - first, *info.shape[1:]))
+
+
+def _overlap(a: tuple[int, int], b: tuple[int, int]) -> tuple[int, int]:
+    lo, hi = max(a[0], b[0]), min(a[1], b[1])
+    return lo, max(lo, hi)
+
+
+def _shard_span(layout: FlatLayout, rank: int) -> tuple[int, int]:
+    return rank * layout.shard_numel, (rank + 1) * layout.shard_numel
+
+
+def _all_to_all(
+    handle: FlatParamHandle, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
+    send_flat = torch.cat(send) if send else like.new_empty(0)
+    recv = like.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
+    return recv
+
+
+def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+    """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
+    flat tensor laid out like the unit's shard. A collective over the unit's process group."""
+    layout = handle.layout
+    infos, me = layout.infos, layout.rank
+    if layout.world_size == 1:
+        return [flat_shard[i.offset : i.offset + i.numel].view(i.shape).clone() for i in infos]
+    mine = _shard_span(layout, me)
+    send: list[torch.Tensor] = []
+    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
+    for dst in range(layout.world_size):
+        for info in infos:
+            a, b = _overlap(mine, _chunk_range(info, layout, dst))
+            if b > a:
+                send.append(flat_shard[a - mine[0] : b - mine[0]])
+                in_splits[dst] += b - a
+    plan: list[tuple[int, int, int]] = []  # (info index, position in its chunk, length), in arrival order
+    targets = [_chunk_range(info, layout, me) for info in infos]
+    for src in range(layout.world_size):
+        for k, target in enumerate(targets):
+            a, b = _overlap(_shard_span(layout, src), target)
+            if b > a:
+                plan.append((k, a - target[0], b - a))
+                out_splits[src] += b - a
+    recv = _all_to_all(handle, send, in_splits, out_splits, flat_shard)
+    chunks = [flat_shard.new_empty(hi - lo) for lo, hi in targets]
+    pos = 0
+    for k, at, length in plan:
+        chunks[k][at : at + length] = recv[pos : pos + length]
+        pos += length
+    return [c.view(_chunk_shape(info, layout, me)) for c, info in zip(chunks, infos)]
+
+
+def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from every rank's
+    chunks. Replicated parameters are complete on every rank and need no communication."""
+    layout = handle.layout
+    infos, me = layout.infos, layout.rank
+    like = chunks[0] if chunks else handle.flat_param.detach()
+    flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
+    mine = _shard_span(layout, me)
+    sharded = [k for k, info in enumerate(infos) if not _is_replicated_info(info, layout)]
+    for k, info in enumerate(infos):
+        if _is_replicated_info(info, layout):
+            a, b = _overlap(mine, (info.offset, info.offset + info.numel))
+            flat[a - mine[0] : b - mine[0]] = chunks[k].reshape(-1)[a - info.offset : b - info.offset]
+    if not sharded:
+        return flat
+    send: list[torch.Tensor] = []
+    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
+    own = {k: _chunk_range(infos[k], layout, me) for k in sharded}
+    for dst in range(layout.world_size):
+        for k in sharded:
+            a, b = _overlap(own[k], _shard_span(layout, dst))
+            if b > a:
+                send.append(chunks[k].reshape(-1)[a - own[k][0] : b - own[k][0]])
+                in_splits[dst] += b - a
+    plan: list[tuple[int, int]] = []
+    for src in range(layout.world_size):
+        for k in sharded:
+            a, b = _overlap(_chunk_range(infos[k], layout, src), mine)
+            if b > a:
+                plan.append((a - mine[0], b - a))
+                out_splits[src] += b - a
+    recv = _all_to_all(handle, send, in_splits, out_splits, like)
+    pos = 0
+    for at, length in plan:
+        flat[at : at + length] = recv[pos : pos + length]
+        pos += length
+    return flat
+
+
+# The mesh only names the process group's ranks; building one is cheap, but do it once per group.
+_MESHES: dict[int, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    key = id(group)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not group or cached[1].device_type != device.type:
+        cached = (group, DeviceMesh.from_group(group, device.type))
+        _MESHES[key] = cached
+    return cached[1]
+
+
+def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
+    placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
+    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
+
+
+def _stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _is_replicated(value: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+def _local_chunk(value: torch.Tensor, info: ParamInfo, layout: FlatLayout) -> torch.Tensor:
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement."""
+    if isinstance(value, DTensor):
+        if (
+            not _is_replicated_info(info, layout)
+            and tuple(value.placements) == (Shard(0),)
+            and value.device_mesh.size() == layout.world_size
+        ):
+            return value.to_local().reshape(-1)
+        value = value.to_local() if _is_replicated(value) else value.full_tensor()
+    lo, hi = _chunk_range(info, layout, layout.rank)
+    return value.reshape(-1)[lo - info.offset : hi - info.offset]
+
+
+# ---------------------------------------------------------------------------- SHARDED_STATE_DICT
+def _sharded_post_state_dict_hook(
+    state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
+) -> None:
+    layout = handle.layout
+    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
+    mesh = _mesh_of(handle.process_group, handle.device)
+    for info, chunk in zip(layout.infos, chunks):
+        value = _as_dtensor(_to_output(state, chunk), info, layout, mesh)
+        for _, _, fqn in info.holders:
+            if prefix + fqn in state_dict:
+                state_dict[prefix + fqn] = value
+
+
+def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
+    mesh = _mesh_of(state.process_group, state.device)
+    for owner, fqn in _clean_module_fqns(state.module).items():
+        if owner in state.ignored_modules:
+            continue
+        for name, buf in owner._buffers.items():
+            key = prefix + _join(fqn, name)
+            value = state_dict.get(key)
+            if buf is None or name in owner._non_persistent_buffers_set or not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(value, DTensor):
+                state_dict[key] = DTensor.from_local(_to_output(state, value), mesh, [Replicate()], run_check=False)
+
+
+def _sharded_pre_load_hook(
+    handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+) -> None:
+    layout = handle.layout
+    if layout.world_size == 1:  # not sharded: every rank loads whole values
+        _full_pre_load_hook(handle, state_dict, prefix, error_msgs)
+        return
+    present: list[list[str]] = []
+    chunks: list[torch.Tensor] = []
+    for info, sharded_view in zip(layout.infos, handle._sharded_views):
+        keys = [prefix + fqn for _, _, fqn in info.holders if isinstance(state_dict.get(prefix + fqn), torch.Tensor)]
+        for key in [k for k in keys if state_dict[k].shape != info.shape]:
+            error_msgs.append(_size_mismatch(key, state_dict[key].shape, info.shape))
+            state_dict[key] = sharded_view.detach().clone()  # leave the parameter as it was
+            keys.remove(key)
+        present.append(keys)
+        # Every rank joins the all-to-all for every parameter; a missing one contributes zeros.
+        chunk = _local_chunk(state_dict[keys[0]], info, layout) if keys else None
+        chunks.append(
+            chunk.to(handle.dtype)
+            if chunk is not None
+            else torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=handle.dtype, device=handle.device)
+        )
+    flat = _chunks_to_flat(handle, chunks)
+    for info, keys, sharded_view in zip(layout.infos, present, handle._sharded_views):
+        start, end = layout.shard_range(info)
+        for key in keys:
+            state_dict[key] = flat[start:end].view(sharded_view.shape)
+
+
+# ---------------------------------------------------------------------------- LOCAL_STATE_DICT
+def _layout_record(layout: FlatLayout) -> dict[str, Any]:
+    """Plain Python values, so ``torch.load(..., weights_only=True)`` reads them back."""
+    return {
+        "rank": layout.rank,
+        "world_size": layout.world_size,
+        "unpadded_numel": layout.unpadded_numel,
+        "padded_numel": layout.padded_numel,
+        "fqns": [info.fqn for info in layout.infos],
+        "shapes": [list(info.shape) for info in layout.infos],
+    }
+
+
+def _local_post_state_dict_hook(
+    state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
+) -> None:
+    for info in handle.layout.infos:
+        for _, _, fqn in info.holders:
+            state_dict.pop(prefix + fqn, None)
+    state_dict[prefix + FLAT_PARAM_KEY] = _to_output(state, handle.flat_param.detach())
+    state_dict[prefix + LAYOUT_KEY] = _layout_record(handle.layout)
+
+
+def _local_pre_load_hook(
+    handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]
+) -> None:
+    flat = state_dict.pop(prefix + FLAT_PARAM_KEY, None)
+    record = state_dict.pop(prefix + LAYOUT_KEY, None)
+    layout = handle.layout
+    unit = f"unit '{handle.unit_fqn or '<root>'}'"
+    if flat is None:
+        missing_keys.append(prefix + FLAT_PARAM_KEY)
+        flat = handle.flat_param.detach().clone()  # keep the parameters as they are
+    elif record != _layout_record(layout):
+        error_msgs.append(
+            f"LOCAL_STATE_DICT layout mismatch for {unit} (key {prefix + FLAT_PARAM_KEY}): the checkpoint was "
+            f"saved with {_describe_record(record)}, this model has {_describe_record(_layout_record(layout))}. "
+            "A local state dict only loads at the same rank, world size and policy; use SHARDED_STATE_DICT "
+            "to change them."
+        )
+        flat = handle.flat_param.detach().clone()
+    elif not isinstance(flat, torch.Tensor) or flat.shape != handle.flat_param.shape:
+        error_msgs.append(
+            f"size mismatch for {prefix + FLAT_PARAM_KEY} of {unit}: expected a flat shard of shape "
+            f"{tuple(handle.flat_param.shape)}, got {getattr(flat, 'shape', type(flat).__name__)}."
+        )
+        flat = handle.flat_param.detach().clone()
+    for info, sharded_view in zip(layout.infos, handle._sharded_views):
+        start, end = layout.shard_range(info)
+        for _, _, fqn in info.holders:
+            state_dict[prefix + fqn] = flat[start:end].view(sharded_view.shape)
+
+
+def _describe_record(record: Any) -> str:
+    if not isinstance(record, dict):
+        return f"no layout record ({type(record).__name__})"
+    names = ("rank", "world_size", "padded_numel")
+    return ", ".join(f"{n}={record.get(n)}" for n in names) + f", {len(record.get('fqns', []))} parameters"
+
+
 # ---------------------------------------------------------------------------- wrapper prefixes
+# module -> the attribute name its prefix hooks hide, so FQN helpers can hide it too.
+_HIDDEN_ATTR: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+
+
 def _register_prefix_hooks(module: nn.Module, inner: str) -> None:
     """Hide the ``inner`` attribute name of a wrapper module from its state-dict keys.
 
     Saving strips ``<prefix><inner>.``; loading adds it back, so a wrapped module's state dict loads
     into the plain module and the reverse.
     """
+    _HIDDEN_ATTR[module] = inner
     module._register_state_dict_hook(functools.partial(_strip_prefix_hook, inner))
     module._register_load_state_dict_pre_hook(functools.partial(_add_prefix_hook, inner))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+def _clean_module_fqns(root: nn.Module) -> dict[nn.Module, str]:
+    """Every module under ``root`` with its FQN as state-dict keys spell it (no wrapper attributes)."""
+    out: dict[nn.Module, str] = {}
+    stack = [(root, "")]
+    while stack:
+        module, fqn = stack.pop()
+        if module in out:
+            continue
+        out[module] = fqn
+        hidden = _HIDDEN_ATTR.get(module)
+        children = [(c, fqn if n == hidden else _join(fqn, n)) for n, c in module._modules.items() if c is not None]
+        stack.extend(reversed(children))
+    return out
 
 
 def _strip_prefix_hook(

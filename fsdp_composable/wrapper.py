@@ -110,6 +110,31 @@ class FullyShardedDataParallel(nn.Module):
 
     summon_full_params = unshard_params
 
+    @staticmethod
+    def state_dict_type(
+        module: nn.Module, state_dict_type: Any, state_dict_config: Any = None
+    ) -> contextlib.AbstractContextManager[None]:
+        """See `fsdp_composable.state_dict_type` (a `StateDictType` and its matching config)."""
+        from fsdp_composable._state_dict_utils import state_dict_type as _state_dict_type
+
+        return _state_dict_type(module, state_dict_type, state_dict_config)
+
+    @staticmethod
+    def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
+        """See `fsdp_composable.optim_state_dict`; works with flat parameters (``use_orig_params=False``)."""
+        from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
+
+        return _optim_state_dict(module, optim)
+
+    @staticmethod
+    def optim_state_dict_to_load(
+        module: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+    ) -> dict[str, Any]:
+        """See `fsdp_composable.optim_state_dict_to_load`."""
+        from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
+
+        return _to_load(module, optim, optim_state_dict)
+
 
 @contextlib.contextmanager
 def _unshard_in_orig_mode(wrapper: FullyShardedDataParallel, **kwargs: Any) -> Iterator[None]:
