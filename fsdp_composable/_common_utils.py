@@ -81,6 +81,8 @@ class _FSDPState:
     forward_prefetch: bool
     limit_all_gathers: bool
     use_orig_params: bool = True
+    # HYBRID_SHARD: gradients are all-reduced across this group after the shard group's reduce-scatter
+    replicate_group: Optional[dist.ProcessGroup] = None
     # unit module -> its handle, in the order `_get_submodule_to_states` found them
     handles: dict[nn.Module, "FlatParamHandle"] = field(default_factory=dict)
     ignored_params: set[nn.Parameter] = field(default_factory=set)
@@ -94,6 +96,7 @@ class _FSDPState:
     all_states: list["_FSDPState"] = field(default_factory=list)
     exec_order_data: Optional["_ExecOrderData"] = None
     limiter: Optional["_AllGatherLimiter"] = None
+    non_root_handles: list["FlatParamHandle"] = field(default_factory=list)
     # Root only: per-backward bookkeeping.
     final_callback_queued: bool = False
     pending_reductions: list[Any] = field(default_factory=list)

@@ -26,6 +26,14 @@ class _ExecOrderData:
         self._pre_forward_index: dict[int, int] = {}
         self.post_forward_order: list["FlatParamHandle"] = []
         self._post_forward_index: dict[int, int] = {}
+        # (phase, unit FQN) of each prefetch this iteration; the previous iteration's is kept for
+        # inspection (tests, debugging)
+        self.prefetch_log: list[tuple[str, str]] = []
+        # pre-backward order of this and the last iteration: a unit skipped in backward (no gradient
+        # reached it) is absent, so the last order predicts the next backward better than the forward does
+        self.pre_backward_order: list["FlatParamHandle"] = []
+        self.last_pre_backward_order: list["FlatParamHandle"] = []
+        self.last_prefetch_log: list[tuple[str, str]] = []
 
     def record_pre_forward(self, handle: "FlatParamHandle") -> None:
         if self.is_first_iter and id(handle) not in self._pre_forward_index:
@@ -45,9 +53,19 @@ class _ExecOrderData:
             return None
         return self.pre_forward_order[i + 1]
 
+    def record_pre_backward(self, handle: "FlatParamHandle") -> None:
+        self.pre_backward_order.append(handle)
+
     def backward_prefetch_target(self, handle: "FlatParamHandle") -> Optional["FlatParamHandle"]:
-        """The unit whose backward comes after ``handle``'s: the previous one in post-forward order
-        that has not started its backward yet."""
+        """The unit whose backward comes after ``handle``'s: the next one in the last iteration's
+        backward order, else the previous one in this iteration's post-forward order, skipping units
+        whose backward already started."""
+        last = self.last_pre_backward_order
+        if handle in last:
+            for candidate in last[last.index(handle) + 1 :]:
+                if not candidate.ran_pre_backward:
+                    return candidate
+            return None
         i = self._post_forward_index.get(id(handle))
         if i is None:
             return None
@@ -62,3 +80,6 @@ class _ExecOrderData:
         self.iteration += 1
         self.post_forward_order.clear()
         self._post_forward_index.clear()
+        self.last_prefetch_log, self.prefetch_log = self.prefetch_log, []
+        if self.pre_backward_order:  # keep the last order that had a backward (eval steps have none)
+            self.last_pre_backward_order, self.pre_backward_order = self.pre_backward_order, []

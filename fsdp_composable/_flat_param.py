@@ -129,8 +129,10 @@ class FlatParamHandle:
         process_group: dist.ProcessGroup,
         config: UnitConfig,
         device: torch.device,
+        replicate_group: Optional[dist.ProcessGroup] = None,
     ) -> None:
         self.module = module
+        self.replicate_group = replicate_group
         self.unit_fqn = unit_fqn
         self.params = params
         self.process_group = process_group
@@ -358,19 +360,24 @@ class FlatParamHandle:
                 if param.grad is not None and param.grad is not view:
                     view.copy_(param.grad)
                 param.grad = None
-            world = dist.get_world_size(self.process_group)
+            world = dist.get_world_size(self.process_group) * self.replicas
             send = buffer if buffer.dtype == self.reduce_dtype else buffer.to(self.reduce_dtype)
             if world > 1:
                 send.div_(world)  # pre-divide: exact for powers of two, no overflow in low precision
             if self.layout.world_size == 1:
-                work = _collectives.all_reduce(send, self.process_group) if world > 1 else None
+                shard_world = dist.get_world_size(self.process_group)
+                work = _collectives.all_reduce(send, self.process_group) if shard_world > 1 else None
                 out = send
             else:
                 out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 work = _collectives.reduce_scatter(out, send, self.process_group)
         self._grad_buffer = None
         self._grad_views = []
-        return PendingReduce(self, work, out, send)
+        return PendingReduce(self, work, out, send, self.replicate_group)
+
+    @property
+    def replicas(self) -> int:
+        return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
 
     def accumulate_sharded_grad(self, reduced: torch.Tensor) -> None:
         """Add a reduced shard gradient to the flat parameter's ``.grad`` and expose views of it.
@@ -421,8 +428,13 @@ class PendingReduce:
     work: Optional[dist.Work]
     out: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
+    replicate_group: Optional[dist.ProcessGroup] = None
 
     def finish(self) -> None:
         if self.work is not None:
             self.work.wait()
+        if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
+            work = _collectives.all_reduce(self.out, self.replicate_group)
+            if work is not None:
+                work.wait()
         self.handle.accumulate_sharded_grad(self.out)

@@ -56,21 +56,57 @@ def _validate_args(
     _as_policy(policy)
 
 
-def _init_process_group_state(process_group: ProcessGroupArg) -> tuple[dist.ProcessGroup, int, int]:
+def _init_process_group_state(
+    process_group: Any, strategy: ShardingStrategy
+) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup], int, int]:
+    """(shard group, replicate group or None, rank and world size in the shard group).
+
+    ``process_group`` is a ProcessGroup, a 1-D DeviceMesh, or for HYBRID_SHARD a
+    ``(shard_group, replicate_group)`` pair or a 2-D DeviceMesh laid out (replicate, shard)."""
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
             "fully_shard needs an initialised default process group: call "
             "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the "
             "environment for you)"
         )
-    if process_group is not None and not isinstance(process_group, dist.ProcessGroup):
-        raise TypeError(
-            f"fully_shard argument 'process_group' must be a torch.distributed.ProcessGroup or None, "
-            f"got {type(process_group).__name__}"
+    shard, replicate = _split_process_group(process_group)
+    hybrid = strategy is ShardingStrategy.HYBRID_SHARD
+    if hybrid and replicate is None:
+        raise ValueError(
+            "ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D "
+            "DeviceMesh (replicate, shard): say which ranks shard together and which replicate"
         )
-    group = process_group if process_group is not None else dist.group.WORLD
+    if not hybrid and replicate is not None:
+        raise ValueError(
+            f"a (shard, replicate) process_group or 2-D DeviceMesh is only for HYBRID_SHARD, not {strategy.name}; "
+            "pass one ProcessGroup"
+        )
+    group = shard if shard is not None else dist.group.WORLD
     assert group is not None
-    return group, dist.get_rank(group), dist.get_world_size(group)
+    return group, replicate, dist.get_rank(group), dist.get_world_size(group)
+
+
+def _split_process_group(process_group: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if process_group is None or isinstance(process_group, dist.ProcessGroup):
+        return process_group, None
+    if isinstance(process_group, DeviceMesh):
+        if process_group.ndim == 1:
+            return process_group.get_group(), None
+        if process_group.ndim == 2:
+            return process_group.get_group(1), process_group.get_group(0)
+        raise ValueError(f"fully_shard supports 1-D or 2-D DeviceMesh, got {process_group.ndim}-D")
+    if (
+        isinstance(process_group, tuple)
+        and len(process_group) == 2
+        and all(isinstance(g, dist.ProcessGroup) for g in process_group)
+    ):
+        return process_group[0], process_group[1]
+    raise TypeError(
+        "fully_shard argument 'process_group' must be a ProcessGroup, a DeviceMesh, a "
+        f"(shard_group, replicate_group) tuple or None, got {type(process_group).__name__}"
+    )
 
 
 def _init_ignored_module_states(
@@ -133,10 +169,6 @@ def _init_core_state(
     cpu_offload: Optional[CPUOffload],
     use_orig_params: bool,
 ) -> _FSDPState:
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        raise NotImplementedError(
-            "ShardingStrategy.HYBRID_SHARD is not implemented yet; use FULL_SHARD (or SHARD_GRAD_OP)"
-        )
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
         strategy = ShardingStrategy.NO_SHARD  # nothing to shard: skip the collectives entirely
     config = UnitConfig(strategy, mixed_precision, bool(cpu_offload and cpu_offload.offload_params))
@@ -250,7 +282,14 @@ def _init_param_handles_from_module(
         _check_unit_params(sub)
         config = _unit_config(state.config, sub.overrides)
         handles[unit_module] = FlatParamHandle(
-            unit_module, sub.fqn, sub.params, sub.holders, state.process_group, config, state.device
+            unit_module,
+            sub.fqn,
+            sub.params,
+            sub.holders,
+            state.process_group,
+            config,
+            state.device,
+            state.replicate_group,
         )
     if sync_module_states:
         _broadcast_from_rank0(state, [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)])
@@ -273,10 +312,12 @@ def _retie_and_refresh(sub: SubmoduleState) -> None:
 
 def _broadcast_from_rank0(state: _FSDPState, tensors: list[torch.Tensor]) -> None:
     """``sync_module_states``: every rank starts from rank 0's values."""
-    src = dist.get_global_rank(state.process_group, 0)
+    groups = [g for g in (state.process_group, state.replicate_group) if g is not None]
     with torch.no_grad():
-        for t in tensors:
-            dist.broadcast(t, src=src, group=state.process_group)
+        for group in groups:  # shard group first, then across replicas: every rank gets rank 0's
+            src = dist.get_global_rank(group, 0)
+            for t in tensors:
+                dist.broadcast(t, src=src, group=group)
 
 
 def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:

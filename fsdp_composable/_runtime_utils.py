@@ -39,10 +39,12 @@ from fsdp_composable._common_utils import (
 )
 from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
 
+_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 _BACKWARD_STATES = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST)
 
 
@@ -81,6 +83,8 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.root_state = state
         s.exec_order_data = exec_order
     state.all_states = states
+    state.limiter = _AllGatherLimiter()
+    state.non_root_handles = [h for h in _iter_handles(state) if h.module is not root_module]
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
 
@@ -194,7 +198,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     eo.record_pre_forward(handle)
     _unshard(state, handle)
     if state.forward_prefetch:
-        _prefetch(state, eo.forward_prefetch_target(handle))
+        _prefetch(state, eo.forward_prefetch_target(handle), "forward")
     handle.wait_unshard()
     mp = handle.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
@@ -224,7 +228,7 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
 def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
     if _is_root_unit(state, handle):
         return False  # needed first in backward; the root post-forward reshards it if none follows
-    return not torch.is_grad_enabled() or handle.config.strategy is ShardingStrategy.FULL_SHARD
+    return not torch.is_grad_enabled() or handle.config.strategy in _RESHARD_AFTER_FORWARD
 
 
 # ---------------------------------------------------------------------------- backward
@@ -238,6 +242,8 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, root))
     handle.ran_pre_backward = True
     handle.set_training_state(HandleTrainingState.BACKWARD_PRE)
+    if state.exec_order_data is not None:
+        state.exec_order_data.record_pre_backward(handle)
     _unshard(state, handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_for_backward(state, handle)
@@ -317,17 +323,27 @@ def _finish_pending_reductions(root: _FSDPState) -> None:
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.unshard()
+    root = state.root_state
+    if root is not None and root.limiter is not None:
+        root.limiter.record(root.non_root_handles)
 
 
-def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle]) -> None:
-    if handle is not None and not handle.is_unsharded:
-        handle.unshard()
+def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
+    """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
+    if handle is None or handle.is_unsharded or handle.unshard_in_flight:
+        return
+    root = state.root_state
+    assert root is not None and root.exec_order_data is not None
+    if state.limit_all_gathers and root.limiter is not None and not root.limiter.may_prefetch(root.non_root_handles):
+        return
+    root.exec_order_data.prefetch_log.append((phase, handle.unit_fqn))
+    _unshard(state, handle)
 
 
 def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     eo = state.exec_order_data
     if eo is not None:
-        _prefetch(state, eo.backward_prefetch_target(handle))
+        _prefetch(state, eo.backward_prefetch_target(handle), "backward")
 
 
 # ---------------------------------------------------------------------------- other forward methods

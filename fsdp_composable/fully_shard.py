@@ -5,7 +5,6 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _init_utils as init
@@ -23,7 +22,7 @@ def fully_shard(
     module: nn.Module,
     policy: Any = None,
     *,
-    process_group: Optional[dist.ProcessGroup] = None,
+    process_group: Any = None,
     strategy: ShardingStrategy = ShardingStrategy.FULL_SHARD,
     mixed_precision: Optional[MixedPrecision] = None,
     cpu_offload: Optional[CPUOffload] = None,
@@ -65,7 +64,7 @@ def fully_shard(
 def _build_state(
     module: nn.Module,
     policy: Any,
-    process_group: Optional[dist.ProcessGroup],
+    process_group: Any,
     strategy: ShardingStrategy,
     mixed_precision: Optional[MixedPrecision],
     cpu_offload: Optional[CPUOffload],
@@ -95,13 +94,14 @@ def _build_state(
         param_init_fn,
         policy,
     )
-    group, rank, world_size = init._init_process_group_state(process_group)
+    group, replicate_group, rank, world_size = init._init_process_group_state(process_group, strategy)
     ignored_mods, ignored_params = init._init_ignored_module_states(module, ignored_modules)
     device = init._init_device(module, device_id, ignored_params)
     state = init._init_core_state(
         module, group, rank, world_size, device, strategy, mixed_precision, cpu_offload, use_orig_params
     )
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
+    state.replicate_group = replicate_group
     init._init_runtime_state(state, limit_all_gathers)
     init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
     init._init_buffer_state(state, module)

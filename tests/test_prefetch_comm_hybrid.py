@@ -1,0 +1,215 @@
+"""Communication per step, prefetch order, the all-gather limiter, and HYBRID_SHARD."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import Block, TinyGPT, gpt_batch, gpt_loss
+from parity import local_slice, train_side_by_side
+from torch import nn
+
+from fsdp_composable import BackwardPrefetch, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
+from fsdp_composable import _collectives
+
+
+class CommCounter:
+    """Counts our collectives and the bytes each rank sends in a ring implementation."""
+
+    def __init__(self) -> None:
+        self.calls: dict[str, int] = {}
+        self.bytes: dict[str, int] = {}
+        self._orig: dict[str, Any] = {}
+
+    def __enter__(self) -> CommCounter:
+        world = dist.get_world_size()
+        for name in ("all_gather", "reduce_scatter", "all_reduce"):
+            fn = getattr(_collectives, name)
+            self._orig[name] = fn
+
+            def counted(out: torch.Tensor, *args: Any, _fn: Any = fn, _name: str = name) -> Any:
+                self.calls[_name] = self.calls.get(_name, 0) + 1
+                big = out if _name != "reduce_scatter" else args[0]
+                factor = 2 if _name == "all_reduce" else 1  # ring all-reduce = reduce-scatter + all-gather
+                sent = factor * (world - 1) * big.numel() * big.element_size() // world
+                self.bytes[_name] = self.bytes.get(_name, 0) + sent
+                return _fn(out, *args)
+
+            setattr(_collectives, name, counted)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for name, fn in self._orig.items():
+            setattr(_collectives, name, fn)
+
+
+def comm_per_step(strategy: str, bf16: bool) -> dict:
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    fully_shard(model, ModuleWrapPolicy({Block}), strategy=ShardingStrategy[strategy], mixed_precision=mp)
+    state = fully_shard.state(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpt_loss(model, local_slice(gpt_batch(0, 2 * world), rank, world)).backward()  # warm-up step
+    with CommCounter() as counter:
+        gpt_loss(model, local_slice(gpt_batch(1, 2 * world), rank, world)).backward()
+    padded = {h.unit_fqn: h.layout.padded_numel for h in state.handles.values()}
+    return {"calls": counter.calls, "bytes": counter.bytes, "padded": padded}
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+def test_collectives_and_bytes_per_step(dist_run, strategy: str) -> None:
+    world = 2
+    r = dist_run(world, comm_per_step, strategy, False)[0]
+    units = r["padded"]
+    total = sum(units.values())
+    non_root = total - units[""]
+    ring = (world - 1) / world
+    if strategy == "FULL_SHARD":
+        # every unit gathered in forward; all but the root (kept unsharded) gathered again in backward
+        assert r["calls"] == {"all_gather": 2 * len(units) - 1, "reduce_scatter": len(units)}
+        assert r["bytes"]["all_gather"] == ring * 4 * (total + non_root)
+        assert r["bytes"]["reduce_scatter"] == ring * 4 * total
+    elif strategy == "SHARD_GRAD_OP":
+        assert r["calls"] == {"all_gather": len(units), "reduce_scatter": len(units)}
+        assert r["bytes"]["all_gather"] == r["bytes"]["reduce_scatter"] == ring * 4 * total
+    else:
+        assert r["calls"] == {"all_reduce": len(units)}
+        assert r["bytes"]["all_reduce"] == 2 * ring * 4 * total
+
+
+def test_bf16_param_dtype_halves_all_gather_bytes(dist_run) -> None:
+    fp32 = dist_run(2, comm_per_step, "FULL_SHARD", False)[0]
+    bf16 = dist_run(2, comm_per_step, "FULL_SHARD", True)[0]
+    assert bf16["bytes"]["all_gather"] * 2 == fp32["bytes"]["all_gather"]
+    assert bf16["bytes"]["reduce_scatter"] == fp32["bytes"]["reduce_scatter"]  # reduce_dtype stays fp32
+
+
+class SkipsMiddle(nn.Module):
+    """Three blocks; the middle one's output is detached, so its backward never runs."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(8, 8) for _ in range(3))
+        self.head = nn.Linear(8, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.tanh(self.blocks[0](x))
+        x = x + self.blocks[1](x).detach()
+        return self.head(torch.tanh(self.blocks[2](x)))
+
+
+def prefetch_logs(prefetch: str, forward_prefetch: bool, skip_middle: bool) -> list:
+    torch.manual_seed(0)
+    model: nn.Module = SkipsMiddle() if skip_middle else TinyGPT(n_layers=3)
+    policy = (lambda m: m in set(model.blocks)) if skip_middle else ModuleWrapPolicy({Block})
+    fully_shard(model, policy, backward_prefetch=BackwardPrefetch[prefetch], forward_prefetch=forward_prefetch)
+    state = fully_shard.state(model)
+    eo = state.exec_order_data
+    logs, peaks = [], []
+    for step in range(3):
+        if skip_middle:
+            model(torch.randn(4, 8)).sum().backward()
+        else:
+            gpt_loss(model, gpt_batch(step, 2)).backward()
+        eo = state.exec_order_data
+        logs.append(eo.last_prefetch_log)
+        peaks.append(state.limiter.peak)
+    return [logs, peaks]
+
+
+def test_backward_pre_prefetch_order(dist_run) -> None:
+    logs, peaks = dist_run(2, prefetch_logs, "BACKWARD_PRE", False, False)[0]
+    assert logs[1] == [("backward", "blocks.2"), ("backward", "blocks.1"), ("backward", "blocks.0")]
+    assert max(peaks) <= 2
+
+
+def test_backward_post_prefetch_order(dist_run) -> None:
+    logs, _ = dist_run(2, prefetch_logs, "BACKWARD_POST", False, False)[0]
+    assert logs[1] == [("backward", "blocks.1"), ("backward", "blocks.0")]
+
+
+def test_forward_prefetch_order_and_limit(dist_run) -> None:
+    logs, peaks = dist_run(2, prefetch_logs, "BACKWARD_PRE", True, False)[0]
+    assert logs[0][:1] == [("backward", "blocks.2")], "no forward prefetch before the order is known"
+    assert logs[1] == [
+        ("forward", "blocks.0"),
+        ("forward", "blocks.1"),
+        ("forward", "blocks.2"),
+        ("backward", "blocks.2"),
+        ("backward", "blocks.1"),
+        ("backward", "blocks.0"),
+    ]
+    assert max(peaks) <= 2
+
+
+def test_prefetch_skips_unit_without_backward(dist_run) -> None:
+    logs, _ = dist_run(2, prefetch_logs, "BACKWARD_PRE", False, True)[0]
+    # after one iteration the runtime knows blocks.1 gets no gradient and prefetches blocks.0 instead
+    assert logs[1] == [("backward", "blocks.2"), ("backward", "blocks.0")]
+    assert logs[2] == logs[1]
+
+
+def hybrid(use_mesh: bool) -> dict:
+    rank = dist.get_rank()
+    # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
+    if use_mesh:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        group: Any = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        group = (shards[rank // 2], replicas[rank % 2])
+    torch.manual_seed(0)
+    ref = TinyGPT()
+
+    def shard(m: nn.Module) -> nn.Module:
+        return fully_shard(m, ModuleWrapPolicy({Block}), strategy=ShardingStrategy.HYBRID_SHARD, process_group=group)
+
+    out = train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=3, optim="adamw")
+    return out
+
+
+@pytest.mark.parametrize("use_mesh", [False, True])
+def test_hybrid_shard_parity_2x2(dist_run, use_mesh: bool) -> None:
+    for r in dist_run(4, hybrid, use_mesh):
+        assert r["keys_equal"] and r["shapes_equal"]
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-5)
+        assert r["max_weight_diff"] < 1e-5
+
+
+def hybrid_errors() -> list:
+    errors = []
+    for kwargs in (
+        {"strategy": ShardingStrategy.HYBRID_SHARD},
+        {"strategy": ShardingStrategy.FULL_SHARD, "process_group": (dist.group.WORLD, dist.group.WORLD)},
+        {"process_group": "world"},
+    ):
+        try:
+            fully_shard(copy.deepcopy(nn.Linear(2, 2)), **kwargs)
+        except (ValueError, TypeError) as e:
+            errors.append(str(e))
+    return errors
+
+
+def test_hybrid_shard_bad_groups(dist_run) -> None:
+    import expecttest
+
+    errors = dist_run(2, hybrid_errors)[0]
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        errors[0],
+        """ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D DeviceMesh (replicate, shard): say which ranks shard together and which replicate""",  # noqa: E501
+    )
+    tc.assertExpectedInline(
+        errors[1],
+        """a (shard, replicate) process_group or 2-D DeviceMesh is only for HYBRID_SHARD, not FULL_SHARD; pass one ProcessGroup""",  # noqa: E501
+    )
+    tc.assertExpectedInline(
+        errors[2],
+        """fully_shard argument 'process_group' must be a ProcessGroup, a DeviceMesh, a (shard_group, replicate_group) tuple or None, got str""",  # noqa: E501
+    )
