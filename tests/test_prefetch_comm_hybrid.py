@@ -12,8 +12,14 @@ from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice, train_side_by_side
 from torch import nn
 
-from fsdp_composable import BackwardPrefetch, MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
-from fsdp_composable import _collectives
+from fsdp_composable import (
+    BackwardPrefetch,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    _collectives,
+    fully_shard,
+)
 
 
 class CommCounter:
