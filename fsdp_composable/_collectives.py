@@ -27,6 +27,23 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     return _reduce_scatter(output, full, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
 
 
+class CollectiveError(RuntimeError):
+    """A collective of a named unit failed: a rank died, timed out, or ran something else."""
+
+
+def wait(work: Optional[dist.Work], what: str) -> None:
+    """Wait for ``work``; on failure say which collective of which unit never completed."""
+    if work is None:
+        return
+    try:
+        work.wait()
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"fully_shard: {what} did not complete: {e}. Another rank probably died, hung, or ran "
+            "different modules; check the other ranks' logs (the process group timeout bounds the wait)"
+        ) from e
+
+
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Optional[dist.Work]:
     """Sum ``tensor`` over ranks in place (async)."""
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

@@ -2,12 +2,25 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp_composable import _collectives
 
 if TYPE_CHECKING:
     from fsdp_composable._flat_param import FlatParamHandle
 
 __all__: list[str] = []
+
+
+END_OF_FORWARD = -1
+
+
+class ExecutionOrderError(RuntimeError):
+    """Ranks ran different units (or a different number of them) in the first iteration."""
 
 
 class _ExecOrderData:
@@ -19,7 +32,18 @@ class _ExecOrderData:
       so it is the backward prefetch order.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, group: Optional[dist.ProcessGroup] = None, unit_names: Optional[list[str]] = None) -> None:
+        # [Note: execution order validation]
+        # In the first iteration, before each unit's first all-gather, every rank contributes the
+        # index of the unit it is about to run to one tiny all-gather (and -1 at the end of forward).
+        # Because every rank makes the same number of these calls until they disagree, a rank that
+        # runs another unit, or skips one, is caught by an error on every rank instead of pairing the
+        # wrong all-gathers (garbage) or waiting forever (hang).
+        self.group = group
+        self.unit_names = unit_names or []
+        self._index: dict[int, int] = {}
+        self._validated: set[int] = set()
+        self._warned = False
         self.is_first_iter = True
         self.iteration = 0
         self.pre_forward_order: list["FlatParamHandle"] = []
@@ -34,11 +58,63 @@ class _ExecOrderData:
         self.pre_backward_order: list["FlatParamHandle"] = []
         self.last_pre_backward_order: list["FlatParamHandle"] = []
         self.last_prefetch_log: list[tuple[str, str]] = []
+        self._current_forward: list["FlatParamHandle"] = []
+        self._forward_ended = False
+
+    def set_units(self, handles: "list[FlatParamHandle]", names: list[str]) -> None:
+        self._index = {id(h): i for i, h in enumerate(handles)}
+        self.unit_names = names
 
     def record_pre_forward(self, handle: "FlatParamHandle") -> None:
         if self.is_first_iter and id(handle) not in self._pre_forward_index:
+            self._validate(self._index.get(id(handle), -2))
             self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
             self.pre_forward_order.append(handle)
+        elif not self.is_first_iter:
+            self._warn_if_order_changed(handle)
+        self._current_forward.append(handle)
+
+    def end_forward(self) -> None:
+        """Root post-forward: in the first iteration, check every rank ran the same number of units."""
+        if self.is_first_iter and not self._forward_ended:
+            self._forward_ended = True
+            self._validate(END_OF_FORWARD)
+
+    def _name(self, index: int) -> str:
+        if index == END_OF_FORWARD:
+            return "<end of forward>"
+        return repr(self.unit_names[index]) if 0 <= index < len(self.unit_names) else f"<unit #{index}>"
+
+    def _validate(self, index: int) -> None:
+        group = self.group
+        if group is None or dist.get_world_size(group) == 1:
+            return
+        mine = torch.tensor([index], dtype=torch.int64)
+        everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64)
+        _collectives.wait(_collectives.all_gather(everyone, mine, group), "the execution-order check")
+        if bool((everyone != everyone[0]).any()):
+            step = len(self.pre_forward_order)
+            detail = "; ".join(f"rank {r}: {self._name(int(i))}" for r, i in enumerate(everyone.tolist()))
+            raise ExecutionOrderError(
+                f"fully_shard: ranks disagree on the unit to run at position {step} of the forward in "
+                f"iteration {self.iteration} ({detail}). Every rank must run the same modules in the same "
+                "order; look for data-dependent branches or modules skipped on some ranks"
+            )
+
+    def _warn_if_order_changed(self, handle: "FlatParamHandle") -> None:
+        position = len(self._current_forward)
+        expected = self.pre_forward_order[position] if position < len(self.pre_forward_order) else None
+        if expected is handle or self._warned:
+            return
+        self._warned = True
+        got = self._name(self._index.get(id(handle), -2))
+        want = self._name(self._index[id(expected)]) if expected is not None else "<end of forward>"
+        warnings.warn(
+            f"fully_shard: in iteration {self.iteration}, unit {got} ran at forward position {position} where "
+            f"the first iteration ran {want}. Prefetching follows the first iteration's order, so it may "
+            "fetch the wrong unit (this is expected for eval vs train; warned once)",
+            stacklevel=4,
+        )
 
     def record_post_forward(self, handle: "FlatParamHandle") -> None:
         self._post_forward_index[id(handle)] = len(self.post_forward_order)
@@ -76,7 +152,9 @@ class _ExecOrderData:
         return None
 
     def next_iter(self) -> None:
+        self.end_forward()  # a forward whose root post-forward did not run still closes the check
         self.is_first_iter = False
+        self._current_forward = []
         self.iteration += 1
         self.post_forward_order.clear()
         self._post_forward_index.clear()

@@ -251,8 +251,8 @@ class FlatParamHandle:
     def wait_unshard(self) -> None:
         """Finish a pending unshard and point the original parameters at the unsharded views."""
         if self._unshard_work is not None:
-            self._unshard_work.wait()
-            self._unshard_work = None
+            work, self._unshard_work = self._unshard_work, None
+            _collectives.wait(work, f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
             self.is_unsharded = True
         elif not self._needs_buffer:
             self.is_unsharded = True
@@ -265,8 +265,8 @@ class FlatParamHandle:
     def reshard(self) -> None:
         """Point the original parameters back at the shard and free the unsharded storage."""
         if self._unshard_work is not None:  # never free memory a collective is still writing
-            self._unshard_work.wait()
-            self._unshard_work = None
+            work, self._unshard_work = self._unshard_work, None
+            _collectives.wait(work, f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
         self.use_sharded_views()
         if self._needs_buffer:
             self._free_unsharded()
@@ -313,6 +313,13 @@ class FlatParamHandle:
         for param in self.params:
             param.grad = None
         self._sharded_grad_views = []
+
+    def release_cleared_grads(self) -> None:
+        """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
+        (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
+        if self._sharded_grad_views and all(p.grad is None for p in self.params):
+            self.flat_param.grad = None
+            self._sharded_grad_views = []
 
     def _sharded_views_of(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
         keep_shape = self.layout.world_size == 1
@@ -431,10 +438,10 @@ class PendingReduce:
     replicate_group: Optional[dist.ProcessGroup] = None
 
     def finish(self) -> None:
-        if self.work is not None:
-            self.work.wait()
+        unit = self.handle.unit_fqn or "<root>"
+        kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
+        _collectives.wait(self.work, f"the gradient {kind} of unit '{unit}'")
         if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
             work = _collectives.all_reduce(self.out, self.replicate_group)
-            if work is not None:
-                work.wait()
+            _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
         self.handle.accumulate_sharded_grad(self.out)

@@ -77,7 +77,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     if state.is_root is not None:
         return
     states = _get_fsdp_states(root_module)
-    exec_order = _ExecOrderData()
+    exec_order = _ExecOrderData(state.process_group)
     for s in states:
         s.is_root = s is state
         s.root_state = state
@@ -85,6 +85,9 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     state.all_states = states
     state.limiter = _AllGatherLimiter()
     state.non_root_handles = [h for h in _iter_handles(state) if h.module is not root_module]
+    fqn_of = {m: name for name, m in root_module.named_modules()}
+    handles = list(_iter_handles(state))
+    exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
 
@@ -170,6 +173,8 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
     for s in state.all_states:
         _set_training_state(s, TrainingState.FORWARD_BACKWARD)
     _finish_pending_reductions(state)
+    for handle in _iter_handles(state):
+        handle.release_cleared_grads()
     mp = state.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
         return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
@@ -182,6 +187,8 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
         _reset_after_failure(state)
         return None
+    if state.exec_order_data is not None:
+        state.exec_order_data.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
         _finish_step(state)  # no backward will follow: leave everything IDLE and resharded now
     return output

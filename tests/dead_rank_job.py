@@ -1,0 +1,38 @@
+"""A 2-rank job in which rank 1 dies in the middle of its second step (run by test_reliability)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from models import Block, TinyGPT, gpt_batch, gpt_loss  # noqa: E402
+
+from fsdp_composable import ModuleWrapPolicy, fully_shard  # noqa: E402
+
+
+def main() -> None:
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=15))
+    torch.manual_seed(0)
+    model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
+    step = {"n": 0}
+
+    def die(module: torch.nn.Module, args: tuple) -> None:
+        if rank == 1 and step["n"] == 1:
+            os._exit(3)
+
+    model.blocks[1].register_forward_pre_hook(die, prepend=True)
+    for n in range(3):
+        step["n"] = n
+        gpt_loss(model, gpt_batch(n, 2)).backward()
+    print("finished without noticing", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,114 @@
+"""Divergence is diagnosed, not hung; failures are named; order changes warn once."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import expecttest
+import torch
+import torch.distributed as dist
+from harness import free_port
+from torch import nn
+
+from fsdp_composable import fully_shard
+from fsdp_composable._common_utils import TrainingState
+
+TESTS = os.path.dirname(os.path.abspath(__file__))
+
+
+class Branchy(nn.Module):
+    """Runs its blocks in an order (or a subset) chosen per rank: a data-dependent branch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.order = [0, 1, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = torch.tanh(self.blocks[i](x))
+        return x
+
+
+def divergent(kind: str) -> dict:
+    torch.manual_seed(0)
+    model = Branchy()
+    fully_shard(model, lambda m: isinstance(m, nn.Linear))
+    if dist.get_rank() == 1:
+        model.order = [0, 2, 1] if kind == "swap" else [0, 1]
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+        message = ""
+    except RuntimeError as e:
+        message = str(e)
+    state = fully_shard.state(model)
+    return {"message": message, "idle": state.training_state is TrainingState.IDLE}
+
+
+def test_divergent_order_raises_on_every_rank(dist_run) -> None:
+    r0, r1 = dist_run(2, divergent, "swap", timeout=60)
+    assert r0["message"] == r1["message"] and r0["idle"] and r1["idle"]
+    expecttest.TestCase().assertExpectedInline(
+        r0["message"],
+        """fully_shard: ranks disagree on the unit to run at position 1 of the forward in iteration 0 (rank 0: 'blocks.1'; rank 1: 'blocks.2'). Every rank must run the same modules in the same order; look for data-dependent branches or modules skipped on some ranks""",  # noqa: E501
+    )
+
+
+def test_rank_skipping_a_unit_raises_instead_of_hanging(dist_run) -> None:
+    r0, r1 = dist_run(2, divergent, "skip", timeout=60)
+    assert r0["message"] == r1["message"]
+    expecttest.TestCase().assertExpectedInline(
+        r0["message"],
+        """fully_shard: ranks disagree on the unit to run at position 2 of the forward in iteration 0 (rank 0: 'blocks.2'; rank 1: <end of forward>). Every rank must run the same modules in the same order; look for data-dependent branches or modules skipped on some ranks""",  # noqa: E501
+    )
+
+
+def order_change_warns_once() -> list:
+    torch.manual_seed(0)
+    model = Branchy()
+    fully_shard(model, lambda m: isinstance(m, nn.Linear))
+    model(torch.randn(2, 4)).sum().backward()
+    model.order = [0, 2, 1]  # same on every rank: legitimate, but prefetching would be off
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for _ in range(2):
+            model(torch.randn(2, 4)).sum().backward()
+    return [str(w.message) for w in caught if "fully_shard" in str(w.message)]
+
+
+def test_order_change_after_first_iteration_warns_once(dist_run) -> None:
+    messages = dist_run(2, order_change_warns_once)[0]
+    assert len(messages) == 1
+    expecttest.TestCase().assertExpectedInline(
+        messages[0],
+        """fully_shard: in iteration 1, unit 'blocks.2' ran at forward position 1 where the first iteration ran 'blocks.1'. Prefetching follows the first iteration's order, so it may fetch the wrong unit (this is expected for eval vs train; warned once)""",  # noqa: E501
+    )
+
+
+def test_dead_rank_is_reported_by_the_survivor() -> None:
+    port = free_port()
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), env.get("PYTHONPATH", "")])
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, os.path.join(TESTS, "dead_rank_job.py")],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    start = time.monotonic()
+    outputs = [p.communicate(timeout=120) for p in procs]
+    elapsed = time.monotonic() - start
+    assert procs[1].returncode == 3
+    assert procs[0].returncode not in (0, None), outputs[0]
+    assert "finished without noticing" not in outputs[0][0]
+    assert "fully_shard: the all-gather of unit 'blocks.1' did not complete" in outputs[0][1], outputs[0][1][-2000:]
+    assert elapsed < 90
