@@ -1,0 +1,1 @@
+"""Step-time, memory and communication benchmarks comparing fsdp_composable with DDP and torch FSDP2."""

@@ -1,0 +1,107 @@
+"""Build the model and optimizer for one implementation under test.
+
+``ours`` is ``fsdp_composable.fully_shard(model, ModuleWrapPolicy({Block}))``; ``torch-fsdp2`` is
+torch's ``fully_shard`` on each block then the root over a 1-D DeviceMesh; ``ddp`` is
+``DistributedDataParallel``; ``local`` is the unsharded model alone with the per-rank batch.
+Every impl starts from the same seed, so all of them start from the same weights.
+Everything that binds a collective is imported here, at import time, so that `CommCounter.install`
+(called after this module is imported) finds and wraps those bindings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+from benchmarks._model import BenchGPT, Block, ModelConfig
+from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
+
+__all__ = ["IMPLS", "Built", "build"]
+
+IMPLS = ("ours", "torch-fsdp2", "ddp", "local")
+
+
+@dataclass
+class Built:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    notes: list[str] = field(default_factory=list)
+    # Tensors alive between steps that model.parameters()/.grad/optimizer state do not reach.
+    extra_tensors: Any = None
+
+    def existing_tensors(self) -> Iterator[Optional[torch.Tensor]]:
+        for p in self.model.parameters():
+            yield p
+            yield p.grad
+        yield from self.model.buffers()
+        for st in self.optimizer.state.values():
+            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+        if self.extra_tensors is not None:
+            yield from self.extra_tensors()
+
+
+def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.device) -> Built:
+    mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    fully_shard(
+        model,
+        ModuleWrapPolicy({Block}),
+        strategy=ShardingStrategy[strategy],
+        mixed_precision=mp,
+        device_id=device if device.type == "cuda" else None,
+    )
+    handles = list(fully_shard.state(model).handles.values())
+
+    def flat_tensors() -> Iterator[Optional[torch.Tensor]]:
+        for h in handles:
+            yield h.flat_param
+            yield h.flat_param.grad
+
+    notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}) -> {len(handles)} units"]
+    return Built(model, _optimizer(model), notes, flat_tensors)
+
+
+def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size: int) -> Built:
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
+    blocks = [m for m in model.modules() if isinstance(m, Block)]
+    for block in blocks:
+        torch_fully_shard(block, mesh=mesh, mp_policy=mp)
+    torch_fully_shard(model, mesh=mesh, mp_policy=mp)
+    notes = [f"torch fully_shard on {len(blocks)} blocks + root, reshard_after_forward=True"]
+    return Built(model, _optimizer(model), notes)
+
+
+def _build_ddp(model: nn.Module, device: torch.device) -> Built:
+    ids = [device.index] if device.type == "cuda" else None
+    ddp = DistributedDataParallel(model, device_ids=ids)
+    notes = ["builtin C++ reducer (no comm hook): its all-reduce is visible only to the dispatcher counter"]
+    return Built(ddp, _optimizer(ddp), notes)
+
+
+def build(impl: str, cfg: ModelConfig, *, strategy: str, bf16: bool, device: torch.device, world_size: int) -> Built:
+    """The model (seeded identically for every impl) prepared for ``impl``, with its AdamW."""
+    if impl not in IMPLS:
+        raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
+    torch.manual_seed(0)
+    model = BenchGPT(cfg).to(device)
+    if impl == "local":
+        return Built(model, _optimizer(model), ["unsharded model, one process, per-rank batch"])
+    if not dist.is_initialized():
+        raise RuntimeError(f"impl={impl!r} needs an initialised process group")
+    if impl == "ours":
+        return _build_ours(model, strategy, bf16, device)
+    if impl == "torch-fsdp2":
+        return _build_fsdp2(model, bf16, device, world_size)
+    return _build_ddp(model, device)

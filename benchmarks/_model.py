@@ -1,0 +1,85 @@
+"""The benchmark model: a GPT-like transformer whose blocks are the sharding units.
+
+Defined here (not imported from tests/) so the benchmark's workload never changes when a test
+model does. The default size is 8 blocks at d=512 (~25.2M block parameters) plus an untied
+embedding and head over an 8136-token vocabulary, 33,600,512 parameters in all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["Block", "BenchGPT", "ModelConfig", "DEFAULT", "SMALL", "make_batch", "gpt_loss", "count_params"]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    vocab: int
+    d: int
+    heads: int
+    n_layers: int
+    seq: int
+    batch_per_rank: int
+
+    def as_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+
+# 8 * (12 d^2 + 9 d) + 2 * vocab * d + seq * d + 2 d = 33,600,512 for these sizes.
+DEFAULT = ModelConfig(vocab=8136, d=512, heads=8, n_layers=8, seq=128, batch_per_rank=4)
+SMALL = ModelConfig(vocab=64, d=32, heads=2, n_layers=2, seq=16, batch_per_rank=2)
+
+
+class Block(nn.Module):
+    """Pre-norm attention + MLP block: 12 d^2 + 9 d parameters."""
+
+    def __init__(self, d: int, heads: int) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d)
+        self.attn = nn.MultiheadAttention(d, heads, batch_first=True, bias=False)
+        self.ln2 = nn.LayerNorm(d)
+        self.fc1 = nn.Linear(d, 4 * d)
+        self.fc2 = nn.Linear(4 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.ln1(x)
+        mask = torch.triu(torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device), 1)
+        x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        return x + self.fc2(F.gelu(self.fc1(self.ln2(x))))
+
+
+class BenchGPT(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(cfg.vocab, cfg.d)
+        self.pos = nn.Parameter(torch.randn(cfg.seq, cfg.d) * 0.02)
+        self.blocks = nn.ModuleList(Block(cfg.d, cfg.heads) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d)
+        self.head = nn.Linear(cfg.d, cfg.vocab, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos[: idx.shape[1]]
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def make_batch(cfg: ModelConfig, step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's slice of step ``step``'s global batch (the same for every impl)."""
+    g = torch.Generator().manual_seed(10_000 * step + rank)
+    data = torch.randint(0, cfg.vocab, (cfg.batch_per_rank, cfg.seq + 1), generator=g)
+    return data[:, :-1], data[:, 1:]
+
+
+def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    idx, target = batch
+    logits = model(idx)
+    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))

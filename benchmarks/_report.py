@@ -1,0 +1,132 @@
+"""Theoretical communication volume, the markdown table and the PNG chart of a benchmark run.
+
+[Note: theoretical bytes]
+Per rank per step with ring collectives, N ranks, Psi parameters: FULL_SHARD all-gathers in
+forward and again in backward and reduce-scatters once, (N-1)/N * Psi * (2*ag + rs) bytes, i.e.
+3(N-1)/N * Psi * bytes at one dtype; SHARD_GRAD_OP skips the backward all-gather,
+(N-1)/N * Psi * (ag + rs); NO_SHARD and DDP all-reduce, 2(N-1)/N * Psi * bytes. ``ag`` is the
+element size of the all-gather (the param dtype) and ``rs`` of the reduction (fsdp_composable and
+FSDP2 both reduce in the param dtype when no reduce_dtype is given). Padding and the root unit
+(neither library reshards it after forward, so it is not gathered again in backward) make the
+measured all-gather differ slightly.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "MIB"]
+
+MIB = 2**20
+
+
+def theory_bytes(impl: str, strategy: str, world_size: int, psi: int, param_dtype: str) -> dict[str, Any]:
+    """Theoretical wire bytes per rank per step, and the formula it came from."""
+    n = world_size
+    share = (n - 1) / n if n > 1 else 0.0
+    ag = rs = 2 if param_dtype == "bf16" else 4
+    if impl == "local":
+        return {"bytes": 0.0, "formula": "0 (no communication)"}
+    if impl == "ddp" or (impl == "ours" and strategy == "NO_SHARD"):
+        return {"bytes": 2 * share * psi * rs, "formula": f"2(N-1)/N*Psi*{rs}"}
+    if impl == "ours" and strategy == "SHARD_GRAD_OP":
+        return {"bytes": share * psi * (ag + rs), "formula": f"(N-1)/N*Psi*({ag}+{rs})"}
+    return {"bytes": share * psi * (2 * ag + rs), "formula": f"(N-1)/N*Psi*(2*{ag}+{rs})"}
+
+
+def _mib(x: Optional[float]) -> str:
+    return "-" if x is None else f"{x / MIB:.1f}"
+
+
+def _label(r: dict[str, Any]) -> str:
+    return f"{r['impl']} ({r['variant']})" if r.get("variant") else r["impl"]
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    """A markdown table of one run: one row per impl, memory and bytes in MiB (per rank; comm per step)."""
+    local = next((r for r in results if r["impl"] == "local" and r["status"] == "ok"), None)
+    header = (
+        "| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) "
+        "| comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) "
+        "| all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | last loss |"
+    )
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for r in results:
+        if r["status"] != "ok":
+            err = str(r.get("error", "")).splitlines()[0][:100].replace("|", "/")
+            lines.append(f"| {_label(r)} | FAILED: {err} |" + " |" * 11)
+            continue
+        py, c10d = r["comm_py_api_per_step"], r["comm_dispatcher_tracked_step"]
+        kinds = c10d["payload_bytes_by_kind"]
+        ratio = f"{r['median_step_time_s'] / local['median_step_time_s']:.2f}" if local else "-"
+        cells = [
+            _label(r),
+            f"{r['median_step_time_s']:.3f}",
+            f"{r['min_step_time_s']:.3f}",
+            ratio,
+            _mib(r["peak_live_bytes"]),
+            _mib(r["peak_rss_bytes"]),
+            _mib(py["wire_bytes"]),
+            _mib(c10d["wire_bytes"]),
+            _mib(r["theory"]["bytes"]),
+            _mib(kinds.get("all_gather", 0)),
+            _mib(kinds.get("reduce_scatter", 0)),
+            _mib(kinds.get("all_reduce", 0)),
+            f"{r['losses_rank0'][-1]:.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_profile_table(results: list[dict[str, Any]]) -> str:
+    """Rank 0's cProfile own time by area, one row per impl that was profiled (seconds)."""
+    profiled = [r for r in results if r["status"] == "ok" and r.get("profile_rank0")]
+    if not profiled:
+        return ""
+    areas: list[str] = []
+    for r in profiled:
+        areas += [a for a in r["profile_rank0"]["by_area_s"] if a not in areas]
+    lines = ["| impl | profiled step (s) | " + " | ".join(areas) + " |", "|---|---|" + "---|" * len(areas)]
+    for r in profiled:
+        prof = r["profile_rank0"]
+        cells = [f"{prof['by_area_s'].get(a, 0.0):.3f}" for a in areas]
+        lines.append(f"| {_label(r)} | {prof['total_s']:.3f} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def write_chart(results: list[dict[str, Any]], path: str, title: str) -> None:
+    """Three bar panels: median step time, peak live bytes (and RSS) per rank, comm bytes per step."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ok = [r for r in results if r["status"] == "ok"]
+    labels = [_label(r) for r in ok]
+    xs = list(range(len(ok)))
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    axes[0].bar(xs, [r["median_step_time_s"] for r in ok], color="tab:blue")
+    axes[0].set_title("median step time (s)")
+    w = 0.4
+    axes[1].bar([x - w / 2 for x in xs], [r["peak_live_bytes"] / MIB for r in ok], w, label="peak live tensors")
+    axes[1].bar([x + w / 2 for x in xs], [r["peak_rss_bytes"] / MIB for r in ok], w, label="peak RSS")
+    axes[1].set_title("memory per rank (MiB)")
+    axes[1].legend(fontsize=8)
+    w = 0.27
+    series = [
+        ("py API counter", [r["comm_py_api_per_step"]["wire_bytes"] / MIB for r in ok]),
+        ("c10d op counter", [r["comm_dispatcher_tracked_step"]["wire_bytes"] / MIB for r in ok]),
+        ("theory", [r["theory"]["bytes"] / MIB for r in ok]),
+    ]
+    for i, (name, values) in enumerate(series):
+        axes[2].bar([x + (i - 1) * w for x in xs], values, w, label=name)
+    axes[2].set_title("comm wire bytes / step / rank (MiB)")
+    axes[2].legend(fontsize=8)
+    for ax in axes:
+        ax.set_xticks(xs)
+        ax.set_xticklabels(labels, rotation=15, fontsize=8)
+    failed = [_label(r) for r in results if r["status"] != "ok"]
+    fig.suptitle(title + (f"  [failed: {', '.join(failed)}]" if failed else ""), fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

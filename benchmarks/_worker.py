@@ -1,0 +1,253 @@
+"""One impl's measurement: spawn the ranks, time the steps, track one step, combine per-rank results.
+
+[Note: what one rank does]
+warm-up steps (not measured) -> measured steps, each preceded by a barrier and timed alone, with
+the Python collective counter on -> one tracked step under `LiveBytesTracker` (with the dispatcher
+collective counter), kept apart so the Python dispatch mode does not slow the timed steps ->
+peak RSS from ``getrusage``. Each rank writes its result as JSON; the parent combines them: a step's
+time is the slowest rank's, the reported time the median over measured steps.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import resource
+import socket
+import statistics
+import tempfile
+import time
+import traceback
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from benchmarks._comm_counter import CommCounter, DispatchCommCounter
+from benchmarks._impls import Built, build
+from benchmarks._mem_tracker import LiveBytesTracker
+from benchmarks._model import ModelConfig, count_params, gpt_loss, make_batch
+from benchmarks._profile import profile_call
+
+__all__ = ["run_impl"]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _train_step(
+    built: Built,
+    cfg: ModelConfig,
+    step: int,
+    rank: int,
+    device: torch.device,
+    tracker: Optional[LiveBytesTracker] = None,
+) -> float:
+    idx, target = make_batch(cfg, step, rank)
+    batch = (idx.to(device), target.to(device))
+    built.optimizer.zero_grad(set_to_none=True)
+    loss = gpt_loss(built.model, batch)
+    if tracker is not None:
+        tracker.mark("forward")
+    loss.backward()
+    if tracker is not None:
+        tracker.mark("backward")
+    built.optimizer.step()
+    if tracker is not None:
+        tracker.mark("optimizer")
+    return float(loss.detach())
+
+
+def _per_step(snapshot: dict[str, Any], steps: int) -> dict[str, Any]:
+    out = dict(snapshot)
+    out["payload_bytes"] = snapshot["payload_bytes"] / steps
+    out["wire_bytes"] = snapshot["wire_bytes"] / steps
+    out["payload_bytes_by_kind"] = {k: v / steps for k, v in snapshot["payload_bytes_by_kind"].items()}
+    out["ops"] = {
+        k: {
+            **v,
+            "calls": v["calls"] / steps,
+            "payload_bytes": v["payload_bytes"] / steps,
+            "wire_bytes": v["wire_bytes"] / steps,
+        }
+        for k, v in snapshot["ops"].items()
+    }
+    return out
+
+
+def _measure(spec: dict[str, Any], rank: int, world: int, device: torch.device, counter: CommCounter) -> dict[str, Any]:
+    cfg = ModelConfig(**spec["model"])
+    distributed = dist.is_initialized()
+    built = build(
+        spec["impl"],
+        cfg,
+        strategy=spec["strategy"],
+        bf16=spec["param_dtype"] == "bf16",
+        device=device,
+        world_size=world,
+    )
+    local_numel = sum(getattr(p, "_local_tensor", p).numel() for p in built.model.parameters())
+    warmup, steps = spec["warmup"], spec["steps"]
+    for i in range(warmup):
+        _train_step(built, cfg, i, rank, device)
+    counter.reset()
+    times: list[float] = []
+    losses: list[float] = []
+    for i in range(warmup, warmup + steps):
+        if distributed:
+            dist.barrier()
+        _sync(device)
+        t0 = time.perf_counter()
+        losses.append(_train_step(built, cfg, i, rank, device))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    comm_py = _per_step(counter.snapshot(), steps)
+
+    counter.reset()
+    dispatch = DispatchCommCounter(world)
+    gc.collect()
+    if distributed:
+        dist.barrier()
+    with LiveBytesTracker(on_op=dispatch.observe) as tracker:
+        tracker.add_existing(built.existing_tensors())
+        baseline_at_start = tracker.baseline
+        t0 = time.perf_counter()
+        tracked_loss = _train_step(built, cfg, warmup + steps, rank, device, tracker)
+        tracked_time = time.perf_counter() - t0
+    profile = None
+    if spec["profile"]:  # one more step, every rank stepping, rank 0 under cProfile
+        if distributed:
+            dist.barrier()
+        step = warmup + steps + 1
+        if rank == 0:
+            profile = profile_call(lambda: _train_step(built, cfg, step, rank, device))
+        else:
+            _train_step(built, cfg, step, rank, device)
+    return {
+        "status": "ok",
+        "notes": built.notes,
+        "profile_rank0": profile,
+        "step_times_s": times,
+        "losses": losses,
+        "tracked_step_loss": tracked_loss,
+        "tracked_step_time_s": tracked_time,
+        "local_param_numel": local_numel,
+        "comm_py_api": comm_py,
+        "comm_py_api_tracked_step": counter.snapshot(),
+        "comm_dispatcher_tracked_step": dispatch.snapshot(),
+        "peak_live_bytes": tracker.peak_bytes,
+        "live_bytes_at_step_start": baseline_at_start,
+        "live_bytes_before_step_incl_found_later": tracker.baseline,
+        "peak_live_op": tracker.peak_op,
+        "peak_live_bytes_by_phase": tracker.phase_peaks,
+        "found_alive_bytes_by_op": tracker.found_alive,
+        "found_transient_bytes_by_op": tracker.found_transient,
+        "cuda_max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+    }
+
+
+def _rank_main(rank: int, spec: dict[str, Any], out_dir: str) -> None:
+    world = spec["procs"]
+    torch.set_num_threads(spec["threads"])
+    device = torch.device(f"cuda:{rank}" if spec["device"] == "cuda" else "cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    counter = CommCounter()
+    result: dict[str, Any]
+    try:
+        if spec["impl"] != "local":
+            os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(spec["port"]))
+            backend = "nccl" if device.type == "cuda" else "gloo"
+            timeout = datetime.timedelta(seconds=min(spec["timeout_s"], 120))
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=timeout)
+        counter.install()  # after every module that binds a collective has been imported
+        result = _measure(spec, rank, world, device, counter)
+        result["patched_collectives"] = sorted({f"{m.__name__}.{a}" for m, a, _ in counter.patched})
+        result["unavailable_collectives"] = counter.missing
+    except Exception as e:
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    finally:
+        counter.uninstall()
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        if result["status"] == "ok":
+            dist.destroy_process_group()
+        else:
+            os._exit(0)  # peers may be stuck in a collective: leave without a clean shutdown
+
+
+def _combine(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    failed = [r for r in ranks if r.get("status") != "ok"]
+    if failed:
+        return {"impl": spec["impl"], "status": "failed", "error": failed[0].get("error"), "per_rank": ranks}
+    r0 = ranks[0]
+    step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(spec["steps"])]
+    return {
+        "impl": spec["impl"],
+        "status": "ok",
+        "procs": spec["procs"],
+        "notes": r0["notes"],
+        "step_times_s": step_times,
+        "median_step_time_s": statistics.median(step_times),
+        "min_step_time_s": min(step_times),
+        "losses_rank0": r0["losses"],
+        "peak_live_bytes": max(r["peak_live_bytes"] for r in ranks),
+        "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),
+        "comm_py_api_per_step": r0["comm_py_api"],
+        "comm_dispatcher_tracked_step": r0["comm_dispatcher_tracked_step"],
+        "profile_rank0": r0.get("profile_rank0"),
+        "per_rank": ranks,
+    }
+
+
+def run_impl(spec: dict[str, Any]) -> dict[str, Any]:
+    """Spawn ``spec['procs']`` ranks for one impl and return the combined result (never raises on rank failure)."""
+    spec = dict(spec, port=_free_port())
+    with tempfile.TemporaryDirectory(prefix="bench_step_") as out_dir:
+        ctx = mp.start_processes(
+            _rank_main, args=(spec, out_dir), nprocs=spec["procs"], join=False, start_method=spec["start_method"]
+        )
+        deadline = time.monotonic() + spec["timeout_s"]
+        error = None
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    error = f"timed out after {spec['timeout_s']}s"
+                    break
+        except Exception as e:  # a rank died without writing its result
+            error = f"{type(e).__name__}: {e}"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        ranks = []
+        for rank in range(spec["procs"]):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            if os.path.exists(path):
+                with open(path) as f:
+                    ranks.append(json.load(f))
+            else:
+                ranks.append({"status": "failed", "error": error or "no result written"})
+    result = _combine(spec, ranks)
+    result["param_count"] = count_params_of(spec)
+    return result
+
+
+def count_params_of(spec: dict[str, Any]) -> int:
+    from benchmarks._model import BenchGPT
+
+    with torch.device("meta"):
+        return count_params(BenchGPT(ModelConfig(**spec["model"])))

@@ -1,0 +1,195 @@
+"""Benchmark one training step of a ~33.6M-parameter GPT-like model: fsdp_composable vs DDP vs torch FSDP2.
+
+Usage (see benchmarks/README.md):
+    python benchmarks/bench_step.py --impls local,ddp,torch-fsdp2,ours --world-size 2 \
+        --out benchmarks/results/default_fp32.json
+
+Per impl it reports the median step time, the peak live tensor bytes per rank (tracked per storage
+in a separate step), the peak RSS per rank, and the bytes communicated per step per rank (counted by
+wrapping the torch.distributed collectives, and by the c10d dispatcher ops), next to the theory.
+Writes a JSON file, a PNG chart next to it, and prints a markdown table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from typing import Any, Optional
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if _ROOT not in sys.path:
+    sys.path.insert(0, _ROOT)  # so `benchmarks` and `fsdp_composable` import from a checkout
+
+import torch  # noqa: E402
+
+from benchmarks._impls import IMPLS  # noqa: E402
+from benchmarks._model import DEFAULT, SMALL  # noqa: E402
+from benchmarks._report import format_profile_table, format_table, theory_bytes, write_chart  # noqa: E402
+from benchmarks._worker import run_impl  # noqa: E402
+
+STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+SHARDED = ("ours", "torch-fsdp2")
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_step.py", description=__doc__.splitlines()[0])
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--impl", choices=IMPLS, help="one implementation (default: ours)")
+    which.add_argument("--impls", help=f"comma-separated implementations run one after another, from {','.join(IMPLS)}")
+    p.add_argument("--world-size", type=int, default=2, help="ranks for ours/torch-fsdp2/ddp (local always uses 1)")
+    p.add_argument("--steps", type=int, default=6, help="measured steps (after --warmup steps)")
+    p.add_argument("--warmup", type=int, default=2, help="warm-up steps, not measured")
+    p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy of ours")
+    p.add_argument(
+        "--param-dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: mixed precision (sharded impls)"
+    )
+    p.add_argument("--profile", action="store_true", help="cProfile one extra step on rank 0; summary in the JSON")
+    p.add_argument("--small", action="store_true", help="a tiny model, for smoke tests")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cpu uses gloo, cuda uses nccl")
+    p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per process")
+    p.add_argument(
+        "--start-method",
+        choices=("fork", "spawn", "forkserver"),
+        default=None,
+        help="how ranks are started (default: fork on cpu, which skips re-importing torch; spawn on cuda)",
+    )
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds allowed per impl before it is killed")
+    p.add_argument("--out", default=os.path.join("benchmarks", "results", "bench.json"), help="JSON path")
+    p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
+    args = p.parse_args(argv)
+    args.impl_list = _impl_list(p, args)
+    if args.world_size < 1:
+        p.error(f"--world-size must be >= 1, got {args.world_size}")
+    if args.steps < 1 or args.warmup < 0:
+        p.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
+    if args.param_dtype == "bf16":
+        unsupported = [i for i in args.impl_list if i not in SHARDED]
+        if unsupported:
+            p.error(f"--param-dtype bf16 applies to {' and '.join(SHARDED)} only; drop {','.join(unsupported)}")
+    return args
+
+
+def _impl_list(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str]:
+    if args.impls is None:
+        return [args.impl or "ours"]
+    names = [s.strip() for s in args.impls.split(",") if s.strip()]
+    unknown = [n for n in names if n not in IMPLS]
+    if unknown or not names:
+        p.error(f"--impls: unknown implementation(s) {unknown or args.impls!r}; choose from {','.join(IMPLS)}")
+    return names
+
+
+def _variant(impl: str, args: argparse.Namespace) -> str:
+    parts = [args.strategy] if impl == "ours" else []
+    if impl in SHARDED and args.param_dtype == "bf16":
+        parts.append("bf16")
+    return ", ".join(parts)
+
+
+def machine_info() -> dict[str, Any]:
+    return {
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
+def source_info() -> dict[str, Any]:
+    """Which fsdp_composable was measured: the checkout's HEAD and a hash of the package sources as run."""
+    digest = hashlib.sha256()
+    for path in sorted(glob.glob(os.path.join(_ROOT, "fsdp_composable", "*.py"))):
+        with open(path, "rb") as f:
+            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True, timeout=10)
+        commit = head.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        commit = None
+    return {"git_head": commit, "fsdp_composable_sources_sha256": digest.hexdigest()}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    cfg = SMALL if args.small else DEFAULT
+    source = source_info()  # the ranks are forked from this process and run the package it imported
+    machine = machine_info()
+    results = []
+    for impl in args.impl_list:
+        spec = {
+            "impl": impl,
+            "procs": 1 if impl == "local" else args.world_size,
+            "model": cfg.as_dict(),
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "strategy": args.strategy,
+            "param_dtype": args.param_dtype if impl in SHARDED else "fp32",
+            "device": args.device,
+            "threads": args.threads,
+            "timeout_s": args.timeout,
+            "profile": args.profile,
+            "start_method": args.start_method or ("spawn" if args.device == "cuda" else "fork"),
+        }
+        t0 = time.monotonic()
+        print(f"[bench_step] {impl}: {spec['procs']} process(es) ...", file=sys.stderr, flush=True)
+        r = run_impl(spec)
+        r["variant"] = _variant(impl, args)
+        r["wall_s"] = time.monotonic() - t0
+        r["theory"] = theory_bytes(impl, args.strategy, spec["procs"], r["param_count"], spec["param_dtype"])
+        status = r["status"] if r["status"] == "ok" else f"FAILED ({r.get('error')})"
+        print(f"[bench_step] {impl}: {status} in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
+        results.append(r)
+    return {
+        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+        "machine": machine,
+        "source": source,
+        "config": {
+            "model": cfg.as_dict(),
+            "param_count": results[0]["param_count"] if results else None,
+            "world_size": args.world_size,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "strategy": args.strategy,
+            "param_dtype": args.param_dtype,
+            "threads_per_process": args.threads,
+            "optimizer": "AdamW(lr=1e-3)",
+        },
+        "results": results,
+    }
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    report = run(args)
+    out_dir = os.path.dirname(args.out)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    png = args.png or os.path.splitext(args.out)[0] + ".png"
+    cfg = report["config"]
+    title = (
+        f"{cfg['param_count']:,} params, world size {cfg['world_size']}, {cfg['param_dtype']}, "
+        f"{report['machine']['cpu_count']} CPUs, torch {report['machine']['torch']}"
+    )
+    write_chart(report["results"], png, title)
+    print(f"model: {cfg['param_count']:,} parameters; {cfg['model']}")
+    print(format_table(report["results"]))
+    profile_table = format_profile_table(report["results"])
+    if profile_table:
+        print("\ncProfile of one step on rank 0, own time by area (s):")
+        print(profile_table)
+    print(f"wrote {args.out} and {png}")
+    return 0 if all(r["status"] == "ok" for r in report["results"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,221 @@
+"""Smoke test of benchmarks/bench_step.py and unit tests of its counters (comm bytes, live bytes, theory, table)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO_ROOT not in sys.path:
+    sys.path.insert(0, REPO_ROOT)
+
+from benchmarks._comm_counter import CommCounter, DispatchCommCounter  # noqa: E402
+from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
+from benchmarks._model import SMALL, BenchGPT, Block, count_params  # noqa: E402
+from benchmarks._report import format_table, theory_bytes  # noqa: E402
+from benchmarks.bench_step import parse_args  # noqa: E402
+
+
+# ---------------------------------------------------------------------------- end to end
+def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
+    out = os.path.join(str(tmp_path), "small.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")]
+    cmd += ["--small", "--impls", "ours,local", "--steps", "2", "--world-size", "2", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "| ours (FULL_SHARD) |" in proc.stdout and "| local |" in proc.stdout
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        report = json.load(f)
+    assert {"command", "machine", "source", "config", "results"} <= set(report)
+    model = BenchGPT(SMALL)
+    psi = count_params(model)
+    assert report["config"]["param_count"] == psi
+    ours, local = report["results"]
+    for r in (ours, local):
+        assert r["status"] == "ok", r.get("error")
+        assert len(r["step_times_s"]) == 2 and r["median_step_time_s"] > 0
+        assert r["peak_rss_bytes"] > 0
+        for key in ("peak_live_bytes", "comm_py_api_per_step", "comm_dispatcher_tracked_step", "theory", "per_rank"):
+            assert key in r
+    # local holds params, grads and two AdamW states: at least 4 * Psi * 4 bytes live at its peak
+    assert local["peak_live_bytes"] >= 16 * psi
+    assert local["comm_py_api_per_step"]["payload_bytes"] == 0 and local["theory"]["bytes"] == 0
+    # ours at world size 2 keeps half of that between steps
+    assert all(r["live_bytes_at_step_start"] < 12 * psi for r in ours["per_rank"])
+    for rank in ours["per_rank"] + local["per_rank"]:
+        phases = rank["peak_live_bytes_by_phase"]
+        assert list(phases) == ["forward", "backward", "optimizer"] and max(phases.values()) == rank["peak_live_bytes"]
+    # every unit of SMALL has an even numel, so nothing is padded: one reduce-scatter of Psi, and an
+    # all-gather of every block twice (forward, backward) but of the root unit once (kept for backward)
+    block_numel = sum(p.numel() for m in model.modules() if isinstance(m, Block) for p in m.parameters())
+    for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
+        kinds = ours[counter]["payload_bytes_by_kind"]
+        assert kinds["reduce_scatter"] == 4 * psi, counter
+        assert kinds["all_gather"] == 4 * (psi + block_numel), counter
+    assert ours["theory"]["bytes"] == 0.5 * psi * 12
+
+
+# ---------------------------------------------------------------------------- comm counter
+def count_known_collectives() -> dict:
+    """Runs on every rank of a world-size-2 gloo pool."""
+    if REPO_ROOT not in sys.path:
+        sys.path.insert(0, REPO_ROOT)
+    original = dist.all_reduce
+    with CommCounter() as counter:
+        dist.all_reduce(torch.ones(10))  # 40 B
+        out = torch.empty(6)
+        dist.all_gather_into_tensor(out, torch.ones(3))  # calls all_gather_single inside: count once, 24 B
+        dist.reduce_scatter_single(torch.empty(2), torch.ones(4))  # 16 B
+        dist.broadcast(torch.ones(5), src=0)  # 20 B
+        wrapped = dist.all_reduce is not original
+    dispatch = DispatchCommCounter(dist.get_world_size())
+    with LiveBytesTracker(on_op=dispatch.observe):
+        dist.all_reduce(torch.ones(10))
+        dist.all_gather_single(torch.empty(6), torch.ones(3))
+    return {
+        "py": counter.snapshot(),
+        "dispatch": dispatch.snapshot(),
+        "wrapped": wrapped,
+        "restored": dist.all_reduce is original,
+    }
+
+
+def test_comm_counter_counts_known_collectives_once(dist_run) -> None:
+    for r in dist_run(2, count_known_collectives):
+        assert r["wrapped"] and r["restored"]
+        ops = {name: (v["calls"], v["payload_bytes"], v["wire_bytes"]) for name, v in r["py"]["ops"].items()}
+        assert ops == {
+            "all_reduce": (1, 40, 40.0),  # ring all-reduce sends 2(N-1)/N of the tensor
+            "all_gather_into_tensor": (1, 24, 12.0),
+            "reduce_scatter_single": (1, 16, 8.0),
+            "broadcast": (1, 20, 10.0),
+        }
+        assert r["py"]["payload_bytes_by_kind"] == {
+            "all_reduce": 40,
+            "all_gather": 24,
+            "reduce_scatter": 16,
+            "broadcast": 20,
+        }
+        dispatch = {name: (v["calls"], v["payload_bytes"]) for name, v in r["dispatch"]["ops"].items()}
+        assert dispatch == {"c10d::allreduce_": (1, 40), "c10d::_allgather_base_": (1, 24)}
+
+
+# ---------------------------------------------------------------------------- live bytes tracker
+def test_live_bytes_tracker_peak_views_resize_and_preexisting() -> None:
+    before = torch.empty(100)  # 400 B alive before the step
+    unseen = torch.empty(50)  # 200 B alive before the step and after it, first seen when an op reads it
+    original_resize = torch.UntypedStorage.resize_
+    with LiveBytesTracker() as tr:
+        tr.add_existing([before, None])
+        a = torch.empty(1000)  # +4000
+        b = torch.empty(2000)  # +8000 -> 12000
+        view = b.view(2, 1000)  # same storage: +0
+        del a  # -4000 -> 8000
+        c = unseen + 1  # +200 -> 8200
+        storage = c.untyped_storage()
+        storage.resize_(0)  # -200 -> 8000 (how FSDP frees an unsharded parameter)
+        storage.resize_(4000)  # +4000 -> 12000
+        # a buffer allocated outside the dispatcher (like gloo's) and freed within the step counts
+        # from when an op first reads it
+        hidden = torch.frombuffer(bytearray(300), dtype=torch.uint8)
+        hidden.add_(1)  # +300 -> 12300
+        d = torch.empty(10)  # +40 -> 12340 (peak)
+        del storage, c, d, hidden  # -4340 -> 8000
+    assert torch.UntypedStorage.resize_ is original_resize
+    assert tr.baseline == 600
+    assert tr.found_alive == {"aten.add.Tensor": 200} and tr.found_transient == {"aten.add_.Tensor": 300}
+    assert tr.peak_bytes == 600 + 12340
+    assert tr.live_bytes == 600 + 8000
+    del view, b
+
+
+def test_live_bytes_tracker_phase_peaks() -> None:
+    with LiveBytesTracker() as tr:
+        a, b = torch.empty(100), torch.empty(100)  # 800
+        tr.mark("one")
+        del a
+        c = torch.empty(10)  # 440: the phase starts at 800
+        tr.mark("two")
+        del b, c
+        d = torch.empty(20)  # 80
+        tr.mark("three")
+    assert tr.phase_peaks == {"one": 800, "two": 800, "three": 440}
+    assert (tr.peak_bytes, tr.live_bytes, tr.peak_op) == (800, 80, "aten.empty.memory_format")
+    del d
+
+
+# ---------------------------------------------------------------------------- theory, table, CLI
+def test_theory_bytes_halve_with_bf16() -> None:
+    psi = 1000
+    assert theory_bytes("ours", "FULL_SHARD", 2, psi, "fp32")["bytes"] == 0.5 * psi * 3 * 4
+    assert theory_bytes("ours", "FULL_SHARD", 2, psi, "bf16")["bytes"] == 0.5 * psi * 3 * 2
+    assert theory_bytes("ours", "SHARD_GRAD_OP", 4, psi, "fp32")["bytes"] == 0.75 * psi * 2 * 4
+    assert (
+        theory_bytes("ours", "NO_SHARD", 2, psi, "fp32")["bytes"]
+        == theory_bytes("ddp", "FULL_SHARD", 2, psi, "fp32")["bytes"]
+    )
+    assert theory_bytes("torch-fsdp2", "FULL_SHARD", 4, psi, "fp32")["bytes"] == 0.75 * psi * 3 * 4
+    assert theory_bytes("local", "FULL_SHARD", 1, psi, "fp32")["bytes"] == 0
+
+
+def _fake_result(impl: str, step_s: float, live_mib: float, wire_mib: float, failed: bool = False) -> dict:
+    mib = 2**20
+    if failed:
+        return {"impl": impl, "status": "failed", "error": "RuntimeError: gloo says no\ntraceback..."}
+    comm = {"wire_bytes": wire_mib * mib, "payload_bytes_by_kind": {"all_gather": 2 * wire_mib * mib}}
+    return {
+        "impl": impl,
+        "variant": "FULL_SHARD" if impl == "ours" else "",
+        "status": "ok",
+        "median_step_time_s": step_s,
+        "min_step_time_s": step_s * 0.9,
+        "peak_live_bytes": live_mib * mib,
+        "peak_rss_bytes": 400 * mib,
+        "comm_py_api_per_step": comm,
+        "comm_dispatcher_tracked_step": comm,
+        "theory": {"bytes": wire_mib * mib},
+        "losses_rank0": [9.1, 9.0],
+    }
+
+
+def test_format_table() -> None:
+    table = format_table(
+        [
+            _fake_result("local", 0.5, 512, 0),
+            _fake_result("ours", 1.0, 300, 48),
+            _fake_result("torch-fsdp2", 0, 0, 0, True),
+        ]
+    )
+    expecttest.TestCase().assertExpectedInline(
+        table,
+        """\
+| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) | comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) | all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | last loss |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| local | 0.500 | 0.450 | 1.00 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| ours (FULL_SHARD) | 1.000 | 0.900 | 2.00 | 300.0 | 400.0 | 48.0 | 48.0 | 48.0 | 96.0 | 0.0 | 0.0 | 9.0000 |
+| torch-fsdp2 | FAILED: RuntimeError: gloo says no | | | | | | | | | | | |""",  # noqa: E501
+    )
+
+
+def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        parse_args(["--impls", "ours,bogus"])
+    with pytest.raises(SystemExit):
+        parse_args(["--impls", "ours,ddp", "--param-dtype", "bf16"])
+    errors = "\n".join(line for line in capsys.readouterr().err.splitlines() if "error:" in line)
+    expecttest.TestCase().assertExpectedInline(
+        errors,
+        """\
+bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local
+bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; drop ddp""",
+    )
+    args = parse_args(["--impls", "local,ddp,torch-fsdp2,ours"])
+    assert args.impl_list == ["local", "ddp", "torch-fsdp2", "ours"] and args.world_size == 2 and args.steps == 6
