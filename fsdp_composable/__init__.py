@@ -17,7 +17,7 @@ from fsdp_composable.api import (
     StateDictConfig,
     StateDictType,
 )
-from fsdp_composable.checkpoint import CheckpointWrapper, apply_activation_checkpointing, checkpoint_wrapper
+from fsdp_composable.checkpoint import CheckpointWrapper, apply_activation_checkpointing, checkpoint, checkpoint_wrapper
 from fsdp_composable.fully_shard import fully_shard
 from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
 from fsdp_composable.wrapper import FullyShardedDataParallel
@@ -44,6 +44,7 @@ __all__ = [
     "StateDictType",
     "UnitPlan",
     "apply_activation_checkpointing",
+    "checkpoint",
     "checkpoint_wrapper",
     "describe",
     "estimate_memory",

@@ -83,8 +83,9 @@ class _FSDPState:
     use_orig_params: bool = True
     # HYBRID_SHARD: gradients are all-reduced across this group after the shard group's reduce-scatter
     replicate_group: Optional[dist.ProcessGroup] = None
-    # unit module -> its handle, in the order `_get_submodule_to_states` found them
-    handles: dict[nn.Module, "FlatParamHandle"] = field(default_factory=dict)
+    # every handle, root unit first then pre-order; a unit with parameters of several dtypes, or
+    # frozen and trainable ones, has one handle per group (`handle.module` is the unit module)
+    handles: list["FlatParamHandle"] = field(default_factory=list)
     ignored_params: set[nn.Parameter] = field(default_factory=set)
     ignored_modules: set[nn.Module] = field(default_factory=set)
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
@@ -147,7 +148,7 @@ def _get_fsdp_states(module: nn.Module) -> list[_FSDPState]:
 def _iter_handles(state: _FSDPState) -> Iterator["FlatParamHandle"]:
     """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
     for s in state.all_states or [state]:
-        yield from s.handles.values()
+        yield from s.handles
 
 
 def _module_fqns(root: nn.Module) -> dict[nn.Module, str]:

@@ -39,6 +39,8 @@ from fsdp_composable.api import ShardingStrategy
 
 __all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
 
+FLAT_PARAM_NAME = "_flat_param"
+
 
 class HandleTrainingState(enum.Enum):
     """What one unit's handle is doing; transitions are checked."""
@@ -130,8 +132,12 @@ class FlatParamHandle:
         config: UnitConfig,
         device: torch.device,
         replicate_group: Optional[dist.ProcessGroup] = None,
+        name: str = "_flat_param",
     ) -> None:
         self.module = module
+        # the attribute the flat parameter is registered under on ``module`` when a wrapper exposes
+        # flat parameters, and its key in LOCAL state dicts
+        self.name = name
         self.replicate_group = replicate_group
         self.unit_fqn = unit_fqn
         self.params = params
@@ -165,6 +171,8 @@ class FlatParamHandle:
         # per-backward bookkeeping, reset by the final callback
         self.ran_pre_backward = False
         self.pending_triggers = 0
+        # the handles of the same unit (one per dtype/requires_grad group), this one included
+        self.siblings: list[FlatParamHandle] = [self]
         self._init_views()
         self.use_sharded_views()
 

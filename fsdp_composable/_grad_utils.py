@@ -83,7 +83,7 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
     replicated: list[torch.Tensor] = []
     managed: set[int] = set()
     for s in states:
-        for handle in s.handles.values():
+        for handle in s.handles:
             handle.stash_sharded_grads()  # fold the user's `.grad` edits into the flat gradient
             handle.expose_sharded_grads()
             managed.update(id(p) for p in handle.params)

@@ -14,8 +14,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _FSDPState, _get_fsdp_state
-from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _get_submodule_to_states
+from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
+from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__: list[str] = []
@@ -271,29 +271,34 @@ def _init_param_handles_from_module(
     _check_not_applied_below_parent(module, state.ignored_params)
     bn = _warn_batchnorm_under_mixed_precision(state)
     submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
-    handles: dict[nn.Module, FlatParamHandle] = {}
+    handles: dict[nn.Module, list[FlatParamHandle]] = {}
     for unit_module, sub in reversed(list(submodule_states.items())):
         _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device)
         _retie_and_refresh(sub)
         if sync_module_states:
             _broadcast_from_rank0(state, [p.detach() for p in sub.params])
-        if not sub.params:
-            continue
         _check_unit_params(sub)
         config = _unit_config(state.config, sub.overrides)
-        handles[unit_module] = FlatParamHandle(
-            unit_module,
-            sub.fqn,
-            sub.params,
-            sub.holders,
-            state.process_group,
-            config,
-            state.device,
-            state.replicate_group,
-        )
+        handles[unit_module] = [
+            FlatParamHandle(
+                unit_module,
+                sub.fqn,
+                params,
+                holders,
+                state.process_group,
+                config,
+                state.device,
+                state.replicate_group,
+                name=FLAT_PARAM_NAME if i == 0 else f"{FLAT_PARAM_NAME}_{i}",
+            )
+            for i, (params, holders) in enumerate(_flat_groups(sub))
+        ]
+    for group in handles.values():
+        for handle in group:
+            handle.siblings = group
     if sync_module_states:
         _broadcast_from_rank0(state, [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)])
-    state.handles.update((m, handles[m]) for m in submodule_states if m in handles)  # root first, pre-order
+    state.handles.extend(h for m in submodule_states for h in handles.get(m, []))  # root first, pre-order
     return submodule_states
 
 
@@ -328,16 +333,17 @@ def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:
 
 
 def _check_unit_params(sub: SubmoduleState) -> None:
+    if not sub.params:
+        return
     first = sub.params[0]
     for param, holders in zip(sub.params, sub.holders):
         where = f"'{sub.fqn}.{holders[0][2]}'" if sub.fqn else f"'{holders[0][2]}'"
         if param.is_meta:
             raise ValueError(f"parameter {where} is still on the meta device after initialisation; check param_init_fn")
-        if param.dtype != first.dtype:
+        if not param.is_floating_point():
             raise ValueError(
-                f"unit '{sub.fqn or '<root>'}' mixes dtypes: parameter {where} is {param.dtype} but the unit's "
-                f"first parameter is {first.dtype}. Give these parameters their own unit with the policy, "
-                "or cast the model to one dtype (use MixedPrecision for low-precision compute)"
+                f"parameter {where} has dtype {param.dtype}; fully_shard shards floating-point parameters only. "
+                "Register it as a buffer, or put its module in ignored_modules"
             )
         if param.device != first.device:
             raise ValueError(

@@ -70,7 +70,7 @@ def _index(module: nn.Module) -> _Index:
     fqns = _clean_module_fqns(module)
     index = _Index()
     for state in _get_fsdp_states(module):
-        for handle in state.handles.values():
+        for handle in state.handles:
             if handle.module not in fqns:
                 continue
             unit = _Unit(handle, [_join(fqns[i.holders[0][0]], i.holders[0][1]) for i in handle.layout.infos])

@@ -57,7 +57,8 @@ def _register_hooks(state: _FSDPState) -> None:
             functools.partial(_fsdp_root_pre_forward, state), prepend=True, with_kwargs=True
         )
     )
-    for unit_module, handle in state.handles.items():
+    for handle in state.handles:
+        unit_module = handle.module
         state.hook_handles.append(
             unit_module.register_forward_pre_hook(
                 functools.partial(_pre_forward, state, handle), prepend=unit_module is not module, with_kwargs=True
@@ -105,8 +106,8 @@ def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
     for s in root.all_states:
         for m in s.module.modules():
             config[m] = s.config
-        for unit_module, handle in s.handles.items():
-            for m in unit_module.modules():
+        for handle in s.handles:
+            for m in handle.module.modules():
                 config[m] = handle.config
         for m in s.ignored_modules:
             config.pop(m, None)
@@ -203,7 +204,8 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     eo = state.exec_order_data
     assert eo is not None, "pre-forward before lazy init"
     eo.record_pre_forward(handle)
-    _unshard(state, handle)
+    for sibling in handle.siblings:  # a unit's groups gather together, then each waits for its own
+        _unshard(state, sibling)
     if state.forward_prefetch:
         _prefetch(state, eo.forward_prefetch_target(handle), "forward")
     handle.wait_unshard()
@@ -282,7 +284,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
 
 def _post_backward_final_callback(root: _FSDPState) -> None:
     """End of backward: reduce units whose trigger did not run, finish every reduction, go IDLE."""
-    state_of = {id(h): s for s in root.all_states for h in s.handles.values()}
+    state_of = {id(h): s for s in root.all_states for h in s.handles}
     for handle in _iter_handles(root):
         if handle.training_state is HandleTrainingState.BACKWARD_PRE:
             _post_backward(state_of[id(handle)], handle)
@@ -368,18 +370,18 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
-    handle = state.handles.get(module)
+    handles = [h for h in state.handles if h.module is module]
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
         if module is state.module:
             new = _fsdp_root_pre_forward(state, module, args, kwargs)
             args, kwargs = new if new is not None else (args, kwargs)
-        if handle is not None:
+        for handle in handles:
             new = _pre_forward(state, handle, module, args, kwargs)
             args, kwargs = new if new is not None else (args, kwargs)
         output = method(*args, **kwargs)
-        if handle is not None:
+        for handle in handles:
             output = _post_forward(state, handle, module, args, output)
         if module is state.module:
             _fsdp_root_post_forward(state, module, args, output)
@@ -406,8 +408,7 @@ class _PostBackwardTrigger(torch.autograd.Function):
 def _attach_post_backward_trigger(
     state: _FSDPState, handle: FlatParamHandle, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
-    if not handle.requires_grad:
-        return args, kwargs
+    # also for frozen groups: post-backward is where they reshard once the unit's backward is done
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:

@@ -54,8 +54,7 @@ from fsdp_composable.api import (
 
 __all__ = ["state_dict_type"]
 
-FLAT_PARAM_KEY = "_flat_param"
-LAYOUT_KEY = "_flat_param_layout"
+LAYOUT_SUFFIX = "_layout"  # LOCAL: ``<unit>.<flat param name>_layout`` describes the shard next to it
 
 _CONFIG_TYPES: dict[StateDictType, type[StateDictConfig]] = {
     StateDictType.FULL_STATE_DICT: FullStateDictConfig,
@@ -132,7 +131,8 @@ def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- registration
 def _register_state_dict_hooks(state: _FSDPState) -> None:
-    for unit_module, handle in state.handles.items():
+    for handle in state.handles:
+        unit_module = handle.module
         state.hook_handles.append(
             unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
         )
@@ -510,23 +510,24 @@ def _local_post_state_dict_hook(
     for info in handle.layout.infos:
         for _, _, fqn in info.holders:
             state_dict.pop(prefix + fqn, None)
-    state_dict[prefix + FLAT_PARAM_KEY] = _to_output(state, handle.flat_param.detach())
-    state_dict[prefix + LAYOUT_KEY] = _layout_record(handle.layout)
+    state_dict[prefix + handle.name] = _to_output(state, handle.flat_param.detach())
+    state_dict[prefix + handle.name + LAYOUT_SUFFIX] = _layout_record(handle.layout)
 
 
 def _local_pre_load_hook(
     handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, missing_keys: list[str], error_msgs: list[str]
 ) -> None:
-    flat = state_dict.pop(prefix + FLAT_PARAM_KEY, None)
-    record = state_dict.pop(prefix + LAYOUT_KEY, None)
+    key = prefix + handle.name
+    flat = state_dict.pop(key, None)
+    record = state_dict.pop(key + LAYOUT_SUFFIX, None)
     layout = handle.layout
     unit = f"unit '{handle.unit_fqn or '<root>'}'"
     if flat is None:
-        missing_keys.append(prefix + FLAT_PARAM_KEY)
+        missing_keys.append(key)
         flat = handle.flat_param.detach().clone()  # keep the parameters as they are
     elif record != _layout_record(layout):
         error_msgs.append(
-            f"LOCAL_STATE_DICT layout mismatch for {unit} (key {prefix + FLAT_PARAM_KEY}): the checkpoint was "
+            f"LOCAL_STATE_DICT layout mismatch for {unit} (key {key}): the checkpoint was "
             f"saved with {_describe_record(record)}, this model has {_describe_record(_layout_record(layout))}. "
             "A local state dict only loads at the same rank, world size and policy; use SHARDED_STATE_DICT "
             "to change them."
@@ -534,7 +535,7 @@ def _local_pre_load_hook(
         flat = handle.flat_param.detach().clone()
     elif not isinstance(flat, torch.Tensor) or flat.shape != handle.flat_param.shape:
         error_msgs.append(
-            f"size mismatch for {prefix + FLAT_PARAM_KEY} of {unit}: expected a flat shard of shape "
+            f"size mismatch for {key} of {unit}: expected a flat shard of shape "
             f"{tuple(handle.flat_param.shape)}, got {getattr(flat, 'shape', type(flat).__name__)}."
         )
         flat = handle.flat_param.detach().clone()

@@ -69,7 +69,7 @@ def unshard_params(
         )
     states = _states_for(module, recurse)
     _check_idle(states)
-    handles = [h for s in states for h in s.handles.values()]
+    handles = [h for s in states for h in s.handles]
     fulls: list[Optional[torch.Tensor]] = []
     for s in states:
         _set_training_state(s, TrainingState.SUMMON_FULL_PARAMS)

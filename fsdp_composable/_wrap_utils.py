@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Optional, Union
 
+import torch
 from torch import nn
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _get_fsdp_state
@@ -145,6 +146,22 @@ class SubmoduleState:
     # per parameter: every (module, attribute name, FQN relative to the unit module) registering it
     holders: list[list[tuple[nn.Module, str, str]]] = field(default_factory=list)
     overrides: dict[str, Any] = field(default_factory=dict)
+
+
+def _flat_groups(sub: SubmoduleState) -> list[tuple[list[nn.Parameter], list[list[tuple[nn.Module, str, str]]]]]:
+    """Split a unit's parameters into flat-parameter groups of one dtype and one ``requires_grad``.
+
+    [Note: one flat parameter per group]
+    A flat parameter is one tensor, so it has one dtype; and a frozen parameter sharing a flat
+    parameter with trainable ones would get a slot in the gradient buffer and the reduction. So each
+    unit gets one handle per (dtype, requires_grad) group, in order of first appearance. The unit's
+    handles unshard, reshard and reduce together, driven by the same hooks."""
+    groups: dict[tuple[torch.dtype, bool], tuple[list[nn.Parameter], list[list[tuple[nn.Module, str, str]]]]] = {}
+    for param, holders in zip(sub.params, sub.holders):
+        params, all_holders = groups.setdefault((param.dtype, param.requires_grad), ([], []))
+        params.append(param)
+        all_holders.append(holders)
+    return list(groups.values())
 
 
 def _managed_tree(

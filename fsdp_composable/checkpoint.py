@@ -1,4 +1,23 @@
-"""Activation checkpointing: `CheckpointWrapper`, `checkpoint_wrapper` and `apply_activation_checkpointing`.
+"""Activation checkpointing: the composable `checkpoint`, and `CheckpointWrapper`, `checkpoint_wrapper` and
+`apply_activation_checkpointing`.
+
+[Note: composable checkpoint is a pair of hooks]
+`checkpoint(module)` wraps nothing: a forward pre-hook opens a non-reentrant checkpoint region (torch's
+saved-tensor hooks replace every tensor autograd saves inside the forward by a placeholder) and a forward
+hook closes it. When backward first needs one of those tensors, the region calls ``module(*inputs)``
+again under enable_grad to recompute them. Because the recomputation goes through ``module.__call__``,
+every other hook on the module runs again too: that is what `fully_shard` needs, since its pre-forward
+of a unit in backward (see [Note: one step] in `_runtime_utils`) unshards instead of starting a new
+forward. Our own hooks switch off for the recomputation, or it would open a region inside itself.
+
+[Note: hook order with fully_shard]
+The region must sit *inside* `fully_shard`'s hooks, whichever API was applied first, so that the
+all-gather, input casting and post-backward trigger happen outside it and are not recomputed. The
+pre-hook is appended and `fully_shard` prepends a unit's pre-forward; the forward hook is prepended and
+`fully_shard` appends its post-forward. So on a unit the order is: fully_shard pre-forward, region
+open, forward, region close, fully_shard post-forward. (One exception: `fully_shard(module)` applied
+after `checkpoint(module)` appends the pre-forward of ``module``'s own unit after ours. That is harmless:
+it saves no tensor for backward, and in recomputation it only unshards.)
 
 [Note: checkpoint wrappers keep state-dict keys]
 A wrapper module inserts ``_checkpoint_wrapped_module`` into the FQN of everything below it. Module
@@ -18,14 +37,22 @@ problems, so it is the only mode we offer.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import functools
+import sys
+from typing import Any, Callable, Generator
 
 from torch import nn
+from torch.utils import checkpoint as _torch_ckpt
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
+from torch.utils.hooks import RemovableHandle
 
+from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 
-__all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint_wrapper"]
+__all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint", "checkpoint_wrapper"]
+
+API_NAME = "checkpoint"
 
 WRAPPED = "_checkpoint_wrapped_module"
 
@@ -129,3 +156,119 @@ def _wrap_children(
             setattr(parent, name, wrapped)
         else:
             _wrap_children(child, fqn, check_fn, wrapper_fn)
+
+
+# ---------------------------------------------------------------------------- composable checkpoint
+class _CheckpointState:
+    """What `checkpoint` attached to one module. It holds no reference to the module (the registry is
+    keyed weakly by the module, so a strong reference here would keep it alive)."""
+
+    def __init__(self) -> None:
+        # False while this module's forward is being recomputed: the recomputation runs plain.
+        self.enabled = True
+        # Regions opened by the pre-hook and not yet closed, innermost last (a module may call itself).
+        self.regions: list[Generator[None, None, None]] = []
+        self.hook_handles: list[RemovableHandle] = []
+
+
+@contract(API_NAME)
+def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
+    """Recompute ``module``'s forward in backward instead of keeping its activations, without wrapping it.
+
+    Returns ``module`` itself: its type and every FQN and state-dict key are unchanged. Composes with
+    `fully_shard` in either order, around a unit (``checkpoint(block)`` where ``block`` is a unit) or
+    inside one (``checkpoint(block.mlp)``), and with a module called several times per forward. Every
+    forward hook of ``module`` runs again during recomputation. Read the attached state with
+    ``checkpoint.state(module)``. Only non-reentrant checkpointing is offered (see [Note: why not
+    reentrant checkpointing]).
+    """
+    name = type(module).__name__
+    if not isinstance(use_reentrant, bool):
+        raise TypeError(f"checkpoint argument 'use_reentrant' must be True or False, got {use_reentrant!r}")
+    if use_reentrant:
+        raise ValueError(
+            f"checkpoint(use_reentrant=True) is not supported (module {name}): reentrant checkpointing must run "
+            "the forward inside an autograd Function, which hooks cannot do without wrapping the module, and it "
+            "recomputes in a nested backward that fully_shard's backward hooks cannot see. Use "
+            "use_reentrant=False (the default)."
+        )
+    if _get_module_state(module, API_NAME) is not None:
+        raise RuntimeError(
+            f"checkpoint was already applied to this {name}; apply it once per module (a second application "
+            "would recompute its forward twice)"
+        )
+    if isinstance(module, CheckpointWrapper):
+        raise ValueError(
+            f"checkpoint was called on a CheckpointWrapper (wrapping {type(module.module).__name__}), whose forward "
+            "is already checkpointed; apply either checkpoint or the wrapper, not both"
+        )
+    state = _CheckpointState()
+    _insert_module_state(module, API_NAME, state)
+    pre, post = functools.partial(_pre_forward, state), functools.partial(_post_forward, state)
+    state.hook_handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
+    state.hook_handles.append(module.register_forward_hook(post, prepend=True, always_call=True))
+    return module
+
+
+def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    if not state.enabled:  # this is the recomputation: run the forward plain
+        return
+    region = _open_region(state, module, args, kwargs)
+    next(region)  # runs up to the point where the forward belongs inside the region
+    state.regions.append(region)
+
+
+def _post_forward(state: _CheckpointState, module: nn.Module, args: Any, output: Any) -> None:
+    if not state.enabled or not state.regions:
+        return
+    region = state.regions.pop()
+    if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
+        region.close()  # leave the region so its saved-tensor hooks stop applying
+        return
+    try:
+        next(region)
+    except StopIteration:
+        return
+    raise RuntimeError(f"checkpoint: the region of {type(module).__name__} did not end after its forward")
+
+
+def _open_region(
+    state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
+) -> Generator[None, None, None]:
+    """Torch's non-reentrant checkpoint as a generator: code before its first yield sets up the region
+    and stashes the RNG state and inputs, code after closes it. ``fn`` is the module itself, so the
+    recomputation goes through ``module.__call__`` and re-runs its other hooks."""
+
+    def contexts() -> tuple[contextlib.AbstractContextManager[None], _Recomputing]:
+        return contextlib.nullcontext(), _Recomputing(state)
+
+    return _torch_ckpt._checkpoint_without_reentrant_generator(  # type: ignore[no-any-return]
+        module,
+        True,  # preserve_rng_state: dropout recomputes the same mask
+        contexts,
+        _torch_ckpt._DEFAULT_DETERMINISM_MODE,
+        False,  # debug
+        True,  # early_stop: stop recomputing once every saved tensor is back
+        *args,
+        **kwargs,
+    )
+
+
+class _Recomputing:
+    """Switch ``state``'s hooks off while the region recomputes. A class, not a generator context
+    manager: the region enters the same object once per backward that needs it (``retain_graph``)."""
+
+    def __init__(self, state: _CheckpointState) -> None:
+        self._state = state
+        self._saved: list[bool] = []
+
+    def __enter__(self) -> None:
+        self._saved.append(self._state.enabled)
+        self._state.enabled = False
+
+    def __exit__(self, *exc: object) -> None:
+        self._state.enabled = self._saved.pop()
+
+
+# `checkpoint.state(module)` is typed by the contract; this alias documents the return type.
+_Checkpoint = _Contract[_CheckpointState]

@@ -106,7 +106,7 @@ def _build_state(
     init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
     init._init_buffer_state(state, module)
     init._init_param_handles_from_module(state, policy, param_init_fn, sync_module_states)
-    for unit_module in {module, *state.handles}:
+    for unit_module in {module, *(h.module for h in state.handles)}:
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)
     _register_state_dict_hooks(state)

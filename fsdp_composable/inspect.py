@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from fsdp_composable._common_utils import UnitConfig, _get_fsdp_state, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, _build_layout
 from fsdp_composable._init_utils import _unit_config
-from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _get_submodule_to_states
+from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
 from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 from fsdp_composable.wrapper import WRAPPED
 
@@ -149,7 +149,7 @@ def describe(module: nn.Module) -> ShardingPlan:
         )
     fqns = _module_fqns(module)
     order = {m: i for i, m in enumerate(fqns)}
-    handles = {id(h): h for s in states for h in s.handles.values() if h.module in fqns}
+    handles = {id(h): h for s in states for h in s.handles if h.module in fqns}
     units = tuple(
         _unit_plan(fqns[h.module], h.layout, h.dtype, h.config, fqns)
         for h in sorted(handles.values(), key=lambda h: order[h.module])
@@ -241,8 +241,9 @@ def estimate_memory(
     batchnorm_units = _batchnorm_gets_own_unit(module, mixed_precision)
     subs = _get_submodule_to_states(module, policy, set(), set(), batchnorm_full_precision=batchnorm_units)
     for sub in subs.values():
-        if sub.params:
-            units.append(_unit_cost(sub, base, world_size, fqns))
+        for params, holders in _flat_groups(sub):  # one handle per dtype/requires_grad group
+            group = SubmoduleState(sub.fqn, params, holders, sub.overrides)
+            units.append(_unit_cost(group, base, world_size, fqns))
     plan = ShardingPlan(tuple(u.plan for u in units), world_size, 0)
     in_flight = 2 if backward_prefetch is BackwardPrefetch.BACKWARD_PRE or forward_prefetch else 1
     breakdown, explanations = _memory_terms(units, OPTIMIZER_STATE_FACTORS[optimizer], optimizer, in_flight)
@@ -328,7 +329,6 @@ class _UnitCost:
 
 def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str]) -> _UnitCost:
     config = _unit_config(base, sub.overrides)
-    _check_one_dtype(sub)
     sharded = config.strategy is not ShardingStrategy.NO_SHARD
     layout = _build_layout(sub.params, sub.holders, 0, world_size if sharded else 1)
     dtype = sub.params[0].dtype
@@ -351,17 +351,6 @@ def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dic
         grad_dtype=reduce if mp is not None and mp.keep_low_precision_grads else dtype,
         needs_unsharded_buffer=sharded or compute != dtype,
     )
-
-
-def _check_one_dtype(sub: SubmoduleState) -> None:
-    first = sub.params[0]
-    for param, holders in zip(sub.params, sub.holders):
-        if param.dtype != first.dtype:
-            raise ValueError(
-                f"unit '{sub.fqn or ROOT_NAME}' mixes dtypes: parameter '{_join(sub.fqn, holders[0][2])}' is "
-                f"{param.dtype} but the unit's first parameter is {first.dtype}, which fully_shard rejects; give "
-                "these parameters their own unit with the policy, or cast the model to one dtype"
-            )
 
 
 # [Note: the memory model]

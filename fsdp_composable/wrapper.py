@@ -26,7 +26,6 @@ from fsdp_composable.fully_shard import _build_state
 __all__ = ["FullyShardedDataParallel"]
 
 WRAPPED = "_fsdp_wrapped_module"
-FLAT_PARAM = "_flat_param"
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -158,18 +157,18 @@ def _registrations(handle: FlatParamHandle) -> list[tuple[nn.Module, str, nn.Par
 def _use_flat_params(state: _FSDPState) -> None:
     """Unregister original parameters (kept reachable as plain attributes for forward) and
     register each unit's flat parameter on its module."""
-    for unit_module, handle in state.handles.items():
+    for handle in state.handles:
         handle.expose_orig_grads = False
         for module, name, param in _registrations(handle):
             module._parameters.pop(name, None)
             object.__setattr__(module, name, param)
-        unit_module.register_parameter(FLAT_PARAM, handle.flat_param)
+        handle.module.register_parameter(handle.name, handle.flat_param)
 
 
 def _use_orig_params(state: _FSDPState) -> None:
     """The reverse of `_use_flat_params`, in the original registration order."""
-    for unit_module, handle in state.handles.items():
-        unit_module._parameters.pop(FLAT_PARAM, None)
+    for handle in state.handles:
+        handle.module._parameters.pop(handle.name, None)
         for module, name, param in _registrations(handle):
             module.__dict__.pop(name, None)
             module._parameters[name] = param

@@ -48,7 +48,7 @@ def contract_checks() -> dict:
         fully_shard(plain.l2)
     except RuntimeError as e:
         errors["child_after_parent"] = str(e)
-    handles = list(state.handles.values())
+    handles = list(state.handles)
     return {
         "same_object": out is model,
         "fqns_equal": _fqns(model) == before,
@@ -104,7 +104,7 @@ def units_of(manual: bool) -> list:
     units = []
     for s in _get_fsdp_states(model):
         prefix = next(n for n, m in model.named_modules() if m is s.module)
-        for h in s.handles.values():
+        for h in s.handles:
             unit = ".".join(x for x in (prefix, h.unit_fqn) if x)
             units.append((unit, [i.fqn for i in h.layout.infos], h.layout.padded_numel))
     return sorted(units)
@@ -123,7 +123,7 @@ def views_and_states() -> dict:
     state = fully_shard.state(model)
     seen: dict[str, object] = {}
 
-    h = state.handles[model.l2]
+    h = next(h for h in state.handles if h.module is model.l2)
 
     def inside_forward(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         # a submodule in the middle of the unit: runs inside its forward, and its output's
@@ -138,7 +138,7 @@ def views_and_states() -> dict:
     model.l2[1].register_forward_hook(inside_forward)
     x, y = mlp_batch(0, 4)
     mlp_loss(model, local_slice((x, y), dist.get_rank(), dist.get_world_size())).backward()
-    handles = list(state.handles.values())
+    handles = list(state.handles)
     shard_info = []
     for h in handles:
         local = sum(p.numel() for p in h.params)

@@ -250,7 +250,7 @@ def estimate_vs_sharded() -> list[tuple[int, int, bool]]:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the BatchNorm-under-mixed-precision notice is expected
             fully_shard(model, policy, mixed_precision=mixed_precision)
-        handles = [h for s in _get_fsdp_states(model) for h in s.handles.values()]
+        handles = [h for s in _get_fsdp_states(model) for h in s.handles]
         actual = sum(h.flat_param.numel() * h.flat_param.element_size() for h in handles)
         out.append((est.sharded_param_bytes, actual, est.plan.units == describe(model).units))
     return out
@@ -422,11 +422,13 @@ def test_estimate_optimizers_and_frozen_params_by_hand() -> None:
     assert _estimate(optimizer="sgd").breakdown["optimizer_state"] == 0
     frozen = Toy()
     frozen.scale.requires_grad_(False)  # the whole root unit is frozen
-    frozen.b.weight.requires_grad_(False)  # b's flat: weight [0, 35) frozen, bias [35, 42); rank 0 holds [0, 21)
+    # b splits into two flat parameters: frozen weight (35 -> padded 36) and trainable bias (7 -> 8)
+    frozen.b.weight.requires_grad_(False)
     est = _estimate(frozen)
-    assert est.breakdown["sharded_grads"] == (10 + 21 + 4) * 4  # b keeps a sharded gradient for its bias
-    assert est.breakdown["optimizer_state"] == 2 * (10 + 0 + 4) * 4
-    assert est.breakdown["unsharded_grads"] == 42 * 4
+    assert [(u.fqn, u.padded_numel) for u in est.plan.units] == [("", 4), ("a", 20), ("b", 36), ("b", 8), ("c", 8)]
+    assert est.breakdown["sharded_grads"] == (10 + 4 + 4) * 4  # frozen groups keep no gradient
+    assert est.breakdown["optimizer_state"] == 2 * (10 + 4 + 4) * 4
+    assert est.breakdown["unsharded_grads"] == 20 * 4  # the largest trainable group: a
 
 
 def test_estimate_meta_model_and_no_side_effects() -> None:

@@ -167,7 +167,7 @@ def batchnorm_unit() -> dict:
     state = fully_shard.state(model)
     model(torch.randn(8, 4)).sum().backward()
     return {
-        "units": {h.unit_fqn: h.compute_dtype for h in state.handles.values()},
+        "units": {h.unit_fqn: h.compute_dtype for h in state.handles},
         "running_mean": model[1].running_mean.dtype,
         "warning": [str(w.message) for w in caught],
     }

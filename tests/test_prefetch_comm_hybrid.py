@@ -62,7 +62,7 @@ def comm_per_step(strategy: str, bf16: bool) -> dict:
     gpt_loss(model, local_slice(gpt_batch(0, 2 * world), rank, world)).backward()  # warm-up step
     with CommCounter() as counter:
         gpt_loss(model, local_slice(gpt_batch(1, 2 * world), rank, world)).backward()
-    padded = {h.unit_fqn: h.layout.padded_numel for h in state.handles.values()}
+    padded = {h.unit_fqn: h.layout.padded_numel for h in state.handles}
     return {"calls": counter.calls, "bytes": counter.bytes, "padded": padded}
 
 
