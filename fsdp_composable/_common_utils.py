@@ -26,6 +26,9 @@ FSDP_FLATTENED = "_fsdp_flattened"
 
 API_NAME = "fully_shard"
 
+# Set on original parameters while a wrapper exposes flat parameters instead (use_orig_params=False).
+FLAT_MODE = "_fsdp_flat_mode"
+
 
 class StateTransitionError(RuntimeError):
     """An illegal transition of a `TrainingState` or `HandleTrainingState`."""

@@ -191,8 +191,9 @@ class FlatParamHandle:
         flat_param = FlatParameter(shard, requires_grad=any(p.requires_grad for p in self.params))
         flat_param._layout = layout
         flat_param._unit_fqn = self.unit_fqn
-        for param in self.params:
+        for param, info in zip(self.params, self.layout.infos):
             setattr(param, FSDP_FLATTENED, True)
+            param._fsdp_fqn = f"{self.unit_fqn}.{info.fqn}" if self.unit_fqn else info.fqn  # type: ignore[attr-defined]
         return flat_param
 
     def _init_views(self) -> None:

@@ -18,6 +18,7 @@ parameter mode, and into a plain model.
 from __future__ import annotations
 
 from collections.abc import Mapping
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,8 +26,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_composable._common_utils import _get_fsdp_states
+from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_utils import (
     _as_dtensor,
@@ -460,3 +462,51 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
                 group["lr"] = lr
         for p in created:
             p.grad = None
+
+
+# ---------------------------------------------------------------------------- stale optimizers
+# [Note: optimizers built before fully_shard]
+# fully_shard keeps the original parameter objects, so an optimizer built before it still steps the
+# right tensors. Two cases go wrong silently or cryptically, and a global step pre-hook checks for
+# them on each optimizer's first step after any fully_shard call (then not again until the next call,
+# so steps cost nothing):
+# - optimizer state created before sharding (a step was taken first): its tensors have the full
+#   shape while the parameter is now a 1-D shard slice;
+# - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
+#   parameters never receive gradients there.
+_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+_generation = 0  # bumped by every fully_shard call
+_hook_registered = False
+
+
+def _register_stale_optimizer_check() -> None:
+    global _hook_registered, _generation
+    _generation += 1
+    if not _hook_registered:
+        register_optimizer_step_pre_hook(_check_optimizer_on_first_step)
+        _hook_registered = True
+
+
+def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if _checked.get(optim) == _generation:
+        return
+    _checked[optim] = _generation
+    for group in optim.param_groups:
+        for param in group["params"]:
+            if not getattr(param, FSDP_FLATTENED, False):
+                continue
+            fqn = getattr(param, "_fsdp_fqn", "?")
+            if getattr(param, FLAT_MODE, False):
+                raise RuntimeError(
+                    f"the optimizer holds original parameter '{fqn}', but FullyShardedDataParallel("
+                    "use_orig_params=False) trains flat parameters: build the optimizer after wrapping, from "
+                    "model.parameters() (or pass use_orig_params=True)"
+                )
+            for key, value in optim.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape != param.shape:
+                    raise RuntimeError(
+                        f"optimizer state {key!r} of parameter '{fqn}' has shape {tuple(value.shape)} but the "
+                        f"parameter is now a shard of shape {tuple(param.shape)}: the optimizer stepped before "
+                        "fully_shard. Build the optimizer after fully_shard, or move its state with "
+                        "optim_state_dict / optim_state_dict_to_load"
+                    )

@@ -10,6 +10,7 @@ from torch import nn
 from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
+from fsdp_composable._optim_utils import _register_stale_optimizer_check
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -110,6 +111,7 @@ def _build_state(
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)
     _register_state_dict_hooks(state)
+    _register_stale_optimizer_check()
     return state
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
@@ -159,6 +159,8 @@ def _use_flat_params(state: _FSDPState) -> None:
     register each unit's flat parameter on its module."""
     for handle in state.handles:
         handle.expose_orig_grads = False
+        for param in handle.params:
+            setattr(param, FLAT_MODE, True)
         for module, name, param in _registrations(handle):
             module._parameters.pop(name, None)
             object.__setattr__(module, name, param)

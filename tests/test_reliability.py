@@ -12,9 +12,10 @@ import expecttest
 import torch
 import torch.distributed as dist
 from harness import free_port
+from models import Block, TinyGPT, gpt_batch, gpt_loss
 from torch import nn
 
-from fsdp_composable import fully_shard
+from fsdp_composable import ModuleWrapPolicy, fully_shard
 from fsdp_composable._common_utils import TrainingState
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
@@ -112,3 +113,60 @@ def test_dead_rank_is_reported_by_the_survivor() -> None:
     assert "finished without noticing" not in outputs[0][0]
     assert "fully_shard: the all-gather of unit 'blocks.1' did not complete" in outputs[0][1], outputs[0][1][-2000:]
     assert elapsed < 90
+
+
+def stale_optimizers() -> dict:
+    import copy
+
+    from fsdp_composable import FullyShardedDataParallel
+
+    torch.manual_seed(0)
+    batch = gpt_batch(0, 2)
+    out: dict = {}
+    # built before fully_shard but not stepped yet: the parameters are the same objects, so it just works
+    ref = TinyGPT()
+    model = copy.deepcopy(ref)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard(model, ModuleWrapPolicy({Block}))
+    gpt_loss(model, batch).backward()
+    early.step()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    gpt_loss(ref, batch).backward()
+    ref_opt.step()
+    out["early_ok"] = max((model.state_dict()[k] - v).abs().max().item() for k, v in ref.state_dict().items())
+    # stepped before fully_shard: state of the full shape
+    model = TinyGPT()
+    adam = torch.optim.Adam(model.parameters())
+    gpt_loss(model, batch).backward()
+    adam.step()
+    adam.zero_grad()
+    fully_shard(model, ModuleWrapPolicy({Block}))
+    gpt_loss(model, batch).backward()
+    try:
+        adam.step()
+    except RuntimeError as e:
+        out["stepped"] = str(e)
+    # the wrapper trains flat parameters; an optimizer over the original ones would never move
+    model = TinyGPT()
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}))
+    gpt_loss(wrapped, batch).backward()
+    try:
+        sgd.step()
+    except RuntimeError as e:
+        out["flat"] = str(e)
+    return out
+
+
+def test_optimizer_built_before_fully_shard(dist_run) -> None:
+    r = dist_run(2, stale_optimizers)[0]
+    assert r["early_ok"] < 1e-6
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        r["stepped"],
+        """optimizer state 'exp_avg' of parameter 'pos' has shape (8, 16) but the parameter is now a shard of shape (128,): the optimizer stepped before fully_shard. Build the optimizer after fully_shard, or move its state with optim_state_dict / optim_state_dict_to_load""",
+    )
+    tc.assertExpectedInline(
+        r["flat"],
+        """the optimizer holds original parameter 'pos', but FullyShardedDataParallel(use_orig_params=False) trains flat parameters: build the optimizer after wrapping, from model.parameters() (or pass use_orig_params=True)""",
+    )
