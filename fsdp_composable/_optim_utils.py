@@ -17,8 +17,8 @@ parameter mode, and into a plain model.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
