@@ -164,9 +164,9 @@ def test_optimizer_built_before_fully_shard(dist_run) -> None:
     tc = expecttest.TestCase()
     tc.assertExpectedInline(
         r["stepped"],
-        """optimizer state 'exp_avg' of parameter 'pos' has shape (8, 16) but the parameter is now a shard of shape (128,): the optimizer stepped before fully_shard. Build the optimizer after fully_shard, or move its state with optim_state_dict / optim_state_dict_to_load""",
+        """optimizer state 'exp_avg' of parameter 'pos' has shape (8, 16) but the parameter is now a shard of shape (128,): the optimizer stepped before fully_shard. Build the optimizer after fully_shard, or move its state with optim_state_dict / optim_state_dict_to_load""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r["flat"],
-        """the optimizer holds original parameter 'pos', but FullyShardedDataParallel(use_orig_params=False) trains flat parameters: build the optimizer after wrapping, from model.parameters() (or pass use_orig_params=True)""",
+        """the optimizer holds original parameter 'pos', but FullyShardedDataParallel(use_orig_params=False) trains flat parameters: build the optimizer after wrapping, from model.parameters() (or pass use_orig_params=True)""",  # noqa: E501
     )
