@@ -165,7 +165,11 @@ class FlatParamHandle:
         self._grad_buffer: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
         self._sharded_grad_views: list[torch.Tensor] = []
-        self._unshard_work: Optional[dist.Work] = None
+        self._unshard_work: Optional[_collectives.InFlight] = None
+        self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
+        # CUDA side streams for all-gathers and gradient reductions (set at lazy init; None on CPU)
+        self.unshard_stream: Optional[torch.cuda.Stream] = None
+        self.reduce_stream: Optional[torch.cuda.Stream] = None
         self.is_unsharded = False
         self.expose_orig_grads = True
         # per-backward bookkeeping, reset by the final callback
@@ -255,13 +259,16 @@ class FlatParamHandle:
             return
         src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
         src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
-        self._unshard_work = _collectives.all_gather(self._unsharded, src, self.process_group)
+        self._unshard_src = src
+        unsharded = self._unsharded
+        self._unshard_work = _collectives.issue(
+            self.unshard_stream, lambda: _collectives.all_gather(unsharded, src, self.process_group)
+        )
 
     def wait_unshard(self) -> None:
         """Finish a pending unshard and point the original parameters at the unsharded views."""
         if self._unshard_work is not None:
-            work, self._unshard_work = self._unshard_work, None
-            _collectives.wait(work, f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
+            self._finish_unshard()
             self.is_unsharded = True
         elif not self._needs_buffer:
             self.is_unsharded = True
@@ -274,12 +281,17 @@ class FlatParamHandle:
     def reshard(self) -> None:
         """Point the original parameters back at the shard and free the unsharded storage."""
         if self._unshard_work is not None:  # never free memory a collective is still writing
-            work, self._unshard_work = self._unshard_work, None
-            _collectives.wait(work, f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
+            self._finish_unshard()
         self.use_sharded_views()
         if self._needs_buffer:
             self._free_unsharded()
         self.is_unsharded = False
+
+    def _finish_unshard(self) -> None:
+        assert self._unshard_work is not None
+        work, self._unshard_work = self._unshard_work, None
+        work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
+        self._unshard_src = None
 
     def _alloc_unsharded(self) -> None:
         assert self._unsharded is not None
@@ -382,11 +394,17 @@ class FlatParamHandle:
                 send.div_(world)  # pre-divide: exact for powers of two, no overflow in low precision
             if self.layout.world_size == 1:
                 shard_world = dist.get_world_size(self.process_group)
-                work = _collectives.all_reduce(send, self.process_group) if shard_world > 1 else None
+                group = self.process_group
+                work = _collectives.issue(
+                    self.reduce_stream, lambda: _collectives.all_reduce(send, group) if shard_world > 1 else None
+                )
                 out = send
             else:
                 out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
-                work = _collectives.reduce_scatter(out, send, self.process_group)
+                group, output = self.process_group, out
+                work = _collectives.issue(
+                    self.reduce_stream, lambda: _collectives.reduce_scatter(output, send, group)
+                )
         self._grad_buffer = None
         self._grad_views = []
         return PendingReduce(self, work, out, send, self.replicate_group)
@@ -441,7 +459,7 @@ class PendingReduce:
     """A gradient reduction in flight: wait for ``work``, then accumulate ``out`` into the shard."""
 
     handle: FlatParamHandle
-    work: Optional[dist.Work]
+    work: _collectives.InFlight
     out: torch.Tensor
     send: torch.Tensor  # kept alive until the collective completes
     replicate_group: Optional[dist.ProcessGroup] = None
@@ -449,7 +467,7 @@ class PendingReduce:
     def finish(self) -> None:
         unit = self.handle.unit_fqn or "<root>"
         kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
-        _collectives.wait(self.work, f"the gradient {kind} of unit '{unit}'")
+        self.work.wait(f"the gradient {kind} of unit '{unit}'")
         if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
             work = _collectives.all_reduce(self.out, self.replicate_group)
             _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")

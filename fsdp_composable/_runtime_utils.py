@@ -85,6 +85,10 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.exec_order_data = exec_order
     state.all_states = states
     state.limiter = _AllGatherLimiter()
+    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
+        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
+        for handle in _iter_handles(state):
+            handle.unshard_stream, handle.reduce_stream = streams
     state.non_root_handles = [h for h in _iter_handles(state) if h.module is not root_module]
     fqn_of = {m: name for name, m in root_module.named_modules()}
     handles = list(_iter_handles(state))
