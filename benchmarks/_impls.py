@@ -61,7 +61,7 @@ def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.devic
         mixed_precision=mp,
         device_id=device if device.type == "cuda" else None,
     )
-    handles = list(fully_shard.state(model).handles.values())
+    handles = list(fully_shard.state(model).handles)
 
     def flat_tensors() -> Iterator[Optional[torch.Tensor]]:
         for h in handles:

@@ -175,6 +175,7 @@ class FlatParamHandle:
         # per-backward bookkeeping, reset by the final callback
         self.ran_pre_backward = False
         self.pending_triggers = 0
+        self.untriggered_calls = 0
         # the handles of the same unit (one per dtype/requires_grad group), this one included
         self.siblings: list[FlatParamHandle] = [self]
         self._init_views()
@@ -402,9 +403,7 @@ class FlatParamHandle:
             else:
                 out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
                 group, output = self.process_group, out
-                work = _collectives.issue(
-                    self.reduce_stream, lambda: _collectives.reduce_scatter(output, send, group)
-                )
+                work = _collectives.issue(self.reduce_stream, lambda: _collectives.reduce_scatter(output, send, group))
         self._grad_buffer = None
         self._grad_views = []
         return PendingReduce(self, work, out, send, self.replicate_group)

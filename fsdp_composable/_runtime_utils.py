@@ -19,6 +19,7 @@ trigger never runs reduce in the final callback.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import sys
 from typing import Any, Callable, Optional
@@ -304,6 +305,7 @@ def _finish_step(root: _FSDPState) -> None:
             handle.set_training_state(HandleTrainingState.IDLE)
         handle.ran_pre_backward = False
         handle.pending_triggers = 0
+        handle.untriggered_calls = 0
     for s in root.all_states:
         if s.training_state is TrainingState.FORWARD_BACKWARD:
             _set_training_state(s, TrainingState.IDLE)
@@ -322,6 +324,7 @@ def _reset_after_failure(root: _FSDPState) -> None:
         handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
         handle.ran_pre_backward = False
         handle.pending_triggers = 0
+        handle.untriggered_calls = 0
     for s in root.all_states:
         s.training_state = TrainingState.IDLE
     root.final_callback_queued = False
@@ -416,6 +419,7 @@ def _attach_post_backward_trigger(
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
+        handle.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
         return args, kwargs
     handle.pending_triggers += 1
     outs = _PostBackwardTrigger.apply(functools.partial(_on_trigger, state, handle), *(flat[i] for i in positions))
@@ -427,13 +431,23 @@ def _attach_post_backward_trigger(
 
 def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.pending_triggers -= 1
-    if handle.pending_triggers == 0:
+    # A call without a trigger (inputs needing no grad) may still have backward to run after the
+    # last trigger fires; then only the final callback knows the unit is done.
+    if handle.pending_triggers == 0 and handle.untriggered_calls == 0:
         _post_backward(state, handle)
 
 
 # ---------------------------------------------------------------------------- tensors in structures
 def _tensors(structure: Any) -> list[torch.Tensor]:
-    return [x for x in pytree.tree_leaves(structure) if isinstance(x, torch.Tensor)]
+    """Every tensor in a nested output: containers pytree knows, and dataclass fields (pytree treats
+    an unregistered dataclass as a leaf, which would hide its tensors from the pre-backward hooks)."""
+    out: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(structure):
+        if isinstance(leaf, torch.Tensor):
+            out.append(leaf)
+        elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
+            out.extend(_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
+    return out
 
 
 def _cast_floating(structure: Any, dtype: torch.dtype) -> Any:

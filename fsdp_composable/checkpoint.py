@@ -19,6 +19,16 @@ open, forward, region close, fully_shard post-forward. (One exception: `fully_sh
 after `checkpoint(module)` appends the pre-forward of ``module``'s own unit after ours. That is harmless:
 it saves no tensor for backward, and in recomputation it only unshards.)
 
+[Note: checkpoint and the fully_shard root]
+`fully_shard`'s runtime tells a recomputation from a new forward by the unit's handle state (a unit
+already in backward). Its *root* pre-forward has no such test: run again mid-backward, it would start a
+new step and, when early stop ends the recomputation with an exception, reset every unit. So
+`checkpoint` refuses, at the first forward, a module that is the root of `fully_shard`; checkpoint its
+submodules instead. (A unit nested inside a checkpointed module and not yet in backward when the
+recomputation reaches it is still taken for a new forward: gradients stay right, but its reduction moves
+to the end of backward and the execution order warns. Both would go if the runtime treated every forward
+run during a backward as a recomputation.)
+
 [Note: checkpoint wrappers keep state-dict keys]
 A wrapper module inserts ``_checkpoint_wrapped_module`` into the FQN of everything below it. Module
 FQNs change (by design: the wrapper is a real module), but state-dict keys must not, or a checkpoint
@@ -47,6 +57,7 @@ from torch.utils import checkpoint as _torch_ckpt
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_composable._common_utils import _get_fsdp_state
 from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 
@@ -213,9 +224,22 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not state.enabled:  # this is the recomputation: run the forward plain
         return
+    _check_not_fsdp_root(module)
     region = _open_region(state, module, args, kwargs)
     next(region)  # runs up to the point where the forward belongs inside the region
     state.regions.append(region)
+
+
+def _check_not_fsdp_root(module: nn.Module) -> None:
+    """See [Note: checkpoint and the fully_shard root]. The root is only known once its pre-forward ran
+    (which is before ours: `fully_shard` prepends it), so this is checked here, not in `checkpoint`."""
+    fsdp = _get_fsdp_state(module)
+    if fsdp is not None and fsdp.module is module and fsdp.is_root:
+        raise RuntimeError(
+            f"checkpoint was applied to {type(module).__name__}, the root module of fully_shard, which is not "
+            "supported: recomputing it in backward would run fully_shard's root pre-forward again mid-backward. "
+            "Apply checkpoint to its submodules instead (e.g. each block)."
+        )
 
 
 def _post_forward(state: _CheckpointState, module: nn.Module, args: Any, output: Any) -> None:
