@@ -148,6 +148,11 @@ def _get_fsdp_states(module: nn.Module) -> list[_FSDPState]:
     return list(seen.values())
 
 
+def _is_inside_unit(module: nn.Module) -> bool:
+    """``module`` has no state of its own but its parameters are managed by an enclosing unit."""
+    return any(getattr(p, FSDP_FLATTENED, False) for p in module.parameters())
+
+
 def _iter_handles(state: _FSDPState) -> Iterator["FlatParamHandle"]:
     """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
     for s in state.all_states or [state]:

@@ -20,22 +20,52 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_states
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_states, _is_inside_unit
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
 
-def _root_states(module: nn.Module, api: str) -> list[_FSDPState]:
+def _root_states(module: nn.Module, api: str, why: str) -> list[_FSDPState]:
+    """The states under ``module``, which must be a fully_shard root (``why``: what covers every unit)."""
+    _check_module_arg(module, api)
     states = _get_fsdp_states(module)
     if not states:
+        if _is_inside_unit(module):
+            raise ValueError(
+                f"{api}: this {type(module).__name__} is not a fully_shard root or unit (its parameters belong "
+                "to an enclosing unit); call it on the module fully_shard was applied to"
+            )
         raise ValueError(f"{api}: no fully_shard state on this {type(module).__name__}; call fully_shard(module) first")
+    _check_root(states[0], module, api, why)
     return states
+
+
+def _check_module_arg(module: object, api: str) -> None:
+    if not isinstance(module, nn.Module):
+        unlike = " (not its parameters, unlike torch.nn.utils.clip_grad_norm_)" if api == "clip_grad_norm_" else ""
+        raise TypeError(
+            f"{api} argument 'module' must be the nn.Module fully_shard was applied to{unlike}, "
+            f"got {type(module).__name__}"
+        )
+
+
+def _check_root(outer: _FSDPState, module: nn.Module, api: str, why: str) -> None:
+    """``module`` holds the outermost state's module (a unit of it does not), and that state is the
+    root (known once a forward ran: a manually nested state is not)."""
+    root = outer.root_state if outer.root_state is not None else outer
+    if any(m is root.module for m in module.modules()):
+        return
+    fqn = next((name for name, m in root.module.named_modules() if m is module), None)
+    raise ValueError(
+        f"{api} must be called on the fully_shard root ({type(root.module).__name__}), not on its "
+        f"{'unit ' + repr(fqn) if fqn is not None else type(module).__name__}: {why}"
+    )
 
 
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally, without communication, until the context exits."""
-    states = _root_states(module, "no_sync")
+    states = _root_states(module, "no_sync", "it must skip the reduction of every unit")
     for s in states:
         if s.training_state is not TrainingState.IDLE:
             raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
@@ -49,16 +79,14 @@ def no_sync(module: nn.Module) -> Iterator[None]:
             s.sync_gradients = prev
 
 
-def clip_grad_norm_(module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int] = 2.0) -> torch.Tensor:
+def clip_grad_norm_(
+    module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int, str] = 2.0
+) -> torch.Tensor:
     """Clip all gradients of ``module`` by their global norm, computed over every shard of every unit
     (and parameters fully_shard does not manage). Returns the total norm, the same on every rank and
     equal to the unsharded model's. A collective: call it on every rank."""
-    if not isinstance(max_norm, (int, float)) or max_norm < 0:
-        raise ValueError(f"clip_grad_norm_: max_norm must be a non-negative number, got {max_norm!r}")
-    norm_type = float(norm_type)
-    if norm_type <= 0:
-        raise ValueError(f"clip_grad_norm_: norm_type must be positive (or inf), got {norm_type!r}")
-    states = _root_states(module, "clip_grad_norm_")
+    norm_type = _check_clip_args(module, max_norm, norm_type)
+    states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
     group = states[0].process_group
     sharded, replicated = _grads_by_placement(module, states)
     device = states[0].device
@@ -75,6 +103,27 @@ def clip_grad_norm_(module: nn.Module, max_norm: Union[float, int], norm_type: U
         for grad in sharded + replicated:
             grad.mul_(coef.to(grad.dtype))
     return total
+
+
+def _check_clip_args(module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int, str]) -> float:
+    """Validate the numbers (a NaN or inf ``max_norm`` would silently scale every gradient by NaN or 1);
+    returns ``norm_type`` as a float ("inf" is accepted, as torch's clip_grad_norm_ does)."""
+    _check_module_arg(module, "clip_grad_norm_")
+    if (
+        isinstance(max_norm, bool)
+        or not isinstance(max_norm, (int, float))
+        or not math.isfinite(max_norm)
+        or max_norm < 0
+    ):
+        raise ValueError(f"clip_grad_norm_: max_norm must be a finite non-negative number, got {max_norm!r}")
+    if norm_type == "inf":
+        return math.inf
+    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
+        raise ValueError(
+            "clip_grad_norm_: norm_type must be a positive number or inf, "
+            f"got {type(norm_type).__name__}: {norm_type!r}"
+        )
+    return float(norm_type)
 
 
 def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:

@@ -6,6 +6,7 @@ and fills in one part of the `_FSDPState`.
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from typing import Any, Callable, Iterable, Optional, Union
 
@@ -15,20 +16,45 @@ from torch import nn
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _FSDPState, _get_fsdp_state
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
-from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
-from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
+from fsdp_composable._wrap_utils import (
+    ModuleWrapPolicy,
+    Policy,
+    SubmoduleState,
+    _as_policy,
+    _flat_groups,
+    _get_submodule_to_states,
+)
+from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, _torch_twin_error
 
 __all__: list[str] = []
 
 ProcessGroupArg = Optional[dist.ProcessGroup]
 
+# [Note: API names in messages]
+# `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so
+# that a message names the argument the user wrote (the wrapper's differ for two of them).
+_ARG_NAMES: dict[str, dict[str, str]] = {
+    "FullyShardedDataParallel": {"strategy": "sharding_strategy", "policy": "auto_wrap_policy"},
+}
 
-def _check_type(name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
-    if not isinstance(value, types):
-        raise TypeError(f"fully_shard argument {name!r} must be {hint}, got {type(value).__name__}: {value!r}")
+
+def _arg(api: str, name: str) -> str:
+    """``"<api> argument '<name>'"``, with the API's own name for the argument."""
+    return f"{api} argument {_ARG_NAMES.get(api, {}).get(name, name)!r}"
+
+
+def _check_type(api: str, name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
+    if isinstance(value, types):
+        return
+    expected = types if isinstance(types, tuple) else (types,)
+    twin = _torch_twin_error(_arg(api, name), value, expected[0], type(None) in expected)
+    if twin is not None:
+        raise twin
+    raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
 
 
 def _validate_args(
+    api: str,
     strategy: Any,
     mixed_precision: Any,
     cpu_offload: Any,
@@ -38,26 +64,27 @@ def _validate_args(
     sync_module_states: Any,
     param_init_fn: Any,
     policy: Any,
-) -> None:
-    _check_type("strategy", strategy, ShardingStrategy, "a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD)")
-    _check_type("mixed_precision", mixed_precision, (MixedPrecision, type(None)), "a MixedPrecision or None")
-    _check_type("cpu_offload", cpu_offload, (CPUOffload, type(None)), "a CPUOffload or None")
-    _check_type("backward_prefetch", backward_prefetch, (BackwardPrefetch, type(None)), "a BackwardPrefetch or None")
+) -> Optional[Policy]:
+    """Check the plain arguments' types; returns ``policy`` as a `Policy` (its messages name ``api``)."""
+    _check_type(api, "strategy", strategy, ShardingStrategy, "a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD)")
+    _check_type(api, "mixed_precision", mixed_precision, (MixedPrecision, type(None)), "a MixedPrecision or None")
+    _check_type(api, "cpu_offload", cpu_offload, (CPUOffload, type(None)), "a CPUOffload or None")
+    _check_type(
+        api, "backward_prefetch", backward_prefetch, (BackwardPrefetch, type(None)), "a BackwardPrefetch or None"
+    )
     for name, value in (
         ("forward_prefetch", forward_prefetch),
         ("limit_all_gathers", limit_all_gathers),
         ("sync_module_states", sync_module_states),
     ):
-        _check_type(name, value, bool, "True or False")
+        _check_type(api, name, value, bool, "True or False")
     if param_init_fn is not None and not callable(param_init_fn):
-        raise TypeError(
-            f"fully_shard argument 'param_init_fn' must be a callable(module) or None, got {param_init_fn!r}"
-        )
-    _as_policy(policy)
+        raise TypeError(f"{_arg(api, 'param_init_fn')} must be a callable(module) or None, got {param_init_fn!r}")
+    return _as_policy(policy, _arg(api, "policy"))
 
 
 def _init_process_group_state(
-    process_group: Any, strategy: ShardingStrategy
+    process_group: Any, strategy: ShardingStrategy, api: str = "fully_shard"
 ) -> tuple[dist.ProcessGroup, Optional[dist.ProcessGroup], int, int]:
     """(shard group, replicate group or None, rank and world size in the shard group).
 
@@ -69,7 +96,7 @@ def _init_process_group_state(
             "torch.distributed.init_process_group('gloo' or 'nccl', ...) first (torchrun sets the "
             "environment for you)"
         )
-    shard, replicate = _split_process_group(process_group)
+    shard, replicate = _split_process_group(process_group, api)
     hybrid = strategy is ShardingStrategy.HYBRID_SHARD
     if hybrid and replicate is None:
         raise ValueError(
@@ -81,14 +108,19 @@ def _init_process_group_state(
             f"a (shard, replicate) process_group or 2-D DeviceMesh is only for HYBRID_SHARD, not {strategy.name}; "
             "pass one ProcessGroup"
         )
+    if hybrid and shard is not None and replicate is not None:
+        _check_hybrid_groups(api, shard, replicate)
     group = shard if shard is not None else dist.group.WORLD
     assert group is not None
     return group, replicate, dist.get_rank(group), dist.get_world_size(group)
 
 
-def _split_process_group(process_group: Any) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
+def _split_process_group(
+    process_group: Any, api: str = "fully_shard"
+) -> tuple[Optional[dist.ProcessGroup], Optional[dist.ProcessGroup]]:
     from torch.distributed.device_mesh import DeviceMesh
 
+    _check_member(api, process_group)
     if process_group is None or isinstance(process_group, dist.ProcessGroup):
         return process_group, None
     if isinstance(process_group, DeviceMesh):
@@ -96,40 +128,66 @@ def _split_process_group(process_group: Any) -> tuple[Optional[dist.ProcessGroup
             return process_group.get_group(), None
         if process_group.ndim == 2:
             return process_group.get_group(1), process_group.get_group(0)
-        raise ValueError(f"fully_shard supports 1-D or 2-D DeviceMesh, got {process_group.ndim}-D")
-    if (
-        isinstance(process_group, tuple)
-        and len(process_group) == 2
-        and all(isinstance(g, dist.ProcessGroup) for g in process_group)
-    ):
-        return process_group[0], process_group[1]
+        raise ValueError(
+            f"{_arg(api, 'process_group')} must be a 1-D DeviceMesh (or a 2-D (replicate, shard) one for "
+            f"HYBRID_SHARD), got a {process_group.ndim}-D DeviceMesh; slice or flatten it"
+        )
+    if isinstance(process_group, tuple) and len(process_group) == 2:
+        for g in process_group:
+            _check_member(api, g)
+        if all(isinstance(g, dist.ProcessGroup) for g in process_group):
+            return process_group[0], process_group[1]
     raise TypeError(
-        "fully_shard argument 'process_group' must be a ProcessGroup, a DeviceMesh, a "
+        f"{_arg(api, 'process_group')} must be a ProcessGroup, a DeviceMesh, a "
         f"(shard_group, replicate_group) tuple or None, got {type(process_group).__name__}"
     )
 
 
+def _check_member(api: str, group: Any) -> None:
+    # `dist.new_group(ranks)` returns this int sentinel, not a group, on the ranks it leaves out
+    if isinstance(group, int) and not isinstance(group, bool) and group == dist.GroupMember.NON_GROUP_MEMBER:
+        raise ValueError(
+            f"{_arg(api, 'process_group')} does not contain this rank ({dist.get_rank()}); call {api} only on "
+            "the group's ranks"
+        )
+
+
+def _check_hybrid_groups(api: str, shard: dist.ProcessGroup, replicate: dist.ProcessGroup) -> None:
+    """HYBRID_SHARD reduce-scatters in the shard group, then all-reduces across the replicate group:
+    unless the two cross only at this rank, some gradient contributions are summed twice or never."""
+    shard_ranks = dist.get_process_group_ranks(shard)
+    replicate_ranks = dist.get_process_group_ranks(replicate)
+    common = sorted(set(shard_ranks) & set(replicate_ranks))
+    if common != [dist.get_rank()]:
+        raise ValueError(
+            f"{_arg(api, 'process_group')}: for HYBRID_SHARD the shard group (ranks {shard_ranks}) and the "
+            f"replicate group (ranks {replicate_ranks}) must have exactly one rank in common, this one; they "
+            f"share {common}. Pass groups that cross at this rank, e.g. a 2-D DeviceMesh "
+            "init_device_mesh(device_type, (num_replicas, shard_size)) laid out (replicate, shard)"
+        )
+
+
 def _init_ignored_module_states(
-    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]]
+    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], api: str = "fully_shard"
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     if ignored_modules is None:
         return set(), set()
+    where = _arg(api, "ignored_modules")
     if isinstance(ignored_modules, nn.Module) or not isinstance(ignored_modules, Iterable):
         raise TypeError(
-            "fully_shard argument 'ignored_modules' must be an iterable of submodules (e.g. a list), "
-            f"got {type(ignored_modules).__name__}"
+            f"{where} must be an iterable of submodules (e.g. a list), got {type(ignored_modules).__name__}"
         )
     ignored = set(ignored_modules)
     submodules = set(module.modules())
     for m in ignored:
         if not isinstance(m, nn.Module):
-            raise TypeError(f"ignored_modules must contain nn.Module instances, got {type(m).__name__}")
+            raise TypeError(f"{where} must contain nn.Module instances, got {type(m).__name__}")
         if m is module:
-            raise ValueError("ignored_modules cannot contain the module fully_shard is applied to")
+            raise ValueError(f"{where} cannot contain the module {api} is applied to")
         if m not in submodules:
             raise ValueError(
-                f"ignored_modules contains a {type(m).__name__} that is not a submodule of the "
-                f"{type(module).__name__} passed to fully_shard; pass only its submodules"
+                f"{where} contains a {type(m).__name__} that is not a submodule of the "
+                f"{type(module).__name__} passed to {api}; pass only its submodules"
             )
     expanded = {sub for m in ignored for sub in m.modules()}
     params = {p for m in expanded for p in m.parameters(recurse=False)}
@@ -137,15 +195,11 @@ def _init_ignored_module_states(
 
 
 def _init_device(
-    module: nn.Module, device_id: Union[int, torch.device, None], ignored: set[nn.Parameter]
+    module: nn.Module, device_id: Union[int, torch.device, None], ignored: set[nn.Parameter], api: str = "fully_shard"
 ) -> torch.device:
     """The compute device: ``device_id`` (moving the module there) or where the parameters are."""
     if device_id is not None:
-        if not isinstance(device_id, (int, torch.device)):
-            raise TypeError(
-                f"fully_shard argument 'device_id' must be an int, a torch.device or None, got {device_id!r}"
-            )
-        device = torch.device("cuda", device_id) if isinstance(device_id, int) else device_id
+        device = _check_device_id(api, device_id)
         module.to(device)
         return device
     devices = {p.device for p in module.parameters() if p not in ignored}
@@ -156,6 +210,29 @@ def _init_device(
             f"({sorted(str(d) for d in devices)}); move the module to one device or pass device_id"
         )
     return devices.pop() if devices else torch.device("cpu")
+
+
+def _check_device_id(api: str, device_id: Any) -> torch.device:
+    where = _arg(api, "device_id")
+    if isinstance(device_id, bool) or not isinstance(device_id, (int, torch.device)):
+        raise TypeError(f"{where} must be an int, a torch.device or None, got {device_id!r}")
+    if isinstance(device_id, int):
+        if device_id < 0:
+            raise ValueError(f"{where} must be a CUDA device index >= 0 or a torch.device, got {device_id}")
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"{where}={device_id} means cuda:{device_id} but CUDA is not available; on CPU pass "
+                "device_id=None or torch.device('cpu')"
+            )
+        return torch.device("cuda", device_id)
+    if device_id.type == "meta":
+        raise ValueError(
+            f"{where} must be a real device, got meta; to defer initialisation build the model on the meta "
+            "device and pass param_init_fn"
+        )
+    if device_id.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{where} is {device_id} but CUDA is not available; on CPU pass device_id=None")
+    return device_id
 
 
 def _init_core_state(
@@ -236,21 +313,25 @@ def _materialize_meta_module(
     fqn: str,
     param_init_fn: Optional[Callable[[nn.Module], None]],
     device: torch.device,
+    api: str = "fully_shard",
 ) -> None:
     """Materialise a unit's meta parameters with ``param_init_fn`` or ``reset_parameters``."""
     metas = [p for p in unit_module.parameters() if p.is_meta and not getattr(p, FSDP_FLATTENED, False)]
     if not metas:
         return
     if param_init_fn is not None:
+        _check_param_init_fn_arity(api, param_init_fn, unit_module, fqn)
         param_init_fn(unit_module)
         return
     modules = [m for m in unit_module.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
     missing = [m for m in modules if not callable(getattr(m, "reset_parameters", None))]
     if missing:
+        name = next(n for n, m in unit_module.named_modules(prefix=fqn) if m is missing[0])
+        param = next(n for n, p in missing[0].named_parameters(prefix=name, recurse=False) if p.is_meta)
         raise ValueError(
-            f"unit '{fqn or '<root>'}' has parameters on the meta device and "
-            f"{type(missing[0]).__name__} has no reset_parameters(); pass param_init_fn= to fully_shard "
-            "to materialise them"
+            f"unit '{fqn or '<root>'}' has parameters on the meta device and module '{name or '<root>'}' "
+            f"({type(missing[0]).__name__}, parameter '{param}') has no reset_parameters(); pass "
+            f"param_init_fn= to {api} to materialise them"
         )
     for m in modules:
         m.to_empty(device=device, recurse=False)
@@ -258,22 +339,42 @@ def _materialize_meta_module(
             getattr(m, "reset_parameters")()  # noqa: B009 (checked callable above)
 
 
+def _check_param_init_fn_arity(
+    api: str, param_init_fn: Callable[[nn.Module], None], unit_module: nn.Module, fqn: str
+) -> None:
+    """Bind before calling: a TypeError from inside the user's function must stay the user's."""
+    try:
+        signature = inspect.signature(param_init_fn)
+    except (TypeError, ValueError):  # no signature to read (some builtins): let the call decide
+        return
+    try:
+        signature.bind(unit_module)
+    except TypeError as e:
+        raise TypeError(
+            f"{_arg(api, 'param_init_fn')} cannot be called with the unit module '{fqn or '<root>'}' "
+            f"({type(unit_module).__name__}): it must take one argument, the module to materialise"
+        ) from e
+
+
 def _init_param_handles_from_module(
     state: _FSDPState,
     policy: Any,
     param_init_fn: Optional[Callable[[nn.Module], None]],
     sync_module_states: bool = False,
+    api: str = "fully_shard",
 ) -> dict[nn.Module, SubmoduleState]:
     """Create one handle per unit, bottom-up. Each unit is materialised (if on the meta device),
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
     stays near one unit unsharded."""
     module = state.module
     _check_not_applied_below_parent(module, state.ignored_params)
+    _warn_policy_matches_nothing(state, policy, api)
     bn = _warn_batchnorm_under_mixed_precision(state)
     submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
+    _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
     for unit_module, sub in reversed(list(submodule_states.items())):
-        _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device)
+        _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device, api)
         _retie_and_refresh(sub)
         if sync_module_states:
             _broadcast_from_rank0(state, [p.detach() for p in sub.params])
@@ -323,6 +424,32 @@ def _broadcast_from_rank0(state: _FSDPState, tensors: list[torch.Tensor]) -> Non
             src = dist.get_global_rank(group, 0)
             for t in tensors:
                 dist.broadcast(t, src=src, group=group)
+
+
+def _check_unit_overrides(
+    state: _FSDPState, submodule_states: dict[nn.Module, SubmoduleState], api: str = "fully_shard"
+) -> None:
+    """Before any unit is built: an override needing a group the call did not get is an error."""
+    for sub in submodule_states.values():
+        if sub.overrides.get("strategy") is ShardingStrategy.HYBRID_SHARD and state.replicate_group is None:
+            raise ValueError(
+                f"CustomPolicy override strategy=HYBRID_SHARD for module '{sub.fqn}' needs a replicate group: "
+                f"pass process_group=(shard_group, replicate_group) or a 2-D DeviceMesh to {api}"
+            )
+
+
+def _warn_policy_matches_nothing(state: _FSDPState, policy: Any, api: str) -> None:
+    """A ModuleWrapPolicy naming classes the model does not have is almost always a mistake (a class
+    from another module of the same name, a typo'd import); the model silently becomes one unit."""
+    if not isinstance(policy, ModuleWrapPolicy):
+        return
+    if any(type(m) in policy.module_classes for m in state.module.modules()):
+        return
+    warnings.warn(
+        f"{api}: {policy!r} matched no submodule of {type(state.module).__name__}, so the whole module is "
+        "one unit; check the classes",
+        stacklevel=4,
+    )
 
 
 def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:

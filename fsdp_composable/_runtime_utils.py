@@ -35,6 +35,7 @@ from fsdp_composable._common_utils import (
     _FSDPState,
     _get_fsdp_state,
     _get_fsdp_states,
+    _is_inside_unit,
     _iter_handles,
     _set_training_state,
 )
@@ -191,7 +192,10 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
     if not state.is_root:
         return output
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
-        _reset_after_failure(state)
+        # Only a step in progress needs undoing: if pre-forward refused to start one (e.g. forward
+        # inside unshard_params), resetting would break the context that owns the states.
+        if state.training_state is TrainingState.FORWARD_BACKWARD:
+            _reset_after_failure(state)
         return None
     if state.exec_order_data is not None:
         state.exec_order_data.end_forward()
@@ -368,12 +372,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     Hooks only see ``forward``; this wraps the method on the instance so it runs the same pre/post
     forward steps (as the root when ``module`` is the root)."""
-    state = _get_fsdp_state(module)
-    if state is None:
-        raise ValueError(
-            f"register_fsdp_forward_method: call fully_shard on this {type(module).__name__} before "
-            f"registering {method_name!r}"
-        )
+    state = _check_forward_method_args(module, method_name)
     method = getattr(module, method_name, None)
     if not callable(method):
         raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
@@ -395,6 +394,30 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
         return output
 
     object.__setattr__(module, method_name, wrapped)
+
+
+def _check_forward_method_args(module: Any, method_name: Any) -> _FSDPState:
+    """The state ``register_fsdp_forward_method`` attaches to, after checking its arguments."""
+    api = "register_fsdp_forward_method"
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{api} argument 'module' must be an nn.Module, got {type(module).__name__}")
+    if not isinstance(method_name, str):
+        raise TypeError(
+            f"{api} argument 'method_name' must be a str, got {type(method_name).__name__}: {method_name!r}"
+        )
+    if method_name == "forward":  # its hooks would run twice and the states would not know why
+        raise ValueError(
+            f"{api}: 'forward' already runs fully_shard's hooks; register only other methods (e.g. 'generate')"
+        )
+    state = _get_fsdp_state(module)
+    if state is None and _is_inside_unit(module):
+        raise ValueError(
+            f"{api}: this {type(module).__name__} is not a fully_shard root or unit; register the method on the "
+            "module fully_shard was applied to (or make this module a unit with the policy)"
+        )
+    if state is None:
+        raise ValueError(f"{api}: call fully_shard on this {type(module).__name__} before registering {method_name!r}")
+    return state
 
 
 # ---------------------------------------------------------------------------- post-backward trigger

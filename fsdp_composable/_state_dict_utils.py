@@ -50,6 +50,7 @@ from fsdp_composable.api import (
     ShardedStateDictConfig,
     StateDictConfig,
     StateDictType,
+    _torch_twin_error,
 )
 
 __all__ = ["state_dict_type"]
@@ -78,12 +79,24 @@ def state_dict_type(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"state_dict_type argument 'module' must be an nn.Module, got {type(module).__name__}")
+    twin = _torch_twin_error("state_dict_type argument 'state_dict_type'", state_dict_type, StateDictType)
+    if twin:
+        raise twin
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(
             "state_dict_type argument 'state_dict_type' must be a StateDictType (e.g. "
             f"StateDictType.SHARDED_STATE_DICT), got {type(state_dict_type).__name__}: {state_dict_type!r}"
         )
     expected = _CONFIG_TYPES[state_dict_type]
+    twin = _torch_twin_error(
+        "state_dict_type argument 'config'",
+        config,
+        expected,
+        or_none=True,
+        suffix=f" for StateDictType.{state_dict_type.name}",
+    )
+    if twin:
+        raise twin
     if config is not None and not isinstance(config, expected):
         raise TypeError(
             f"state_dict_type argument 'config' must be a {expected.__name__} or None for "

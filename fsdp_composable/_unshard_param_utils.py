@@ -14,20 +14,32 @@ from fsdp_composable._common_utils import (
     _FSDPState,
     _get_fsdp_state,
     _get_fsdp_states,
+    _is_inside_unit,
     _set_training_state,
 )
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._state_dict_utils import _gather_full_flat
+from fsdp_composable.api import _check_bool
 
 __all__ = ["summon_full_params", "unshard_params"]
 
 
 def _states_for(module: nn.Module, recurse: bool) -> list[_FSDPState]:
+    if not isinstance(module, nn.Module):
+        raise TypeError(
+            f"unshard_params argument 'module' must be the nn.Module fully_shard was applied to, "
+            f"got {type(module).__name__}"
+        )
     if recurse:
         states = _get_fsdp_states(module)
     else:
         state = _get_fsdp_state(module)
         states = [state] if state is not None else []
+    if not states and _is_inside_unit(module):
+        raise ValueError(
+            f"unshard_params: this {type(module).__name__} is not a fully_shard root or unit (its parameters "
+            "belong to an enclosing unit); call it on the module fully_shard was applied to"
+        )
     if not states:
         raise ValueError(
             f"unshard_params: no fully_shard state on this {type(module).__name__}"
@@ -62,6 +74,14 @@ def unshard_params(
     ``offload_to_cpu``: the full parameters live on the CPU. ``with_grads``: ``.grad`` holds the full
     gradient too (zeros where a unit has none yet). Collective: every rank must enter it.
     """
+    for name, value in (
+        ("recurse", recurse),
+        ("writeback", writeback),
+        ("rank0_only", rank0_only),
+        ("offload_to_cpu", offload_to_cpu),
+        ("with_grads", with_grads),
+    ):
+        _check_bool(f"unshard_params argument {name!r}", value)
     if writeback and rank0_only:
         raise ValueError(
             "unshard_params(writeback=True, rank0_only=True) is not supported: the other ranks would "

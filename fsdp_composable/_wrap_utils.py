@@ -11,7 +11,7 @@ and ignored modules are skipped with their whole subtree, and so are parameters 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Optional, Union
+from typing import Any, Callable, Iterable, NoReturn, Optional, Union
 
 import torch
 from torch import nn
@@ -46,11 +46,29 @@ class ModuleWrapPolicy(Policy):
     module_classes: frozenset[type]
 
     def __init__(self, module_classes: Iterable[type]) -> None:
+        if isinstance(module_classes, type):
+            name = module_classes.__name__
+            raise TypeError(
+                f"ModuleWrapPolicy expects an iterable of nn.Module subclasses, got the class {name}; "
+                f"write ModuleWrapPolicy({{{name}}})"
+            )
+        if isinstance(module_classes, str) or not isinstance(module_classes, Iterable):
+            raise TypeError(
+                f"ModuleWrapPolicy expects an iterable of nn.Module subclasses, got {type(module_classes).__name__}"
+            )
         classes = frozenset(module_classes)
         bad = [c for c in classes if not (isinstance(c, type) and issubclass(c, nn.Module))]
         if bad:
             raise TypeError(f"ModuleWrapPolicy expects nn.Module subclasses, got {bad!r}")
+        if not classes:
+            raise ValueError(
+                "ModuleWrapPolicy needs at least one nn.Module subclass; pass policy=None to make the whole "
+                "module one unit"
+            )
         object.__setattr__(self, "module_classes", classes)
+
+    def __repr__(self) -> str:  # used in messages: class names, not their full paths
+        return f"ModuleWrapPolicy({{{', '.join(sorted(c.__name__ for c in self.module_classes))}}})"
 
     def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
         return {} if type(module) in self.module_classes else None
@@ -78,6 +96,13 @@ class CustomPolicy(Policy):
 
     fn: Callable[[nn.Module], Union[bool, dict[str, Any]]]
 
+    def __post_init__(self) -> None:
+        if not callable(self.fn):
+            raise TypeError(
+                "CustomPolicy expects a callable(module) returning a bool or a dict of per-unit overrides, "
+                f"got {type(self.fn).__name__}"
+            )
+
     def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
         result = self.fn(module)
         if isinstance(result, dict):
@@ -94,9 +119,21 @@ class CustomPolicy(Policy):
 @dataclass(frozen=True)
 class _CallablePolicy(Policy):
     fn: Callable[[nn.Module], bool]
+    where: str = "policy"  # how messages name it, e.g. "fully_shard argument 'policy'"
 
     def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
-        return {} if self.fn(module) else None
+        result = self.fn(module)
+        if isinstance(result, dict):  # truthy, so it would silently mean "a unit, no overrides"
+            raise TypeError(
+                f"{self.where} returned a dict for module '{fqn}'; per-unit overrides need CustomPolicy(fn), "
+                "a plain callable must return True or False"
+            )
+        if not isinstance(result, bool):
+            raise TypeError(
+                f"{self.where} returned {type(result).__name__} for module '{fqn}'; return True or False "
+                "(or use CustomPolicy for per-unit overrides)"
+            )
+        return {} if result else None
 
 
 @dataclass(frozen=True)
@@ -126,14 +163,40 @@ def _check_overrides(overrides: dict[str, Any], fqn: str) -> None:
             )
 
 
-def _as_policy(policy: Any) -> Optional[Policy]:
+_POLICY_EXAMPLES = {
+    "ModuleWrapPolicy": "ModuleWrapPolicy({MyBlock, ...})",
+    "SizeBasedPolicy": "SizeBasedPolicy(min_num_params)",
+    "CustomPolicy": "CustomPolicy(fn)",
+}
+
+
+def _as_policy(policy: Any, where: str = "policy") -> Optional[Policy]:
+    """``policy`` as a `Policy`; ``where`` names it in messages (e.g. "fully_shard argument 'policy'")."""
     if policy is None or isinstance(policy, Policy):
         return policy
+    if isinstance(policy, type):  # classes are callable, so they would pass for a policy function
+        _raise_policy_class(policy, where)
     if callable(policy):
-        return _CallablePolicy(policy)
+        return _CallablePolicy(policy, where)
     raise TypeError(
-        f"policy must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, "
+        f"{where} must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, "
         f"got {type(policy).__name__}"
+    )
+
+
+def _raise_policy_class(cls: type, where: str) -> NoReturn:
+    name = cls.__name__
+    if issubclass(cls, nn.Module):
+        raise TypeError(
+            f"{where} is the module class {name}; pass ModuleWrapPolicy({{{name}}}) to make every {name} a unit"
+        )
+    if issubclass(cls, Policy):
+        raise TypeError(
+            f"{where} is the class {name}, not an instance; pass {_POLICY_EXAMPLES.get(name, name + '(...)')}"
+        )
+    raise TypeError(
+        f"{where} must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, "
+        f"got the class {name}"
     )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -58,6 +58,32 @@ class StateDictType(enum.Enum):
     LOCAL_STATE_DICT = enum.auto()
 
 
+# torch.distributed.fsdp has classes with the same names; a message printing only the class name would
+# read "must be a ShardingStrategy, got ShardingStrategy", so name both packages.
+_TORCH_TWIN_NOTE = "(torch.distributed.fsdp's class of the same name is not interchangeable)"
+
+
+def _torch_twin_error(
+    where: str, value: Any, expected: type, or_none: bool = False, suffix: str = ""
+) -> Optional[TypeError]:
+    """The TypeError for ``value`` of torch.distributed.fsdp's class named like ``expected``, else None.
+
+    Checked by module name: this package must not import torch.distributed.fsdp."""
+    cls = type(value)
+    if cls.__name__ != expected.__name__ or not cls.__module__.startswith("torch.distributed.fsdp"):
+        return None
+    got = f"torch.distributed.fsdp.{cls.__name__}" + (f".{value.name}" if isinstance(value, enum.Enum) else "")
+    return TypeError(
+        f"{where} must be a fsdp_composable.{expected.__name__}{' or None' if or_none else ''}{suffix}, "
+        f"got {got} {_TORCH_TWIN_NOTE}"
+    )
+
+
+def _check_bool(where: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{where} must be True or False, got {type(value).__name__}: {value!r}")
+
+
 def _check_float_dtype(field: str, dtype: Optional[torch.dtype]) -> None:
     if dtype is None:
         return
@@ -87,6 +113,8 @@ class MixedPrecision:
     def __post_init__(self) -> None:
         for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
             _check_float_dtype(field, getattr(self, field))
+        for field in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
+            _check_bool(f"MixedPrecision.{field}", getattr(self, field))
 
 
 @dataclass(frozen=True)
@@ -97,6 +125,9 @@ class CPUOffload:
     """
 
     offload_params: bool = False
+
+    def __post_init__(self) -> None:
+        _check_bool("CPUOffload.offload_params", self.offload_params)
 
 
 @dataclass(frozen=True)

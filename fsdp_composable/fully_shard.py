@@ -77,14 +77,17 @@ def _build_state(
     backward_prefetch: Optional[BackwardPrefetch],
     limit_all_gathers: bool,
     use_orig_params: bool,
+    api: str = API_NAME,
 ) -> _FSDPState:
-    """The constructor shared with the wrapper class: a short sequence of `_init_*` calls."""
+    """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``api``
+    names the caller in error messages (see [Note: API names in messages] in `_init_utils`)."""
     if _get_module_state(module, API_NAME) is not None:
         raise RuntimeError(
             f"fully_shard was already applied to this {type(module).__name__} (directly or as a unit of "
             "a parent's policy); apply it once per module"
         )
-    init._validate_args(
+    unit_policy = init._validate_args(
+        api,
         strategy,
         mixed_precision,
         cpu_offload,
@@ -95,9 +98,9 @@ def _build_state(
         param_init_fn,
         policy,
     )
-    group, replicate_group, rank, world_size = init._init_process_group_state(process_group, strategy)
-    ignored_mods, ignored_params = init._init_ignored_module_states(module, ignored_modules)
-    device = init._init_device(module, device_id, ignored_params)
+    group, replicate_group, rank, world_size = init._init_process_group_state(process_group, strategy, api)
+    ignored_mods, ignored_params = init._init_ignored_module_states(module, ignored_modules, api)
+    device = init._init_device(module, device_id, ignored_params, api)
     state = init._init_core_state(
         module, group, rank, world_size, device, strategy, mixed_precision, cpu_offload, use_orig_params
     )
@@ -106,7 +109,7 @@ def _build_state(
     init._init_runtime_state(state, limit_all_gathers)
     init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
     init._init_buffer_state(state, module)
-    init._init_param_handles_from_module(state, policy, param_init_fn, sync_module_states)
+    init._init_param_handles_from_module(state, unit_policy, param_init_fn, sync_module_states, api)
     for unit_module in {module, *(h.module for h in state.handles)}:
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)

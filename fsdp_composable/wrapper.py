@@ -72,6 +72,7 @@ class FullyShardedDataParallel(nn.Module):
             backward_prefetch,
             limit_all_gathers,
             use_orig_params,
+            api="FullyShardedDataParallel",
         )
         object.__setattr__(self, "_fsdp_state", state)
         _register_prefix_hooks(self, WRAPPED)

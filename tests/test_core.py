@@ -353,7 +353,7 @@ def test_bad_arguments_without_process_group() -> None:
         fully_shard(nn.Linear(2, 2), policy=3)
     tc.assertExpectedInline(
         str(e.value),
-        """policy must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, got int""",  # noqa: E501
+        """fully_shard argument 'policy' must be None, ModuleWrapPolicy, SizeBasedPolicy, CustomPolicy or a callable(module) -> bool, got int""",  # noqa: E501
     )
     with pytest.raises(TypeError) as e:
         fully_shard("not a module")  # type: ignore[arg-type]
