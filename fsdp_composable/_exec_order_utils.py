@@ -59,6 +59,7 @@ class _ExecOrderData:
         self.last_pre_backward_order: list["FlatParamHandle"] = []
         self.last_prefetch_log: list[tuple[str, str]] = []
         self._current_forward: list["FlatParamHandle"] = []
+        self.first_forward_calls: list["FlatParamHandle"] = []
         self._forward_ended = False
 
     def set_units(self, handles: "list[FlatParamHandle]", names: list[str]) -> None:
@@ -66,13 +67,20 @@ class _ExecOrderData:
         self.unit_names = names
 
     def record_pre_forward(self, handle: "FlatParamHandle") -> None:
-        if self.is_first_iter and id(handle) not in self._pre_forward_index:
-            self._validate(self._index.get(id(handle), -2))
-            self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
-            self.pre_forward_order.append(handle)
-        elif not self.is_first_iter:
+        if self.is_first_iter:
+            if id(handle) not in self._pre_forward_index:
+                self._validate(self._index.get(id(handle), -2))
+                self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
+                self.pre_forward_order.append(handle)
+            if not self._forward_ended:  # the first forward's every call, repeats included
+                self.first_forward_calls.append(handle)
+        else:
             self._warn_if_order_changed(handle)
         self._current_forward.append(handle)
+
+    def start_forward(self) -> None:
+        """Root pre-forward: positions count from the start of each forward."""
+        self._current_forward = []
 
     def end_forward(self) -> None:
         """Root post-forward: in the first iteration, check every rank ran the same number of units."""
@@ -103,7 +111,8 @@ class _ExecOrderData:
 
     def _warn_if_order_changed(self, handle: "FlatParamHandle") -> None:
         position = len(self._current_forward)
-        expected = self.pre_forward_order[position] if position < len(self.pre_forward_order) else None
+        calls = self.first_forward_calls
+        expected = calls[position] if position < len(calls) else None
         if expected is handle or self._warned:
             return
         self._warned = True

@@ -179,6 +179,8 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         _reset_after_failure(state)
     for s in state.all_states:
         _set_training_state(s, TrainingState.FORWARD_BACKWARD)
+    if state.exec_order_data is not None:
+        state.exec_order_data.start_forward()
     _finish_pending_reductions(state)
     for handle in _iter_handles(state):
         handle.release_cleared_grads()

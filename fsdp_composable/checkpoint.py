@@ -49,9 +49,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import sys
 from typing import Any, Callable, Generator
 
+import torch
 from torch import nn
 from torch.utils import checkpoint as _torch_ckpt
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
@@ -260,22 +262,45 @@ def _open_region(
     state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
 ) -> Generator[None, None, None]:
     """Torch's non-reentrant checkpoint as a generator: code before its first yield sets up the region
-    and stashes the RNG state and inputs, code after closes it. ``fn`` is the module itself, so the
-    recomputation goes through ``module.__call__`` and re-runs its other hooks."""
+    and stashes the RNG state and inputs, code after closes it. The function it recomputes is the module
+    itself, so the recomputation goes through ``module.__call__`` and re-runs its other hooks."""
 
     def contexts() -> tuple[contextlib.AbstractContextManager[None], _Recomputing]:
         return contextlib.nullcontext(), _Recomputing(state)
 
+    options = {
+        "preserve_rng_state": True,  # dropout recomputes the same mask
+        "context_fn": contexts,
+        "determinism_check": _torch_ckpt._DEFAULT_DETERMINISM_MODE,
+        "debug": False,
+        "early_stop": True,  # stop recomputing once every saved tensor is back
+    }
+    # keyword arguments are bound here so none can collide with the generator's own parameter names
+    fn = functools.partial(module, **kwargs) if kwargs else module
     return _torch_ckpt._checkpoint_without_reentrant_generator(  # type: ignore[no-any-return]
-        module,
-        True,  # preserve_rng_state: dropout recomputes the same mask
-        contexts,
-        _torch_ckpt._DEFAULT_DETERMINISM_MODE,
-        False,  # debug
-        True,  # early_stop: stop recomputing once every saved tensor is back
-        *args,
-        **kwargs,
+        fn, *(options[name] for name in _region_parameters()), *args
     )
+
+
+@functools.lru_cache(maxsize=None)
+def _region_parameters() -> tuple[str, ...]:
+    """The generator's options, in order, between its function and the function's arguments.
+
+    [Note: torch's private checkpoint generator]
+    `_checkpoint_without_reentrant_generator` is private and takes its options positionally before
+    ``*args``, and torch versions differ in which options exist (``early_stop`` is recent). Binding by
+    the names this torch declares keeps an option from landing in the module's arguments; an option we do
+    not know fails loudly here rather than silently later."""
+    params = inspect.signature(_torch_ckpt._checkpoint_without_reentrant_generator).parameters.values()
+    names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)[1:]
+    known = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise RuntimeError(
+            f"checkpoint does not know the options {unknown} of torch.utils.checkpoint."
+            f"_checkpoint_without_reentrant_generator in torch {torch.__version__}; use checkpoint_wrapper instead"
+        )
+    return names
 
 
 class _Recomputing:

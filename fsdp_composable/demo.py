@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import math
 import sys
 import time
@@ -216,6 +217,9 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
     try:
         train(args, rank if local_rank is None else local_rank)
     finally:
+        # The sharded model is garbage in a reference cycle (hooks -> state -> module) that holds the
+        # process group: free it now, not at interpreter exit, where destroying a gloo group can abort.
+        gc.collect()
         dist.destroy_process_group()
 
 
