@@ -51,24 +51,30 @@ _BACKWARD_STATES = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWA
 
 
 # ---------------------------------------------------------------------------- registration
+def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Hooks run eagerly even inside ``torch.compile(module)``: they issue collectives, wait on work
+    and flip state, which dynamo cannot trace; the module's own forward still compiles whole."""
+    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+
+
 def _register_hooks(state: _FSDPState) -> None:
     """Attach the root hooks to ``state.module`` and the unit hooks to each unit module."""
     module = state.module
     state.hook_handles.append(
         module.register_forward_pre_hook(
-            functools.partial(_fsdp_root_pre_forward, state), prepend=True, with_kwargs=True
+            _eager(functools.partial(_fsdp_root_pre_forward, state)), prepend=True, with_kwargs=True
         )
     )
     for handle in state.handles:
         unit_module = handle.module
+        pre = _eager(functools.partial(_pre_forward, state, handle))
+        post = _eager(functools.partial(_post_forward, state, handle))
         state.hook_handles.append(
-            unit_module.register_forward_pre_hook(
-                functools.partial(_pre_forward, state, handle), prepend=unit_module is not module, with_kwargs=True
-            )
+            unit_module.register_forward_pre_hook(pre, prepend=unit_module is not module, with_kwargs=True)
         )
-        state.hook_handles.append(unit_module.register_forward_hook(functools.partial(_post_forward, state, handle)))
+        state.hook_handles.append(unit_module.register_forward_hook(post))
     state.hook_handles.append(
-        module.register_forward_hook(functools.partial(_fsdp_root_post_forward, state), always_call=True)
+        module.register_forward_hook(_eager(functools.partial(_fsdp_root_post_forward, state)), always_call=True)
     )
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
@@ -166,9 +172,14 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- forward
+def _in_backward() -> bool:
+    """A forward running while autograd runs a backward is activation-checkpoint recomputation."""
+    return bool(torch._C._current_graph_task_id() != -1)
+
+
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     _lazy_init(state, module)
-    if not state.is_root:
+    if not state.is_root or _in_backward():
         return None
     if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in state.all_states):
         raise RuntimeError(
@@ -191,7 +202,7 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
 
 
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
-    if not state.is_root:
+    if not state.is_root or _in_backward():
         return output
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
         # Only a step in progress needs undoing: if pre-forward refused to start one (e.g. forward
@@ -207,7 +218,9 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
 
 
 def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, kwargs: Any) -> Any:
-    if handle.training_state in _BACKWARD_STATES:  # recomputation by activation checkpointing
+    # Recomputation by activation checkpointing (possibly before this unit's pre-backward, when a
+    # later op of an enclosing checkpointed module needs it): only make the parameters whole.
+    if _in_backward() or handle.training_state in _BACKWARD_STATES:
         _unshard(state, handle)
         handle.wait_unshard()
         return None
@@ -229,7 +242,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
 
 
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
-    if handle.training_state in _BACKWARD_STATES:
+    if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
     eo = state.exec_order_data
     assert eo is not None

@@ -20,14 +20,10 @@ after `checkpoint(module)` appends the pre-forward of ``module``'s own unit afte
 it saves no tensor for backward, and in recomputation it only unshards.)
 
 [Note: checkpoint and the fully_shard root]
-`fully_shard`'s runtime tells a recomputation from a new forward by the unit's handle state (a unit
-already in backward). Its *root* pre-forward has no such test: run again mid-backward, it would start a
-new step and, when early stop ends the recomputation with an exception, reset every unit. So
-`checkpoint` refuses, at the first forward, a module that is the root of `fully_shard`; checkpoint its
-submodules instead. (A unit nested inside a checkpointed module and not yet in backward when the
-recomputation reaches it is still taken for a new forward: gradients stay right, but its reduction moves
-to the end of backward and the execution order warns. Both would go if the runtime treated every forward
-run during a backward as a recomputation.)
+`fully_shard`'s runtime treats every forward that runs while autograd runs a backward as a
+recomputation: its hooks only make the unit's parameters whole again, and the root hooks do nothing.
+So `checkpoint` may wrap the `fully_shard` root, a unit, or a module whose units are not yet in backward
+when the recomputation reaches them.
 
 [Note: checkpoint wrappers keep state-dict keys]
 A wrapper module inserts ``_checkpoint_wrapped_module`` into the FQN of everything below it. Module
@@ -59,7 +55,6 @@ from torch.utils import checkpoint as _torch_ckpt
 from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
-from fsdp_composable._common_utils import _get_fsdp_state
 from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 
@@ -226,22 +221,9 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not state.enabled:  # this is the recomputation: run the forward plain
         return
-    _check_not_fsdp_root(module)
     region = _open_region(state, module, args, kwargs)
     next(region)  # runs up to the point where the forward belongs inside the region
     state.regions.append(region)
-
-
-def _check_not_fsdp_root(module: nn.Module) -> None:
-    """See [Note: checkpoint and the fully_shard root]. The root is only known once its pre-forward ran
-    (which is before ours: `fully_shard` prepends it), so this is checked here, not in `checkpoint`."""
-    fsdp = _get_fsdp_state(module)
-    if fsdp is not None and fsdp.module is module and fsdp.is_root:
-        raise RuntimeError(
-            f"checkpoint was applied to {type(module).__name__}, the root module of fully_shard, which is not "
-            "supported: recomputing it in backward would run fully_shard's root pre-forward again mid-backward. "
-            "Apply checkpoint to its submodules instead (e.g. each block)."
-        )
 
 
 def _post_forward(state: _CheckpointState, module: nn.Module, args: Any, output: Any) -> None:
@@ -277,20 +259,18 @@ def _open_region(
     }
     # keyword arguments are bound here so none can collide with the generator's own parameter names
     fn = functools.partial(module, **kwargs) if kwargs else module
-    return _torch_ckpt._checkpoint_without_reentrant_generator(  # type: ignore[no-any-return]
-        fn, *(options[name] for name in _region_parameters()), *args
-    )
+    generator: Callable[..., Generator[None, None, None]] = _torch_ckpt._checkpoint_without_reentrant_generator
+    return generator(fn, *(options[name] for name in _region_parameters()), *args)
 
 
-@functools.lru_cache(maxsize=None)
+# [Note: torch's private checkpoint generator]
+# `_checkpoint_without_reentrant_generator` is private and takes its options positionally before
+# ``*args``, and torch versions differ in which options exist (``early_stop`` is recent). Binding them by
+# the names this torch declares keeps an option from landing in the module's arguments, and an option we
+# do not know fails loudly at the first forward instead of silently.
+@functools.cache
 def _region_parameters() -> tuple[str, ...]:
-    """The generator's options, in order, between its function and the function's arguments.
-
-    [Note: torch's private checkpoint generator]
-    `_checkpoint_without_reentrant_generator` is private and takes its options positionally before
-    ``*args``, and torch versions differ in which options exist (``early_stop`` is recent). Binding by
-    the names this torch declares keeps an option from landing in the module's arguments; an option we do
-    not know fails loudly here rather than silently later."""
+    """The generator's option names, in order, between its function and the function's arguments."""
     params = inspect.signature(_torch_ckpt._checkpoint_without_reentrant_generator).parameters.values()
     names = tuple(p.name for p in params if p.kind is inspect.Parameter.POSITIONAL_OR_KEYWORD)[1:]
     known = ("preserve_rng_state", "context_fn", "determinism_check", "debug", "early_stop")
