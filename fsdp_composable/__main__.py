@@ -64,6 +64,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="torch threads per rank (default: CPU cores / ranks when this command starts the ranks)",
     )
     p.add_argument("--timeout", type=float, default=120.0, help="process group timeout in seconds (default 120)")
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute each block's forward in backward (fsdp_composable.checkpoint on every block)",
+    )
+    p.add_argument(
+        "--checkpoint-dir",
+        metavar="DIR",
+        default=None,
+        help="save a sharded checkpoint (model + optimizer, torch.distributed.checkpoint) to DIR at the end",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also save every K steps (default: only at the end)",
+    )
+    p.add_argument(
+        "--resume",
+        action="store_true",
+        help="load the checkpoint in --checkpoint-dir first and continue from its step (any world size)",
+    )
     return p
 
 
@@ -84,6 +107,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         parser.error(f"--lr and --timeout must be positive, got --lr {args.lr} --timeout {args.timeout}")
     if args.d_model % args.heads:
         parser.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
+    if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
+        parser.error("--resume and --checkpoint-every need --checkpoint-dir DIR")
+    if args.checkpoint_every < 0:
+        parser.error(f"--checkpoint-every must be at least 0, got {args.checkpoint_every}")
+    if args.resume and not os.path.isdir(args.checkpoint_dir):
+        parser.error(f"--resume: no checkpoint directory {args.checkpoint_dir!r}; save one first with --checkpoint-dir")
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
     if _launched_by_torchrun():

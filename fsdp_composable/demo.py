@@ -29,7 +29,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
+from fsdp_composable import (
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    StateDictType,
+    checkpoint,
+    describe,
+    fully_shard,
+    init_optim_state,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    state_dict_type,
+)
 
 __all__ = ["GPT", "Block", "RunContext", "run_rank", "synthetic_batch", "train"]
 
@@ -123,24 +135,67 @@ class RunContext:
 
 
 def after_setup(ctx: RunContext) -> None:
-    """Hook: the model is sharded and the optimizer built (e.g. print ``describe(ctx.model)`` on rank 0)."""
+    """The model is sharded and the optimizer built: rank 0 shows how the model is sharded."""
+    plan = describe(ctx.model)  # local, no communication
+    if ctx.rank == 0:
+        print(plan, flush=True)
 
 
 def resume(ctx: RunContext) -> int:
-    """Hook: restore model and optimizer from a checkpoint; return how many steps it had done (0: none)."""
-    return 0
+    """With ``--resume``: load model and optimizer from ``--checkpoint-dir``; return its step (0: none).
+
+    A sharded checkpoint (DTensors, one file per rank) loads at any world size."""
+    if not ctx.args.resume:
+        return 0
+    import torch.distributed.checkpoint as dcp
+
+    directory = ctx.args.checkpoint_dir
+    init_optim_state(ctx.optimizer)  # DCP loads into existing tensors: give the optimizer its state first
+    with state_dict_type(ctx.model, StateDictType.SHARDED_STATE_DICT):
+        state: dict[str, Any] = {
+            "model": ctx.model.state_dict(),
+            "optim": optim_state_dict(ctx.model, ctx.optimizer),
+            "step": 0,
+        }
+        dcp.load(state, checkpoint_id=directory)
+        ctx.model.load_state_dict(state["model"])
+        ctx.optimizer.load_state_dict(optim_state_dict_to_load(ctx.model, ctx.optimizer, state["optim"]))
+    step = int(state["step"])
+    if ctx.rank == 0:
+        print(f"resumed from {directory} at step {step}", flush=True)
+    return step
+
+
+def save_checkpoint(ctx: RunContext, step: int) -> None:
+    """Save model + optimizer + step as a sharded checkpoint with torch.distributed.checkpoint."""
+    import torch.distributed.checkpoint as dcp
+
+    with state_dict_type(ctx.model, StateDictType.SHARDED_STATE_DICT):
+        state = {"model": ctx.model.state_dict(), "optim": optim_state_dict(ctx.model, ctx.optimizer), "step": step}
+        dcp.save(state, checkpoint_id=ctx.args.checkpoint_dir)
+    if ctx.rank == 0:
+        print(f"saved checkpoint at step {step} to {ctx.args.checkpoint_dir}", flush=True)
 
 
 def after_step(ctx: RunContext, step: int) -> None:
-    """Hook: optimizer step ``step`` (1-based) is done on every rank (e.g. save a checkpoint every k steps)."""
+    """Optimizer step ``step`` (1-based) is done on every rank: save every ``--checkpoint-every`` steps."""
+    every = ctx.args.checkpoint_every
+    if ctx.args.checkpoint_dir and every and step % every == 0 and step != ctx.args.steps:
+        save_checkpoint(ctx, step)
 
 
 def after_train(ctx: RunContext) -> None:
-    """Hook: the last step is done on every rank (e.g. save the final checkpoint)."""
+    """The last step is done on every rank: save the final checkpoint if ``--checkpoint-dir`` is set."""
+    if ctx.args.checkpoint_dir and ctx.args.steps > ctx.start_step:
+        save_checkpoint(ctx, ctx.args.steps)
 
 
 # ---------------------------------------------------------------------------- training
 def shard_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+    if args.activation_checkpointing:
+        for block in model.modules():
+            if isinstance(block, Block):
+                checkpoint(block)  # composable: no wrapper, FQNs and state-dict keys unchanged
     mp = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
     return fully_shard(model, ModuleWrapPolicy({Block}), strategy=ShardingStrategy[args.strategy], mixed_precision=mp)
 

@@ -9,6 +9,7 @@ that hangs is killed after its timeout and the pool restarts, so the suite never
 from __future__ import annotations
 
 import datetime
+import gc
 import os
 import queue
 import socket
@@ -51,6 +52,7 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_
             results.put((rank, True, fn(*args, **kwargs)))
         except BaseException:
             results.put((rank, False, traceback.format_exc()))
+    gc.collect()  # free sharded models (reference cycles hold the group) before the group goes away
     dist.destroy_process_group()
 
 
