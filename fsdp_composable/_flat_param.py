@@ -164,6 +164,8 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._grad_buffer: Optional[torch.Tensor] = None
         self._grad_views: list[torch.Tensor] = []
+        self._lazy_grads = False  # see prepare_gradient_buffer
+        self._grads_pending = False
         self._sharded_grad_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
@@ -352,43 +354,66 @@ class FlatParamHandle:
             out.append(view.view(info.shape) if keep_shape else view)
         return out
 
-    def prepare_gradient_buffer(self) -> None:
-        """Point each trainable parameter's ``.grad`` at a zeroed unsharded gradient buffer."""
-        if self._grad_buffer is None:
-            self._grad_buffer = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
-            self._grad_views = self._views_of(self._grad_buffer)
+    def prepare_gradient_buffer(self, lazy: bool = False) -> None:
+        """Point each trainable parameter's ``.grad`` at a zeroed unsharded gradient buffer.
+
+        ``lazy``: the unit reduces only at the end of backward (its post-backward trigger cannot
+        run, e.g. the root, whose inputs are token ids). Allocating its whole buffer now would hold it
+        through the memory peak at the start of backward; instead autograd allocates each gradient
+        as it is produced and `_collect_gradients` folds them into the buffer at the end."""
+        self._lazy_grads = lazy
+        if lazy:
+            self._grads_pending = True
+            return
+        self._ensure_grad_buffer()
         for param, view in zip(self.params, self._grad_views):
             if param.requires_grad:
                 param.grad = view
 
+    def _ensure_grad_buffer(self) -> torch.Tensor:
+        if self._grad_buffer is None:
+            self._grad_buffer = torch.zeros(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+            self._grad_views = self._views_of(self._grad_buffer)
+        return self._grad_buffer
+
+    def _collect_gradients(self) -> torch.Tensor:
+        """Gather every unsharded gradient into the buffer and detach it from the parameters.
+
+        A gradient that is not a view of the buffer was allocated by autograd (lazy mode: added, so
+        ``no_sync`` micro-batches sum) or assigned by the user (copied)."""
+        buffer = self._ensure_grad_buffer()
+        with torch.no_grad():
+            for param, view in zip(self.params, self._grad_views):
+                grad = param.grad
+                if grad is not None and grad is not view:
+                    view.add_(grad) if self._lazy_grads else view.copy_(grad)
+                param.grad = None
+        self._grads_pending = False
+        return buffer
+
     def keep_gradient_buffer(self) -> None:
         """Detach the unsharded gradient buffer from the parameters but keep it for the next backward
         (``no_sync``), and show the user the sharded gradient again."""
-        for param in self.params:
-            param.grad = None
+        self._collect_gradients()
         self.expose_sharded_grads()
 
     def discard_gradient_buffer(self) -> None:
         """Drop a partially filled unsharded gradient buffer (after a failed backward)."""
-        if self._grad_buffer is not None:
+        if self._grad_buffer is not None or self._grads_pending:
             for param in self.params:
                 param.grad = None
             self._grad_buffer = None
             self._grad_views = []
+            self._grads_pending = False
             self.expose_sharded_grads()
 
     def has_gradient_buffer(self) -> bool:
-        return self._grad_buffer is not None
+        return self._grad_buffer is not None or self._grads_pending
 
     def start_reduce(self) -> "PendingReduce":
         """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""
-        buffer = self._grad_buffer
-        assert buffer is not None, "start_reduce called without a gradient buffer"
+        buffer = self._collect_gradients()
         with torch.no_grad():
-            for param, view in zip(self.params, self._grad_views):
-                if param.grad is not None and param.grad is not view:
-                    view.copy_(param.grad)
-                param.grad = None
             world = dist.get_world_size(self.process_group) * self.replicas
             send = buffer if buffer.dtype == self.reduce_dtype else buffer.to(self.reduce_dtype)
             if world > 1:

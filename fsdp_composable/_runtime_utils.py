@@ -283,7 +283,9 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     handle.wait_unshard()
     if handle.requires_grad:
         handle.stash_sharded_grads()
-        handle.prepare_gradient_buffer()
+        # no trigger will fire for this unit: it reduces in the final callback, so let autograd
+        # allocate its gradients as they come instead of holding a whole buffer from now on
+        handle.prepare_gradient_buffer(lazy=handle.pending_triggers == 0 or handle.untriggered_calls > 0)
 
 
 def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
