@@ -65,15 +65,18 @@ API_NAME = "checkpoint"
 WRAPPED = "_checkpoint_wrapped_module"
 
 
-def _check_use_reentrant(use_reentrant: Any, where: str) -> None:
+_REENTRANT_IN_NESTED_BACKWARD = (
+    "reentrant checkpointing recomputes the forward inside a nested backward that fully_shard's backward hooks "
+    "cannot see"
+)
+
+
+def _check_use_reentrant(use_reentrant: Any, where: str, why: str) -> None:
+    """Only non-reentrant checkpointing is offered; ``why`` completes the message for ``where``."""
     if not isinstance(use_reentrant, bool):
         raise TypeError(f"{where} argument 'use_reentrant' must be True or False, got {use_reentrant!r}")
     if use_reentrant:
-        raise ValueError(
-            f"{where}(use_reentrant=True) is not supported: reentrant checkpointing recomputes the forward "
-            "inside a nested backward that fully_shard's backward hooks cannot see (and drops keyword "
-            "arguments). Use use_reentrant=False (the default)."
-        )
+        raise ValueError(f"{where}(use_reentrant=True) is not supported{why}. Use use_reentrant=False (the default).")
 
 
 class CheckpointWrapper(nn.Module):
@@ -87,7 +90,9 @@ class CheckpointWrapper(nn.Module):
     def __init__(self, module: nn.Module, use_reentrant: bool = False) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"CheckpointWrapper argument 'module' must be an nn.Module, got {type(module).__name__}")
-        _check_use_reentrant(use_reentrant, "CheckpointWrapper")
+        _check_use_reentrant(
+            use_reentrant, "CheckpointWrapper", f": {_REENTRANT_IN_NESTED_BACKWARD} (and drops keyword arguments)"
+        )
         super().__init__()
         self._checkpoint_wrapped_module = module
         self.use_reentrant = use_reentrant
@@ -191,15 +196,13 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
     reentrant checkpointing]).
     """
     name = type(module).__name__
-    if not isinstance(use_reentrant, bool):
-        raise TypeError(f"checkpoint argument 'use_reentrant' must be True or False, got {use_reentrant!r}")
-    if use_reentrant:
-        raise ValueError(
-            f"checkpoint(use_reentrant=True) is not supported (module {name}): reentrant checkpointing must run "
-            "the forward inside an autograd Function, which hooks cannot do without wrapping the module, and it "
-            "recomputes in a nested backward that fully_shard's backward hooks cannot see. Use "
-            "use_reentrant=False (the default)."
-        )
+    _check_use_reentrant(
+        use_reentrant,
+        "checkpoint",
+        f" (module {name}): reentrant checkpointing must run the forward inside an autograd Function, which "
+        "hooks cannot do without wrapping the module, and it recomputes in a nested backward that fully_shard's "
+        "backward hooks cannot see",
+    )
     if _get_module_state(module, API_NAME) is not None:
         raise RuntimeError(
             f"checkpoint was already applied to this {name}; apply it once per module (a second application "
