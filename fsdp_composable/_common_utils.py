@@ -157,7 +157,3 @@ def _iter_handles(state: _FSDPState) -> Iterator["FlatParamHandle"]:
     """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
     for s in state.all_states or [state]:
         yield from s.handles
-
-
-def _module_fqns(root: nn.Module) -> dict[nn.Module, str]:
-    return {m: name for name, m in root.named_modules()}

@@ -308,7 +308,6 @@ def _owning_state_is_ancestor(module: nn.Module, param_fqn: str) -> bool:
 
 
 def _materialize_meta_module(
-    root: nn.Module,
     unit_module: nn.Module,
     fqn: str,
     param_init_fn: Optional[Callable[[nn.Module], None]],
@@ -374,7 +373,7 @@ def _init_param_handles_from_module(
     _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
     for unit_module, sub in reversed(list(submodule_states.items())):
-        _materialize_meta_module(module, unit_module, sub.fqn, param_init_fn, state.device, api)
+        _materialize_meta_module(unit_module, sub.fqn, param_init_fn, state.device, api)
         _retie_and_refresh(sub)
         if sync_module_states:
             _broadcast_from_rank0(state, [p.detach() for p in sub.params])

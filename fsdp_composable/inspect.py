@@ -31,9 +31,9 @@ from torch.utils import _pytree as pytree
 from fsdp_composable._common_utils import UnitConfig, _get_fsdp_state, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, _build_layout
 from fsdp_composable._init_utils import _unit_config
+from fsdp_composable._state_dict_utils import _clean_module_fqns
 from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
 from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
-from fsdp_composable.wrapper import WRAPPED
 
 __all__ = ["MemoryEstimate", "ShardingPlan", "UnitPlan", "describe", "estimate_memory"]
 
@@ -154,7 +154,7 @@ def describe(module: nn.Module) -> ShardingPlan:
             "call fully_shard(module, policy=...) (or wrap it in FullyShardedDataParallel) first, or use "
             "estimate_memory() to predict the plan of an unsharded module"
         )
-    fqns = _module_fqns(module)
+    fqns = _clean_module_fqns(module)
     order = {m: i for i, m in enumerate(fqns)}
     handles = {id(h): h for s in states for h in s.handles if h.module in fqns}
     units = tuple(
@@ -163,13 +163,6 @@ def describe(module: nn.Module) -> ShardingPlan:
     )
     ignored = {p for s in states for p in s.ignored_params}
     return ShardingPlan(units, states[0].world_size, states[0].rank, _param_fqns_of(ignored, fqns))
-
-
-def _module_fqns(root: nn.Module) -> dict[nn.Module, str]:
-    """Module -> FQN relative to ``root`` in pre-order, without the wrapper class's inner attribute."""
-    return {
-        m: ".".join(part for part in name.split(".") if part and part != WRAPPED) for name, m in root.named_modules()
-    }
 
 
 def _join(prefix: str, name: str) -> str:
@@ -242,7 +235,7 @@ def estimate_memory(
     )
     if world_size == 1:
         strategy = ShardingStrategy.NO_SHARD  # as fully_shard does: nothing to shard
-    fqns = _module_fqns(module)
+    fqns = _clean_module_fqns(module)
     base = UnitConfig(strategy, mixed_precision, False)
     units: list[_UnitCost] = []
     batchnorm_units = _batchnorm_gets_own_unit(module, mixed_precision)
