@@ -399,6 +399,8 @@ def _init_param_handles_from_module(
     if sync_module_states:
         _broadcast_from_rank0(state, [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)])
     state.handles.extend(h for m in submodule_states for h in handles.get(m, []))  # root first, pre-order
+    # initialisation may have replaced the ignored modules' parameter objects too
+    state.ignored_params = {p for m in state.ignored_modules for p in m.parameters(recurse=False)}
     return submodule_states
 
 

@@ -208,3 +208,16 @@ def test_recovery_after_failed_forward_and_backward(dist_run) -> None:
         assert r["caught"] == ["injected forward failure", "injected backward failure"]
         assert r["after_failures"] and r["idle"] is TrainingState.IDLE
         assert r["diff"] < 1e-6
+
+
+def ignored_materialised_by_init() -> bool:
+    with torch.device("meta"):
+        model = TinyGPT()
+    # init_unit materialises every meta module under the unit, the ignored ln_f included (new objects)
+    fully_shard(model, ModuleWrapPolicy({Block}), ignored_modules=[model.ln_f], param_init_fn=init_unit)
+    INITIALISED.clear()
+    return fully_shard.state(model).ignored_params == set(model.ln_f.parameters())
+
+
+def test_ignored_parameters_follow_initialisation(dist_run) -> None:
+    assert dist_run(2, ignored_materialised_by_init) == [True, True]
