@@ -89,7 +89,15 @@ def test_model_shapes() -> None:
 class TestArguments(TestCase):
     def test_bad_values_exit_2_naming_the_option(self) -> None:
         messages = []
-        for argv in (["--world-size", "0"], ["--d-model", "30", "--heads", "4"], ["--steps", "0"]):
+        bad = (
+            ["--world-size", "0"],
+            ["--d-model", "30", "--heads", "4"],
+            ["--steps", "0"],
+            ["--resume"],
+            ["--checkpoint-dir", "ckpt", "--checkpoint-every", "-1"],
+            ["--checkpoint-dir", "/nonexistent/ckpt", "--resume"],
+        )
+        for argv in bad:
             err = io.StringIO()
             with self.assertRaises(SystemExit) as cm, contextlib.redirect_stderr(err):
                 parse_args(argv)
@@ -100,7 +108,10 @@ class TestArguments(TestCase):
             """\
 python -m fsdp_composable: error: --world-size must be at least 1, got 0
 python -m fsdp_composable: error: --heads 4 must divide --d-model 30
-python -m fsdp_composable: error: --steps must be at least 1, got 0""",
+python -m fsdp_composable: error: --steps must be at least 1, got 0
+python -m fsdp_composable: error: --resume and --checkpoint-every need --checkpoint-dir DIR
+python -m fsdp_composable: error: --checkpoint-every must be at least 0, got -1
+python -m fsdp_composable: error: --resume: no checkpoint directory '/nonexistent/ckpt'; save one first with --checkpoint-dir""",  # noqa: E501
         )
 
     def test_defaults(self) -> None:
