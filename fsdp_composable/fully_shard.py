@@ -9,7 +9,7 @@ from torch import nn
 
 from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
-from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
+from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._optim_utils import _register_stale_optimizer_check
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
@@ -116,7 +116,3 @@ def _build_state(
     _register_state_dict_hooks(state)
     _register_stale_optimizer_check()
     return state
-
-
-# `fully_shard.state(module)` is typed by the contract; this alias documents the return type.
-_FullyShard = _Contract[_FSDPState]
