@@ -19,6 +19,8 @@ payload: the larger side of one call, i.e. the gathered output of an all-gather,
 a reduce-scatter, the tensor of an all-reduce or broadcast. wire: an estimate of what one rank sends
 with ring algorithms, (N-1)/N x payload for all-gather, reduce-scatter and broadcast and
 2(N-1)/N x payload for all-reduce, N being the group size (the world size for dispatcher ops).
+Point-to-point sends (kind "send": how fsdp_composable runs all-gather and reduce-scatter on gloo)
+are exact: payload and wire are the bytes sent. Receives are not counted; they are the peers' sends.
 """
 
 from __future__ import annotations
@@ -46,6 +48,8 @@ COLLECTIVES: dict[str, str] = {
     "reduce_scatter": "reduce_scatter",
     "all_reduce": "all_reduce",
     "broadcast": "broadcast",
+    "isend": "send",
+    "send": "send",
 }
 
 _PATCH_PREFIXES = ("torch.distributed", "torch.nn.parallel", "fsdp_composable")
@@ -61,6 +65,8 @@ class OpStats:
 
 def wire_factor(kind: str, group_size: int) -> float:
     """Bytes one rank sends per payload byte with ring algorithms."""
+    if kind == "send":
+        return 1.0
     if group_size <= 1:
         return 0.0
     share = (group_size - 1) / group_size
@@ -179,8 +185,10 @@ class CommCounter(_Tally):
 
 
 def _dispatch_kind(op_name: str) -> Optional[str]:
-    """'c10d::_allgather_base_' -> 'all_gather'; None for barriers, waits and point-to-point."""
+    """'c10d::_allgather_base_' -> 'all_gather', 'c10d::send' -> 'send'; None for barriers, waits and receives."""
     base = op_name.split("::", 1)[-1].replace("_", "")
+    if base == "send":
+        return "send"
     for key, kind in (("allgather", "all_gather"), ("reducescatter", "reduce_scatter"), ("allreduce", "all_reduce")):
         if key in base:
             return kind

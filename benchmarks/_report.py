@@ -48,13 +48,14 @@ def format_table(results: list[dict[str, Any]]) -> str:
     header = (
         "| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) "
         "| comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) "
-        "| all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | last loss |"
+        "| all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) "
+        "| point-to-point sent (MiB) | last loss |"
     )
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for r in results:
         if r["status"] != "ok":
             err = str(r.get("error", "")).splitlines()[0][:100].replace("|", "/")
-            lines.append(f"| {_label(r)} | FAILED: {err} |" + " |" * 11)
+            lines.append(f"| {_label(r)} | FAILED: {err} |" + " |" * 12)
             continue
         py, c10d = r["comm_py_api_per_step"], r["comm_dispatcher_tracked_step"]
         kinds = c10d["payload_bytes_by_kind"]
@@ -72,6 +73,7 @@ def format_table(results: list[dict[str, Any]]) -> str:
             _mib(kinds.get("all_gather", 0)),
             _mib(kinds.get("reduce_scatter", 0)),
             _mib(kinds.get("all_reduce", 0)),
+            _mib(kinds.get("send", 0)),
             f"{r['losses_rank0'][-1]:.4f}",
         ]
         lines.append("| " + " | ".join(cells) + " |")

@@ -410,11 +410,19 @@ class FlatParamHandle:
     def has_gradient_buffer(self) -> bool:
         return self._grad_buffer is not None or self._grads_pending
 
+    @property
+    def takes_autograd_grads(self) -> bool:
+        """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
+        (see [Note: gradients land in the flat buffer])."""
+        return self.layout.world_size > 1 and _collectives.sends_parts(self.process_group)
+
     def start_reduce(self) -> "PendingReduce":
         """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""
+        world = dist.get_world_size(self.process_group) * self.replicas
+        if self._lazy_grads and self._grad_buffer is None and self.layout.world_size > 1:
+            return self._start_reduce_parts(world)
         buffer = self._collect_gradients()
         with torch.no_grad():
-            world = dist.get_world_size(self.process_group) * self.replicas
             send = buffer if buffer.dtype == self.reduce_dtype else buffer.to(self.reduce_dtype)
             if world > 1:
                 send.div_(world)  # pre-divide: exact for powers of two, no overflow in low precision
@@ -431,7 +439,31 @@ class FlatParamHandle:
                 work = _collectives.issue(self.reduce_stream, lambda: _collectives.reduce_scatter(output, send, group))
         self._grad_buffer = None
         self._grad_views = []
-        return PendingReduce(self, work, out, send, self.replicate_group)
+        return PendingReduce(self, work, out, [send], self.replicate_group)
+
+    def _start_reduce_parts(self, world: int) -> "PendingReduce":
+        """Reduce autograd's own gradients without gathering them into a flat buffer first."""
+        # fp16 overflows where the sum of N gradients is large: divide before summing, as above
+        pre_divide = self.reduce_dtype == torch.float16
+        with torch.no_grad():
+            parts = []
+            for param, info in zip(self.params, self.layout.infos):
+                grad, param.grad = param.grad, None
+                if grad is None:  # unused in this backward: zero, as for every other unit
+                    part = torch.zeros(info.numel, dtype=self.reduce_dtype, device=self.device)
+                else:
+                    part = grad.reshape(-1).to(self.reduce_dtype)
+                    part = part / world if pre_divide else part
+                parts.append(part)
+            padding = self.layout.padded_numel - self.layout.unpadded_numel
+            if padding:
+                parts.append(torch.zeros(padding, dtype=self.reduce_dtype, device=self.device))
+            out = torch.empty(self.layout.shard_numel, dtype=self.reduce_dtype, device=self.device)
+            group = self.process_group
+            work = _collectives.issue(self.reduce_stream, lambda: _collectives.reduce_scatter(out, parts, group))
+        self._grads_pending = False
+        divide = 1 if pre_divide else world
+        return PendingReduce(self, work, out, parts, self.replicate_group, divide)
 
     @property
     def replicas(self) -> int:
@@ -485,13 +517,17 @@ class PendingReduce:
     handle: FlatParamHandle
     work: _collectives.InFlight
     out: torch.Tensor
-    send: torch.Tensor  # kept alive until the collective completes
+    send: list[torch.Tensor]  # kept alive until the collective completes
     replicate_group: Optional[dist.ProcessGroup] = None
+    divide: int = 1  # by the world size here when the input was not pre-divided
 
     def finish(self) -> None:
         unit = self.handle.unit_fqn or "<root>"
         kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
         self.work.wait(f"the gradient {kind} of unit '{unit}'")
+        self.send = []
+        if self.divide > 1:
+            self.out.div_(self.divide)
         if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
             work = _collectives.all_reduce(self.out, self.replicate_group)
             _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")

@@ -283,9 +283,11 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     handle.wait_unshard()
     if handle.requires_grad:
         handle.stash_sharded_grads()
-        # no trigger will fire for this unit: it reduces in the final callback, so let autograd
-        # allocate its gradients as they come instead of holding a whole buffer from now on
-        handle.prepare_gradient_buffer(lazy=handle.pending_triggers == 0 or handle.untriggered_calls > 0)
+        # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
+        # now on, when no trigger will fire (the unit reduces in the final callback) or when the
+        # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
+        untriggered = handle.pending_triggers == 0 or handle.untriggered_calls > 0
+        handle.prepare_gradient_buffer(lazy=untriggered or handle.takes_autograd_grads)
 
 
 def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:

@@ -53,13 +53,15 @@ def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
     for rank in ours["per_rank"] + local["per_rank"]:
         phases = rank["peak_live_bytes_by_phase"]
         assert list(phases) == ["forward", "backward", "optimizer"] and max(phases.values()) == rank["peak_live_bytes"]
-    # every unit of SMALL has an even numel, so nothing is padded: one reduce-scatter of Psi, and an
-    # all-gather of every block twice (forward, backward) but of the root unit once (kept for backward)
+    # every unit of SMALL has an even numel, so nothing is padded. On gloo, ours sends point to point
+    # (see [Note: gloo collectives as point-to-point exchanges]): each rank sends half of one
+    # reduce-scatter of Psi, and half of an all-gather of every block twice (forward, backward) but of
+    # the root unit once (kept for backward). Exactly what a ring would send.
     block_numel = sum(p.numel() for m in model.modules() if isinstance(m, Block) for p in m.parameters())
     for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
         kinds = ours[counter]["payload_bytes_by_kind"]
-        assert kinds["reduce_scatter"] == 4 * psi, counter
-        assert kinds["all_gather"] == 4 * (psi + block_numel), counter
+        assert kinds == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
+        assert ours[counter]["wire_bytes"] == kinds["send"], counter
     assert ours["theory"]["bytes"] == 0.5 * psi * 12
 
 
@@ -75,11 +77,18 @@ def count_known_collectives() -> dict:
         dist.all_gather_into_tensor(out, torch.ones(3))  # calls all_gather_single inside: count once, 24 B
         dist.reduce_scatter_single(torch.empty(2), torch.ones(4))  # 16 B
         dist.broadcast(torch.ones(5), src=0)  # 20 B
+        peer = 1 - dist.get_rank()
+        requests = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]  # sends 28 B
+        for request in requests:
+            request.wait()
         wrapped = dist.all_reduce is not original
     dispatch = DispatchCommCounter(dist.get_world_size())
     with LiveBytesTracker(on_op=dispatch.observe):
         dist.all_reduce(torch.ones(10))
         dist.all_gather_single(torch.empty(6), torch.ones(3))
+        requests = [dist.isend(torch.ones(7), peer), dist.irecv(torch.empty(7), peer)]
+        for request in requests:
+            request.wait()
     return {
         "py": counter.snapshot(),
         "dispatch": dispatch.snapshot(),
@@ -97,15 +106,17 @@ def test_comm_counter_counts_known_collectives_once(dist_run) -> None:
             "all_gather_into_tensor": (1, 24, 12.0),
             "reduce_scatter_single": (1, 16, 8.0),
             "broadcast": (1, 20, 10.0),
+            "isend": (1, 28, 28.0),  # point to point: the bytes sent, exactly
         }
         assert r["py"]["payload_bytes_by_kind"] == {
             "all_reduce": 40,
             "all_gather": 24,
             "reduce_scatter": 16,
             "broadcast": 20,
+            "send": 28,
         }
         dispatch = {name: (v["calls"], v["payload_bytes"]) for name, v in r["dispatch"]["ops"].items()}
-        assert dispatch == {"c10d::allreduce_": (1, 40), "c10d::_allgather_base_": (1, 24)}
+        assert dispatch == {"c10d::allreduce_": (1, 40), "c10d::_allgather_base_": (1, 24), "c10d::send": (1, 28)}
 
 
 # ---------------------------------------------------------------------------- live bytes tracker
@@ -197,11 +208,11 @@ def test_format_table() -> None:
     expecttest.TestCase().assertExpectedInline(
         table,
         """\
-| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) | comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) | all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | last loss |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| local | 0.500 | 0.450 | 1.00 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
-| ours (FULL_SHARD) | 1.000 | 0.900 | 2.00 | 300.0 | 400.0 | 48.0 | 48.0 | 48.0 | 96.0 | 0.0 | 0.0 | 9.0000 |
-| torch-fsdp2 | FAILED: RuntimeError: gloo says no | | | | | | | | | | | |""",  # noqa: E501
+| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) | comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) | all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | point-to-point sent (MiB) | last loss |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| local | 0.500 | 0.450 | 1.00 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| ours (FULL_SHARD) | 1.000 | 0.900 | 2.00 | 300.0 | 400.0 | 48.0 | 48.0 | 48.0 | 96.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| torch-fsdp2 | FAILED: RuntimeError: gloo says no | | | | | | | | | | | | |""",  # noqa: E501
     )
 
 

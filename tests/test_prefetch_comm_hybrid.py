@@ -38,9 +38,10 @@ class CommCounter:
 
             def counted(out: torch.Tensor, *args: Any, _fn: Any = fn, _name: str = name) -> Any:
                 self.calls[_name] = self.calls.get(_name, 0) + 1
-                big = out if _name != "reduce_scatter" else args[0]
+                big = [out] if _name != "reduce_scatter" else args[0]  # a tensor, or the parts of one
+                big = [big] if isinstance(big, torch.Tensor) else big
                 factor = 2 if _name == "all_reduce" else 1  # ring all-reduce = reduce-scatter + all-gather
-                sent = factor * (world - 1) * big.numel() * big.element_size() // world
+                sent = factor * (world - 1) * sum(t.numel() * t.element_size() for t in big) // world
                 self.bytes[_name] = self.bytes.get(_name, 0) + sent
                 return _fn(out, *args)
 
