@@ -230,3 +230,17 @@ bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; d
     )
     args = parse_args(["--impls", "local,ddp,torch-fsdp2,ours"])
     assert args.impl_list == ["local", "ddp", "torch-fsdp2", "ours"] and args.world_size == 2 and args.steps == 6
+
+
+def test_bench_collectives_small_runs(tmp_path: str) -> None:
+    out = os.path.join(str(tmp_path), "coll.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_collectives.py")]
+    cmd += ["--numel", "1001", "--reps", "2", "--warmup", "1", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        rows = json.load(f)["results"]
+    assert [r["kind"] for r in rows] == ["all_gather"] * 2 + ["reduce_scatter"] * 3 + ["all_reduce"]
+    assert all(r["median_s"] > 0 for r in rows)
+    assert rows[0]["wire_bytes"] == 0.5 * 1002 * 4  # padded to 1002, each rank sends the other half
