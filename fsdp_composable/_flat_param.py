@@ -16,10 +16,20 @@ repointed it. Reshard frees the unsharded buffer's storage (``resize_(0)``) and 
 same storage, so any view autograd saved of it is valid again once the all-gather lands.
 
 [Note: gradients land in the flat buffer]
-Before a unit's backward we point each trainable original parameter's ``.grad`` at a view of one
-zeroed, padded, unsharded gradient buffer. Autograd then accumulates in place into that buffer, which
-is exactly the reduce-scatter input: no gather-into-flat copy. A gradient that autograd created
-some other way (the user replaced ``.grad``) is copied in before the reduction.
+Two ways, chosen by what the reduction can send (`_collectives.sends_parts`):
+- NCCL and other backends reduce one flat tensor. Before a unit's backward we point each trainable
+  original parameter's ``.grad`` at a view of one zeroed, padded, unsharded gradient buffer;
+  autograd accumulates in place into it, and it is exactly the reduce-scatter input: no
+  gather-into-flat copy. A gradient autograd created some other way (the user replaced ``.grad``)
+  is copied in before the reduction.
+- gloo (our point-to-point exchange) sends any list of pieces. ``.grad`` is left to autograd, which
+  allocates each gradient when it is produced (no zero fill, no read-modify-write accumulation),
+  and post-backward hands the gradients themselves, plus a zero tail for the padding, to
+  `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during its
+  backward instead of being allocated whole at its start.
+Units reduced in the final callback (their trigger never fires) use the second way on any backend,
+with a copy into the flat buffer where the backend needs one; so do ``no_sync`` micro-batches, whose
+gradients are added into the buffer that the next backward keeps accumulating into.
 """
 
 from __future__ import annotations
