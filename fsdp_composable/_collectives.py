@@ -31,8 +31,9 @@ __all__: list[str] = []
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
-_ALL_GATHER_TAG = 1
-_REDUCE_SCATTER_TAG = 2
+# Tags far from the small numbers user code picks for its own isend/irecv on the same group.
+_ALL_GATHER_TAG = 0x46530001
+_REDUCE_SCATTER_TAG = 0x46530002
 
 
 class Waitable(Protocol):

@@ -26,6 +26,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from fsdp_composable._common_utils import UnitConfig, _get_fsdp_state, _get_fsdp_states
@@ -219,8 +220,10 @@ def estimate_memory(
     group is needed. ``optimizer`` is one of ``adam``, ``adamw``, ``sgd``, ``sgd-momentum``.
     ``batch_example`` (a tensor, a tuple of positional arguments, or a dict of keyword arguments
     for ``module.forward``, one rank's batch) adds the activations its forward saves for backward,
-    measured on the meta device (see [Note: measuring activations]). The remaining arguments mean
-    what they mean to `fully_shard`. See [Note: the memory model] for what each term counts.
+    measured with fake tensors (see [Note: measuring activations]). ``world_size`` is the number of
+    ranks each unit is sharded over: for HYBRID_SHARD, the shard group's size. The remaining
+    arguments mean what they mean to `fully_shard`. See [Note: the memory model] for what each term
+    counts.
     """
     _check_estimate_args(
         module,
@@ -289,11 +292,6 @@ def _check_estimate_args(
         raise ValueError(f"estimate_memory argument 'world_size' must be at least 1, got {world_size}")
     if not isinstance(strategy, ShardingStrategy):
         raise TypeError(f"estimate_memory argument 'strategy' must be a ShardingStrategy, got {strategy!r}")
-    if strategy is ShardingStrategy.HYBRID_SHARD:
-        raise ValueError(
-            "estimate_memory argument 'strategy' is HYBRID_SHARD, which fully_shard does not implement yet; "
-            "use FULL_SHARD or SHARD_GRAD_OP"
-        )
     if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecision):
         raise TypeError(
             f"estimate_memory argument 'mixed_precision' must be a MixedPrecision or None, got {mixed_precision!r}"
@@ -374,7 +372,9 @@ def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dic
 # - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
 #   differs from c; the largest such unit. This assumes a unit's reduction input is freed before
 #   the next unit's backward allocates its buffer; a runtime that holds every reduction until the
-#   end of backward has all units' buffers live at once (their sum, not the largest).
+#   end of backward has all units' buffers live at once (their sum, not the largest). On gloo there
+#   is no flat buffer: autograd's per-parameter gradients reach this size only at the end of the
+#   unit's backward, while the previous unit's are still being sent; the two roughly cancel.
 # - activations: see [Note: measuring activations]; only with a batch_example.
 # peak_bytes: the step peaks either where backward starts (activations all saved) or where it ends
 # (every sharded gradient back). The runtime drops a unit's sharded gradient as soon as the user
@@ -403,6 +403,9 @@ def _memory_terms(
     return breakdown, explanations
 
 
+_RESHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # freed after forward
+
+
 def _unsharded_bytes(unit: _UnitCost) -> int:
     return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
 
@@ -410,8 +413,8 @@ def _unsharded_bytes(unit: _UnitCost) -> int:
 def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
     """(units unsharded through the whole step, the largest FULL_SHARD units unsharded at once)."""
     with_buffer = [u for u in units if u.needs_unsharded_buffer]
-    kept = [u for u in with_buffer if u.is_root or u.plan.strategy is not ShardingStrategy.FULL_SHARD]
-    transient = [u for u in with_buffer if not u.is_root and u.plan.strategy is ShardingStrategy.FULL_SHARD]
+    kept = [u for u in with_buffer if u.is_root or u.plan.strategy not in _RESHARDED]
+    transient = [u for u in with_buffer if not u.is_root and u.plan.strategy in _RESHARDED]
     return kept, sorted(transient, key=_unsharded_bytes, reverse=True)[:in_flight]
 
 
@@ -438,24 +441,31 @@ def _grad_buffer_bytes(unit: _UnitCost) -> int:
 
 # ---------------------------------------------------------------------------- activations
 # [Note: measuring activations]
-# We copy the module onto the meta device (every parameter and buffer replaced by a meta tensor of
-# the same shape, in the compute dtype under mixed precision; nothing is allocated), move the batch
-# there too, and run one forward with grad enabled inside `torch.autograd.graph.saved_tensors_hooks`.
-# The pack hook sees every tensor autograd saves for backward; we add up the bytes of each distinct
-# storage once (views share a storage) and skip the parameters' and buffers' storages (parameters
-# are counted as unsharded_params). This is what the forward keeps alive until backward; temporaries
-# freed during forward and the loss computation are not counted. A forward that reads tensor values
-# (`.item()`, data-dependent shapes) or creates tensors on a fixed device cannot run on meta: we
-# raise and say so. The copy is a `copy.deepcopy` whose memo maps each parameter and buffer to its
-# meta replacement, so only plain (unregistered) tensor attributes are copied as they are.
+# We copy the module with fake tensors (`FakeTensorMode`: every parameter and buffer replaced by a
+# tensor of the same shape that records device and dtype but owns no memory; in the compute dtype
+# under mixed precision), fake the batch too, and run one forward with grad enabled inside
+# `torch.autograd.graph.saved_tensors_hooks`. The pack hook sees every tensor autograd saves for
+# backward; we add up the bytes of each distinct storage once (views share a storage) and skip the
+# parameters' and buffers' storages (parameters are counted as unsharded_params). This is what the
+# forward keeps alive until backward; temporaries freed during forward and the loss are not counted.
+# The fake tensors claim the device the parameters are on (CPU for a meta-device module), so each op
+# picks the kernel it would pick there: on the meta device scaled_dot_product_attention takes its
+# math path and saves the attention matrix, which the CPU and CUDA kernels do not (24% too much on
+# the benchmark model). A forward that reads tensor values (`.item()`, data-dependent shapes) cannot
+# run on fake tensors: we raise and say so. The copy is a `copy.deepcopy` whose memo maps each
+# parameter and buffer to its fake replacement, so only plain (unregistered) tensor attributes are
+# copied as they are.
 def _activation_bytes(module: nn.Module, batch_example: Any, mp: Optional[MixedPrecision]) -> int:
     param_dtype = mp.param_dtype if mp is not None else None
     buffer_dtype = mp.buffer_dtype if mp is not None else None
-    meta_module = _meta_copy(module, param_dtype, buffer_dtype)
+    fake_mode = FakeTensorMode()
+    device = _forward_device(module)
+    fake_module = _fake_copy(module, fake_mode, device, param_dtype, buffer_dtype)
     input_dtype = param_dtype if mp is not None and mp.cast_root_forward_inputs else None
     args, kwargs = _call_args(batch_example)
-    args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _to_meta(t, input_dtype), (args, kwargs))
-    model_storages = {_storage_key(t) for t in [*meta_module.parameters(), *meta_module.buffers()]}
+    with fake_mode:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, device, input_dtype), (args, kwargs))
+    model_storages = {_storage_key(t) for t in [*fake_module.parameters(), *fake_module.buffers()]}
     counted: set[int] = set()
     kept: list[torch.Tensor] = []  # keep saved storages alive so no storage address is reused
     total = 0
@@ -470,15 +480,21 @@ def _activation_bytes(module: nn.Module, batch_example: Any, mp: Optional[MixedP
         return t
 
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            meta_module(*args, **kwargs)
+        with fake_mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fake_module(*args, **kwargs)
     except Exception as e:
         raise RuntimeError(
-            f"estimate_memory could not run {type(module).__name__}.forward(batch_example) on the meta device "
-            f"({type(e).__name__}: {e}); make the forward device-agnostic (create tensors on the input's "
-            "device, avoid .item()), or leave batch_example=None and add activations yourself"
+            f"estimate_memory could not run {type(module).__name__}.forward(batch_example) on fake tensors "
+            f"({type(e).__name__}: {e}); make the forward value-independent (no .item(), no data-dependent "
+            "shapes), or leave batch_example=None and add activations yourself"
         ) from e
     return total
+
+
+def _forward_device(module: nn.Module) -> torch.device:
+    """Where the forward's kernels are chosen for: the parameters' device, CPU for a meta module."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "meta" else device
 
 
 def _call_args(batch_example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
@@ -494,20 +510,28 @@ def _call_args(batch_example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
     )
 
 
-def _to_meta(t: torch.Tensor, dtype: Optional[torch.dtype]) -> torch.Tensor:
+def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A fake tensor shaped like ``t`` on ``device``; call inside the fake mode."""
     cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
-    return torch.empty_like(t, device="meta", dtype=cast).requires_grad_(t.requires_grad and cast.is_floating_point)
+    return torch.empty(t.shape, device=device, dtype=cast).requires_grad_(t.requires_grad and cast.is_floating_point)
 
 
-def _meta_copy(module: nn.Module, param_dtype: Optional[torch.dtype], buffer_dtype: Optional[torch.dtype]) -> nn.Module:
-    """A deep copy whose parameters and buffers are meta tensors; tied parameters stay tied."""
+def _fake_copy(
+    module: nn.Module,
+    fake_mode: FakeTensorMode,
+    device: torch.device,
+    param_dtype: Optional[torch.dtype],
+    buffer_dtype: Optional[torch.dtype],
+) -> nn.Module:
+    """A deep copy whose parameters and buffers are fake tensors on ``device``; tied parameters stay tied."""
     memo: dict[int, Any] = {}
-    for p in module.parameters():
-        dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta", dtype=dtype), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        dtype = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
-        memo[id(b)] = torch.empty_like(b, device="meta", dtype=dtype)
+    with fake_mode:
+        for p in module.parameters():
+            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+            memo[id(p)] = nn.Parameter(_fake_like(p, device, dtype), requires_grad=p.requires_grad)
+        for b in module.buffers():
+            dtype = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
+            memo[id(b)] = _fake_like(b, device, dtype)
     return copy.deepcopy(module, memo)
 
 

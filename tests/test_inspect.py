@@ -13,6 +13,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss
 from torch import nn
 
@@ -472,7 +473,6 @@ def test_estimate_bad_arguments() -> None:
         "world_size type": lambda: _estimate(world_size=2.0),
         "world_size value": lambda: _estimate(world_size=0),
         "strategy": lambda: _estimate(strategy="FULL_SHARD"),
-        "hybrid": lambda: _estimate(strategy=ShardingStrategy.HYBRID_SHARD),
         "mixed_precision": lambda: _estimate(mixed_precision=torch.bfloat16),
         "optimizer": lambda: _estimate(optimizer="lamb"),
         "backward_prefetch": lambda: _estimate(backward_prefetch="pre"),
@@ -491,14 +491,51 @@ policy: TypeError: estimate_memory argument 'policy': policy must be None, Modul
 world_size type: TypeError: estimate_memory argument 'world_size' must be an int, got float
 world_size value: ValueError: estimate_memory argument 'world_size' must be at least 1, got 0
 strategy: TypeError: estimate_memory argument 'strategy' must be a ShardingStrategy, got 'FULL_SHARD'
-hybrid: ValueError: estimate_memory argument 'strategy' is HYBRID_SHARD, which fully_shard does not implement yet; use FULL_SHARD or SHARD_GRAD_OP
 mixed_precision: TypeError: estimate_memory argument 'mixed_precision' must be a MixedPrecision or None, got torch.bfloat16
 optimizer: ValueError: estimate_memory argument 'optimizer' must be one of ['adam', 'adamw', 'sgd', 'sgd-momentum'], got 'lamb'
 backward_prefetch: TypeError: estimate_memory argument 'backward_prefetch' must be a BackwardPrefetch or None, got 'pre'
 batch_example: TypeError: estimate_memory argument 'batch_example' must be a tensor, a tuple of positional arguments or a dict of keyword arguments for module.forward, got int""",  # noqa: E501
     )
-    with pytest.raises(RuntimeError, match=r"could not run DataDependent.forward\(batch_example\) on the meta device"):
+    with pytest.raises(RuntimeError, match=r"could not run DataDependent.forward\(batch_example\) on fake tensors"):
         _estimate(DataDependent(), policy=None, batch_example=torch.zeros(1, 2))
+
+
+def test_estimate_hybrid_shard_is_full_shard_within_the_shard_group() -> None:
+    hybrid = _estimate(strategy=ShardingStrategy.HYBRID_SHARD, batch_example=BATCH)
+    full = _estimate(strategy=ShardingStrategy.FULL_SHARD, batch_example=BATCH)
+    assert hybrid.breakdown == full.breakdown and hybrid.peak_bytes == full.peak_bytes
+    assert {u.strategy for u in hybrid.plan.units} == {ShardingStrategy.HYBRID_SHARD}
+
+
+def test_activations_counted_with_the_device_kernels() -> None:
+    """On the meta device scaled_dot_product_attention would take its math path and save the (B, H, L, L)
+    attention matrix; the CPU kernel saves only q, k, v, the output and a logsumexp."""
+
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = nn.Linear(32, 96, bias=False)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            q, k, v = (t.unflatten(-1, (4, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    batch = torch.zeros(2, 64, 32)
+    real = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        real.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+        return t
+
+    model = Attention()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(batch)
+    real.pop(model.qkv.weight.untyped_storage()._cdata, None)
+    with torch.device("meta"):
+        meta_model = Attention()
+    for m in (model, meta_model):
+        est = estimate_memory(m, policy=None, world_size=1, batch_example=batch)
+        assert est.breakdown["activations"] == sum(real.values())
 
 
 def test_plan_is_frozen_and_copyable() -> None:
