@@ -6,14 +6,18 @@ on the old names; older releases (we support ``torch>=2.5``) only have the old o
 [Note: gloo collectives as point-to-point exchanges]
 On gloo, `all_gather` and `reduce_scatter` are built from ``isend``/``irecv`` instead of gloo's own
 ``all_gather_single``/``reduce_scatter_single``: every rank sends its piece straight to each peer and
-receives straight into the output. Measured on 2 CPU ranks with a 12.6 MB block
-(``benchmarks/README.md``, "gloo collectives"), gloo's own calls took about twice as long
-(all-gather 10.6-13.2 ms vs 5.3-5.6 ms, reduce-scatter 17.2-17.6 ms vs 6.3-8.3 ms), because they
-copy through flat staging tensors and reduce-scatter runs as a full reduction. The bytes each rank
-sends are the same as a ring's, (N-1)/N of the payload. Each kind has its own tag; every rank issues
-the exchanges of a kind in the same order (the units' order), and gloo matches the messages of one
+receives straight into the output. Measured on 2 CPU ranks with one 12 MiB block
+(``benchmarks/bench_collectives.py``, table in ``benchmarks/README.md``), gloo's own calls took
+8.1 ms (all-gather) and 17.1 ms (reduce-scatter, slower than gloo's all-reduce of the same tensor,
+which sends twice the bytes); the exchanges took 5.9 ms and 4.3 ms (6.6 ms sent as 10 parameter
+pieces). The bytes each rank sends are the same as a ring's, (N-1)/N of the payload.
+
+Each kind has its own tag; every rank issues the exchanges of a kind in the same order (the units'
+order, which the first iteration's order check enforces), and gloo matches the messages of one
 (peer, tag) first in, first out, so the k-th message a rank receives from a peer is the k-th that
-peer sent it. A reduce-scatter receives its first peer's chunk into the output itself and N-2 chunks
+peer sent it. A reduce-scatter given parts (autograd's gradients, one per parameter) sends each
+part's slice of a peer's chunk as its own message; the slice boundaries depend only on the sizes, so
+both sides agree on them. A reduce-scatter receives its first peer's chunk into the output itself and N-2 chunks
 into a temporary, so at 2 ranks it needs no memory beyond its output. NCCL and other backends use
 their native collectives.
 """
