@@ -244,3 +244,16 @@ def test_bench_collectives_small_runs(tmp_path: str) -> None:
     assert [r["kind"] for r in rows] == ["all_gather"] * 2 + ["reduce_scatter"] * 3 + ["all_reduce"]
     assert all(r["median_s"] > 0 for r in rows)
     assert rows[0]["wire_bytes"] == 0.5 * 1002 * 4  # padded to 1002, each rank sends the other half
+
+
+def test_bench_overhead_small_runs(tmp_path: str) -> None:
+    out = os.path.join(str(tmp_path), "overhead.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_overhead.py")]
+    cmd += ["--units", "3", "--d", "8", "--steps", "2", "--warmup", "1", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        rows = json.load(f)["results"]
+    assert [r["impl"] for r in rows] == ["local", "ours", "torch-fsdp2"]
+    assert rows[0]["overhead_s"] == 0 and all(r["median_s"] > 0 for r in rows)
