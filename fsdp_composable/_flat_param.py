@@ -27,9 +27,12 @@ Two ways, chosen by what the reduction can send (`_collectives.sends_parts`):
   and post-backward hands the gradients themselves, plus a zero tail for the padding, to
   `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during its
   backward instead of being allocated whole at its start.
-Units reduced in the final callback (their trigger never fires) use the second way on any backend,
-with a copy into the flat buffer where the backend needs one; so do ``no_sync`` micro-batches, whose
-gradients are added into the buffer that the next backward keeps accumulating into.
+Units reduced in the final callback (their trigger never fires) take autograd's gradients on any
+backend (nothing could be reduced before the end of backward, so there is no point holding a buffer
+through it); on NCCL they are added into the flat buffer there. So are ``no_sync`` micro-batches'
+gradients, into the buffer that the next backward keeps accumulating into.
+On CUDA every tensor a collective reads is made on the compute stream before it is issued
+([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in parts.
 """
 
 from __future__ import annotations
@@ -424,12 +427,12 @@ class FlatParamHandle:
     def takes_autograd_grads(self) -> bool:
         """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
         (see [Note: gradients land in the flat buffer])."""
-        return self.layout.world_size > 1 and _collectives.sends_parts(self.process_group)
+        return self.layout.world_size > 1 and _collectives.sends_parts(self.process_group, self.device)
 
     def start_reduce(self) -> "PendingReduce":
         """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""
         world = dist.get_world_size(self.process_group) * self.replicas
-        if self._lazy_grads and self._grad_buffer is None and self.layout.world_size > 1:
+        if self._lazy_grads and self._grad_buffer is None and self.takes_autograd_grads:
             return self._start_reduce_parts(world)
         buffer = self._collect_gradients()
         with torch.no_grad():

@@ -38,7 +38,7 @@ def _compare_with_gloo(dtype: torch.dtype) -> dict[str, Any]:
         "gathered": gathered,
         "whole": (whole - expected).abs().max().item(),
         "parts": (in_parts - expected).abs().max().item(),
-        "sends_parts": _collectives.sends_parts(dist.group.WORLD),
+        "sends_parts": _collectives.sends_parts(dist.group.WORLD, torch.device("cpu")),
     }
 
 
@@ -53,7 +53,7 @@ def test_point_to_point_collectives_match_gloo(dist_run, world_size: int, dtype:
 
 def _with_native_collectives(fn: Any, *args: Any) -> Any:
     original = _collectives._point_to_point
-    _collectives._point_to_point = lambda group: False  # type: ignore[assignment]
+    _collectives._point_to_point = lambda group, device: False  # type: ignore[assignment]
     try:
         return fn(*args)
     finally:
