@@ -13,9 +13,12 @@ measured all-gather differ slightly.
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 from typing import Any, Optional
 
-__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "MIB"]
+__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "save_run", "MIB"]
 
 MIB = 2**20
 
@@ -132,3 +135,22 @@ def write_chart(results: list[dict[str, Any]], path: str, title: str) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=90)
     plt.close(fig)
+
+
+def save_run(script: str, config: dict[str, Any], results: list[dict[str, Any]], out: str) -> str:
+    """Write a small benchmark's JSON (command, machine, config, results) to ``out``; return the
+    path its chart goes to (``out`` with ``.png``)."""
+    import torch
+
+    report = {
+        "command": "python " + " ".join([os.path.relpath(script)] + sys.argv[1:]),
+        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
+        "config": config,
+        "results": results,
+    }
+    out_dir = os.path.dirname(out)
+    if out_dir:
+        os.makedirs(out_dir, exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(report, f, indent=1)
+    return os.path.splitext(out)[0] + ".png"

@@ -32,6 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
+from benchmarks._report import save_run  # noqa: E402
 from fsdp_composable import _collectives  # noqa: E402
 
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -164,18 +165,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
-    report = {
-        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
-        "config": {"world_size": args.world_size, "numel": args.numel, "reps": args.reps, "warmup": args.warmup},
-        "results": rows,
-    }
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
+    config = {"world_size": args.world_size, "numel": args.numel, "reps": args.reps, "warmup": args.warmup}
+    png = save_run(__file__, config, rows, args.out)
     title = f"{args.numel:,} fp32 values, world size {args.world_size}, gloo, torch {torch.__version__}"
     write_chart(rows, png, title)
     print(format_table(rows))

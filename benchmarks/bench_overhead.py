@@ -15,7 +15,6 @@ Writes a JSON file, a PNG chart next to it, and prints a markdown table.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -29,6 +28,8 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+
+from benchmarks._report import save_run  # noqa: E402
 
 IMPLS = ("local", "ours", "torch-fsdp2")
 
@@ -160,18 +161,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
-    report = {
-        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
-        "config": {k: v for k, v in vars(args).items() if k != "out"},
-        "results": rows,
-    }
-    out_dir = os.path.dirname(args.out)
-    if out_dir:
-        os.makedirs(out_dir, exist_ok=True)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    png = os.path.splitext(args.out)[0] + ".png"
+    png = save_run(__file__, {k: v for k, v in vars(args).items() if k != "out"}, rows, args.out)
     unit_params = 2 * args.d * (args.d + 1)
     title = f"{args.units} units of {unit_params:,} params, fake world size {args.world_size}, {args.device}"
     write_chart(rows, png, title)
