@@ -52,6 +52,7 @@ def test_python_block_runs(body: str, tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
+    env["TMPDIR"] = str(tmp_path)  # the examples' mkdtemp() stores land where pytest cleans up
     proc = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
     )
