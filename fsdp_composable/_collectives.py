@@ -117,7 +117,7 @@ def _reduce_scatter_exchange(
     pieces = _pieces_by_chunk(parts, size)
     mine = pieces[me]
     sizes = [piece.numel() for piece in mine]
-    extra = torch.empty((size - 2, output.numel()), dtype=output.dtype, device=output.device)
+    extra = torch.empty((max(size - 2, 0), output.numel()), dtype=output.dtype, device=output.device)
     targets = [output.view(-1), *extra.unbind(0)]
     requests = []
     for (dst, src), target in zip(pairs, targets):
@@ -126,6 +126,9 @@ def _reduce_scatter_exchange(
 
     def add_mine() -> None:
         out = output.view(-1)
+        if size == 1:  # nothing was received into the output: it is just this rank's chunk
+            torch._foreach_copy_(list(out.split(sizes)), mine)
+            return
         torch._foreach_add_(list(out.split(sizes)), mine)
         if size > 2:
             out.add_(extra.sum(0))
