@@ -29,6 +29,7 @@ from fsdp_composable import (
     ShardingStrategy,
     SizeBasedPolicy,
     _collectives,
+    checkpoint,
     describe,
     estimate_memory,
     fully_shard,
@@ -536,6 +537,36 @@ def test_activations_counted_with_the_device_kernels() -> None:
     for m in (model, meta_model):
         est = estimate_memory(m, policy=None, world_size=1, batch_example=batch)
         assert est.breakdown["activations"] == sum(real.values())
+
+
+def test_activation_checkpointing_applied_first_is_counted() -> None:
+    """checkpoint() on the blocks before estimate_memory: only what is saved outside them counts, as
+    in a real forward of the checkpointed model."""
+
+    def saved_bytes(model: nn.Module, batch: torch.Tensor) -> int:
+        params = {p.untyped_storage()._cdata for p in model.parameters()}
+        seen: dict[int, int] = {}
+
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            if t.untyped_storage()._cdata not in params:
+                seen.setdefault(t.untyped_storage()._cdata, t.untyped_storage().nbytes())
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(batch)
+        return sum(seen.values())
+
+    batch = gpt_batch(0, 2)[0].contiguous()  # a view would count its whole base storage in the real run
+    torch.manual_seed(0)
+    plain = TinyGPT()
+    checkpointed = copy.deepcopy(plain)
+    for block in checkpointed.modules():
+        if isinstance(block, Block):
+            checkpoint(block)
+    estimates = [estimate_memory(m, policy=None, world_size=2, batch_example=batch) for m in (plain, checkpointed)]
+    assert estimates[0].breakdown["activations"] == saved_bytes(plain, batch)
+    assert estimates[1].breakdown["activations"] == saved_bytes(checkpointed, batch)
+    assert estimates[1].breakdown["activations"] < estimates[0].breakdown["activations"]
 
 
 def test_plan_is_frozen_and_copyable() -> None:
