@@ -458,7 +458,7 @@ def _grad_buffer_bytes(unit: _UnitCost) -> int:
 def _activation_bytes(module: nn.Module, batch_example: Any, mp: Optional[MixedPrecision]) -> int:
     param_dtype = mp.param_dtype if mp is not None else None
     buffer_dtype = mp.buffer_dtype if mp is not None else None
-    fake_mode = FakeTensorMode()
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # plain tensor attributes become fake on use
     device = _forward_device(module)
     fake_module = _fake_copy(module, fake_mode, device, param_dtype, buffer_dtype)
     input_dtype = param_dtype if mp is not None and mp.cast_root_forward_inputs else None

@@ -569,6 +569,21 @@ def test_activation_checkpointing_applied_first_is_counted() -> None:
     assert estimates[1].breakdown["activations"] < estimates[0].breakdown["activations"]
 
 
+def test_activations_with_a_plain_tensor_attribute() -> None:
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4)
+            self.scale = torch.full((4,), 2.0)  # not a buffer: deep-copied as a real tensor
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.relu(self.lin(x) * self.scale)
+
+    est = estimate_memory(Scaled(), policy=None, world_size=2, batch_example=torch.zeros(3, 4))
+    # saved: the input (linear), the scale (mul, w.r.t. the linear output) and relu's output
+    assert est.breakdown["activations"] == (3 * 4 + 4 + 3 * 4) * 4
+
+
 def test_plan_is_frozen_and_copyable() -> None:
     plan = _estimate().plan
     assert isinstance(plan, ShardingPlan)
