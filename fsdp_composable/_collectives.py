@@ -62,8 +62,10 @@ class Exchange:
         return True
 
 
-def _point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """See [Note: gloo collectives as point-to-point exchanges]; CUDA tensors on gloo keep gloo's own
+def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
+    """Whether `all_gather` and `reduce_scatter` run as point-to-point exchanges for tensors on
+    ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See
+    [Note: gloo collectives as point-to-point exchanges]; CUDA tensors on gloo keep gloo's own
     collectives, which stage them through the host."""
     return device.type == "cpu" and dist.get_backend(group) == "gloo"
 
@@ -138,7 +140,7 @@ def _reduce_scatter_exchange(
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work)."""
-    if _point_to_point(group, output.device):
+    if point_to_point(group, output.device):
         return _all_gather_exchange(output, shard, group)
     return _all_gather(output, shard, group=group, async_op=True)  # type: ignore[no-any-return]
 
@@ -152,15 +154,10 @@ def reduce_scatter(
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
     concatenated first."""
     parts = [full.view(-1)] if isinstance(full, torch.Tensor) else list(full)
-    if _point_to_point(group, output.device):
+    if point_to_point(group, output.device):
         return _reduce_scatter_exchange(output, parts, group)
     flat = parts[0] if len(parts) == 1 else torch.cat(parts)
     return _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
-
-
-def sends_parts(group: dist.ProcessGroup, device: torch.device) -> bool:
-    """Whether `reduce_scatter` sends parts on ``device`` without concatenating them first (gloo, CPU)."""
-    return _point_to_point(group, device)
 
 
 class CollectiveError(RuntimeError):

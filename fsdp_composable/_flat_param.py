@@ -16,7 +16,7 @@ repointed it. Reshard frees the unsharded buffer's storage (``resize_(0)``) and 
 same storage, so any view autograd saved of it is valid again once the all-gather lands.
 
 [Note: gradients land in the flat buffer]
-Two ways, chosen by what the reduction can send (`_collectives.sends_parts`):
+Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
 - NCCL and other backends reduce one flat tensor. Before a unit's backward we point each trainable
   original parameter's ``.grad`` at a view of one zeroed, padded, unsharded gradient buffer;
   autograd accumulates in place into it, and it is exactly the reduce-scatter input: no
@@ -427,7 +427,7 @@ class FlatParamHandle:
     def takes_autograd_grads(self) -> bool:
         """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
         (see [Note: gradients land in the flat buffer])."""
-        return self.layout.world_size > 1 and _collectives.sends_parts(self.process_group, self.device)
+        return self.layout.world_size > 1 and _collectives.point_to_point(self.process_group, self.device)
 
     def start_reduce(self) -> "PendingReduce":
         """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""

@@ -39,7 +39,7 @@ def _compare_with_gloo(dtype: torch.dtype) -> dict[str, Any]:
         "gathered": gathered,
         "whole": (whole - expected).abs().max().item(),
         "parts": (in_parts - expected).abs().max().item(),
-        "sends_parts": _collectives.sends_parts(dist.group.WORLD, torch.device("cpu")),
+        "point_to_point": _collectives.point_to_point(dist.group.WORLD, torch.device("cpu")),
     }
 
 
@@ -49,17 +49,17 @@ def test_point_to_point_collectives_match_gloo(dist_run, world_size: int, dtype:
     # bit-equal up to 2 ranks (a + b is commutative); at 4 the summation order differs from gloo's
     tol = 0.0 if world_size < 4 and dtype == torch.float32 else (1e-5 if dtype == torch.float32 else 0.05)
     for r in dist_run(world_size, _compare_with_gloo, dtype):
-        assert r["gathered"] and r["sends_parts"], r
+        assert r["gathered"] and r["point_to_point"], r
         assert r["whole"] <= tol and r["parts"] <= tol, r
 
 
 def _with_native_collectives(fn: Any, *args: Any) -> Any:
-    original = _collectives._point_to_point
-    _collectives._point_to_point = lambda group, device: False  # type: ignore[assignment]
+    original = _collectives.point_to_point
+    _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
     try:
         return fn(*args)
     finally:
-        _collectives._point_to_point = original
+        _collectives.point_to_point = original
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
