@@ -18,7 +18,7 @@ import os
 import sys
 from typing import Any, Optional
 
-__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "save_run", "MIB"]
+__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "write_time_bars", "save_run", "MIB"]
 
 MIB = 2**20
 
@@ -154,3 +154,25 @@ def save_run(script: str, config: dict[str, Any], results: list[dict[str, Any]],
     with open(out, "w") as f:
         json.dump(report, f, indent=1)
     return os.path.splitext(out)[0] + ".png"
+
+
+def write_time_bars(
+    labels: list[str], millis: list[float], colors: list[str], path: str, title: str, xlabel: str
+) -> None:
+    """One horizontal bar per label (a small benchmark's median times), first label on top."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(labels)))
+    ys = list(range(len(labels)))
+    ax.barh(ys, millis, color=colors)
+    ax.set_yticks(ys)
+    ax.set_yticklabels(labels, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

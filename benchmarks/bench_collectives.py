@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
-from benchmarks._report import save_run  # noqa: E402
+from benchmarks._report import save_run, write_time_bars  # noqa: E402
 from fsdp_composable import _collectives  # noqa: E402
 
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -127,24 +127,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    colors = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:gray"}
-    fig, ax = plt.subplots(figsize=(9, 4))
-    ys = list(range(len(rows)))
-    ax.barh(ys, [r["median_s"] * 1e3 for r in rows], color=[colors[r["kind"]] for r in rows])
-    ax.set_yticks(ys)
-    ax.set_yticklabels([r["op"] for r in rows], fontsize=8)
-    ax.invert_yaxis()
-    ax.set_xlabel("median time per call (ms)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
+_COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce": "tab:gray"}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -168,7 +151,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     config = {"world_size": args.world_size, "numel": args.numel, "reps": args.reps, "warmup": args.warmup}
     png = save_run(__file__, config, rows, args.out)
     title = f"{args.numel:,} fp32 values, world size {args.world_size}, gloo, torch {torch.__version__}"
-    write_chart(rows, png, title)
+    millis = [r["median_s"] * 1e3 for r in rows]
+    colors = [_COLORS[r["kind"]] for r in rows]
+    write_time_bars([r["op"] for r in rows], millis, colors, png, title, "median time per call (ms)")
     print(format_table(rows))
     print(f"wrote {args.out} and {png}")
     return 0

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
-from benchmarks._report import save_run  # noqa: E402
+from benchmarks._report import save_run, write_time_bars  # noqa: E402
 
 IMPLS = ("local", "ours", "torch-fsdp2")
 
@@ -121,24 +121,6 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def write_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    xs = list(range(len(rows)))
-    ax.bar(xs, [r["median_s"] * 1e3 for r in rows], color=["tab:gray", "tab:blue", "tab:orange"][: len(rows)])
-    ax.set_xticks(xs)
-    ax.set_xticklabels([r["impl"] for r in rows])
-    ax.set_ylabel("median step time (ms)")
-    ax.set_title(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-
-
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_overhead.py", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=8, help="ranks the fake process group pretends to have")
@@ -164,7 +146,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     png = save_run(__file__, {k: v for k, v in vars(args).items() if k != "out"}, rows, args.out)
     unit_params = 2 * args.d * (args.d + 1)
     title = f"{args.units} units of {unit_params:,} params, fake world size {args.world_size}, {args.device}"
-    write_chart(rows, png, title)
+    millis = [r["median_s"] * 1e3 for r in rows]
+    colors = ["tab:gray", "tab:blue", "tab:orange"][: len(rows)]
+    write_time_bars([r["impl"] for r in rows], millis, colors, png, title, "median step time (ms)")
     print(format_table(rows))
     print(f"wrote {args.out} and {png}")
     return 0
