@@ -257,3 +257,22 @@ def test_bench_overhead_small_runs(tmp_path: str) -> None:
         rows = json.load(f)["results"]
     assert [r["impl"] for r in rows] == ["local", "ours", "torch-fsdp2"]
     assert rows[0]["overhead_s"] == 0 and all(r["median_s"] > 0 for r in rows)
+
+
+def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
+    from benchmarks import bench_collectives, bench_overhead
+
+    for parse, argv in (
+        (bench_collectives.parse_args, ["--world-size", "1"]),
+        (bench_collectives.parse_args, ["--reps", "0"]),
+        (bench_overhead.parse_args, ["--world-size", "1"]),
+        (bench_overhead.parse_args, ["--units", "0"]),
+    ):
+        with pytest.raises(SystemExit):
+            parse(argv)
+    errors = "\n".join(line for line in capsys.readouterr().err.splitlines() if "error:" in line)
+    expecttest.TestCase().assertExpectedInline(errors, """\
+bench_collectives.py: error: --world-size must be at least 2, got 1
+bench_collectives.py: error: --numel and --reps must be positive and --warmup not negative
+bench_overhead.py: error: --world-size must be at least 2, got 1
+bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative""")
