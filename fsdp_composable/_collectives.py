@@ -25,7 +25,7 @@ their native collectives.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional, Protocol, Sequence
+from typing import Any, Callable, Optional, Protocol, Sequence
 
 import torch
 import torch.distributed as dist
@@ -48,12 +48,17 @@ class Waitable(Protocol):
 
 @dataclass
 class Exchange:
-    """Point-to-point requests in flight and what to do with the received data once they complete."""
+    """Point-to-point requests in flight and what to do with the received data once they complete.
+    ``error``: posting them failed (a peer already gone); `wait` raises it, so it is reported like a
+    native collective's failure, naming the unit."""
 
     requests: Sequence[dist.Work]
     then: Optional[Callable[[], None]] = None
+    error: Optional[RuntimeError] = None
 
     def wait(self) -> bool:
+        if self.error is not None:
+            raise self.error
         for request in self.requests:
             request.wait()
         if self.then is not None:
@@ -76,23 +81,29 @@ def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
     return size, me, [((me + k) % size, (me - k) % size) for k in range(1, size)]
 
 
-def _send(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    return dist.isend(tensor, dist.get_global_rank(group, peer), group=group, tag=tag)  # type: ignore[return-value]
+Message = tuple[Callable[..., Any], torch.Tensor, int]  # (dist.isend or dist.irecv, tensor, group rank)
 
 
-def _recv(tensor: torch.Tensor, peer: int, group: dist.ProcessGroup, tag: int) -> dist.Work:
-    return dist.irecv(tensor, dist.get_global_rank(group, peer), group=group, tag=tag)  # type: ignore[return-value]
+def _start(
+    group: dist.ProcessGroup, tag: int, messages: list[Message], then: Optional[Callable[[], None]] = None
+) -> Exchange:
+    requests = []
+    try:
+        for post, tensor, peer in messages:
+            requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
+    except RuntimeError as e:  # gloo can notice a dead peer while posting a send
+        return Exchange(requests, error=e)
+    return Exchange(requests, then)
 
 
 def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
     size, me, pairs = _peers(group)
     pieces = output.view(size, -1)
     pieces[me].copy_(shard.reshape(-1))
-    requests = []
+    messages: list[Message] = []
     for dst, src in pairs:
-        requests.append(_send(shard, dst, group, _ALL_GATHER_TAG))
-        requests.append(_recv(pieces[src], src, group, _ALL_GATHER_TAG))
-    return Exchange(requests)
+        messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
+    return _start(group, _ALL_GATHER_TAG, messages)
 
 
 def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
@@ -112,19 +123,17 @@ def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torc
     return pieces
 
 
-def _reduce_scatter_exchange(
-    output: torch.Tensor, parts: Sequence[torch.Tensor], group: dist.ProcessGroup
-) -> Exchange:
+def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor], group: dist.ProcessGroup) -> Exchange:
     size, me, pairs = _peers(group)
     pieces = _pieces_by_chunk(parts, size)
     mine = pieces[me]
     sizes = [piece.numel() for piece in mine]
     extra = torch.empty((max(size - 2, 0), output.numel()), dtype=output.dtype, device=output.device)
     targets = [output.view(-1), *extra.unbind(0)]
-    requests = []
+    messages: list[Message] = []
     for (dst, src), target in zip(pairs, targets):
-        requests += [_send(piece, dst, group, _REDUCE_SCATTER_TAG) for piece in pieces[dst]]
-        requests += [_recv(piece, src, group, _REDUCE_SCATTER_TAG) for piece in target.split(sizes)]
+        messages += [(dist.isend, piece, dst) for piece in pieces[dst]]
+        messages += [(dist.irecv, piece, src) for piece in target.split(sizes)]
 
     def add_mine() -> None:
         out = output.view(-1)
@@ -135,7 +144,7 @@ def _reduce_scatter_exchange(
         if size > 2:
             out.add_(extra.sum(0))
 
-    return Exchange(requests, add_mine)
+    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:

@@ -66,3 +66,21 @@ def _with_native_collectives(fn: Any, *args: Any) -> Any:
 def test_native_collectives_flat_gradient_buffer_parity(dist_run, world_size: int) -> None:
     _check(dist_run(world_size, _with_native_collectives, _gpt_policy, "FULL_SHARD", True, "adamw"), tol=1e-5)
     _check(dist_run(world_size, _with_native_collectives, _mlp_manual_nesting, "FULL_SHARD", "sgd"), tol=1e-5)
+
+
+def _failing_post_is_reported_at_wait() -> str:
+    def post(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("Connection closed by peer")  # what gloo raises when the peer is gone
+
+    exchange = _collectives._start(dist.group.WORLD, 1, [(post, torch.ones(1), 1 - dist.get_rank())])
+    try:
+        _collectives.wait(exchange, "the all-gather of unit 'blocks.1'")
+    except _collectives.CollectiveError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_send_that_fails_while_posting_names_the_unit_at_wait(dist_run) -> None:
+    for message in dist_run(2, _failing_post_is_reported_at_wait):
+        expected = "fully_shard: the all-gather of unit 'blocks.1' did not complete: Connection closed by peer"
+        assert message.startswith(expected), message
