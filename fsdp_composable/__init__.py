@@ -1,26 +1,49 @@
 """fsdp_composable: shard an unmodified PyTorch model for data-parallel training with one call."""
 
-from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
-from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
-from fsdp_composable._runtime_utils import register_fsdp_forward_method
-from fsdp_composable._state_dict_utils import state_dict_type
-from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
-from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
-from fsdp_composable.api import (
-    BackwardPrefetch,
-    CPUOffload,
-    FullStateDictConfig,
-    LocalStateDictConfig,
-    MixedPrecision,
-    ShardedStateDictConfig,
-    ShardingStrategy,
-    StateDictConfig,
-    StateDictType,
-)
-from fsdp_composable.checkpoint import CheckpointWrapper, apply_activation_checkpointing, checkpoint, checkpoint_wrapper
-from fsdp_composable.fully_shard import fully_shard
-from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
-from fsdp_composable.wrapper import FullyShardedDataParallel
+import sys as _sys
+
+# [Note: python -m fsdp_composable starts fast]
+# ``python -m fsdp_composable`` imports this package before its ``__main__``. Importing torch takes
+# seconds, so in that one case the public names below are not imported here: ``__main__`` parses and
+# checks its arguments and prints its first line first, and the demo imports the submodules it
+# needs itself. Every other import of the package (``import fsdp_composable``, spawned ranks,
+# torchrun's workers of a script) binds every public name as usual.
+
+
+def _run_as_main(argv: "list[str]") -> bool:
+    """Whether the interpreter's own options (before a script, ``-c`` or ``-m``) say ``-m fsdp_composable``."""
+    i = 1
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "-c":
+        if argv[i] == "-m":
+            return argv[i + 1 : i + 2] == ["fsdp_composable"]
+        i += 2 if argv[i] in ("-W", "-X") else 1
+    return False
+
+
+_RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
+
+if not _RUN_AS_MAIN:
+    from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
+    from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+    from fsdp_composable._runtime_utils import register_fsdp_forward_method
+    from fsdp_composable._state_dict_utils import state_dict_type
+    from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
+    from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+    from fsdp_composable.api import (
+        BackwardPrefetch,
+        CPUOffload,
+        FullStateDictConfig,
+        LocalStateDictConfig,
+        MixedPrecision,
+        ShardedStateDictConfig,
+        ShardingStrategy,
+        StateDictConfig,
+        StateDictType,
+    )
+    from fsdp_composable.checkpoint import CheckpointWrapper, apply_activation_checkpointing, checkpoint, checkpoint_wrapper
+    from fsdp_composable.fully_shard import fully_shard
+    from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
+    from fsdp_composable.wrapper import FullyShardedDataParallel
 
 __version__ = "0.1.0"
 

@@ -2,25 +2,36 @@
 
 Without a launcher it starts ``--world-size`` ranks itself (gloo on 127.0.0.1 for ``--device cpu``).
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set) this process is one rank and joins the group
-the launcher describes. New options go in `build_parser`; `demo.train` reads them from ``args``.
+the launcher describes. New options go in `build_parser` and are checked in `parse_args`;
+`demo.train` reads them from ``args``.
+
+[Note: the main job checks everything before it imports torch]
+This module imports only the standard library at the top (the package skips its own imports too,
+see [Note: python -m fsdp_composable starts fast] in ``__init__.py``), so ``--help`` and a bad
+option answer at once, and the first line of a run is printed before torch is imported (which
+takes seconds). Every option, every path and the checkpoint to resume is checked in `parse_args`,
+before any rank starts: a mistake is one line on stderr and exit status 2, never a traceback from
+N ranks after a minute of training.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import math
 import os
 import socket
 import sys
+import time
 from typing import Optional
 
-import torch
-import torch.multiprocessing as mp
-
-from fsdp_composable.demo import run_rank
+from fsdp_composable import _job_checkpoint as job_ckpt
 
 __all__ = ["build_parser", "main", "parse_args"]
 
+START_TIME = time.time()  # the summary's total time counts from here
 DEFAULT_WORLD_SIZE = 2
+STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -34,19 +45,32 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help=f"ranks to start (default {DEFAULT_WORLD_SIZE}); ignored under torchrun, which sets WORLD_SIZE",
     )
-    p.add_argument("--steps", type=int, default=20, help="optimizer steps (default 20)")
+    p.add_argument("--steps", type=int, default=20, help="train until this optimizer step (default 20)")
     p.add_argument("--d-model", type=int, default=64, help="model width (default 64)")
     p.add_argument("--layers", type=int, default=4, help="transformer blocks, one unit each (default 4)")
     p.add_argument("--heads", type=int, default=4, help="attention heads; must divide --d-model (default 4)")
     p.add_argument("--seq", type=int, default=32, help="sequence length (default 32)")
-    p.add_argument("--batch", type=int, default=8, help="sequences per rank per step (default 8)")
+    p.add_argument(
+        "--global-batch",
+        type=int,
+        default=16,
+        help="sequences per step over all ranks, split evenly; must be a multiple of the world size (default 16)",
+    )
     p.add_argument("--vocab", type=int, default=64, help="vocabulary size (default 64)")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
     p.add_argument(
         "--strategy",
-        choices=["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"],
+        choices=STRATEGIES,
         default="FULL_SHARD",
         help="ShardingStrategy for every unit (default FULL_SHARD)",
+    )
+    p.add_argument(
+        "--shard-group-size",
+        type=int,
+        default=None,
+        metavar="K",
+        help="HYBRID_SHARD: ranks that shard together, the rest replicate (default: the ranks of one node "
+        "under torchrun, LOCAL_WORLD_SIZE; else half the ranks)",
     )
     p.add_argument(
         "--mixed-precision",
@@ -73,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--checkpoint-dir",
         metavar="DIR",
         default=None,
-        help="save a sharded checkpoint (model + optimizer, torch.distributed.checkpoint) to DIR at the end",
+        help="save sharded checkpoints (model + optimizer, torch.distributed.checkpoint) under DIR, each in "
+        "DIR/step_N with DIR/latest naming the newest; every node must be able to read and write DIR",
     )
     p.add_argument(
         "--checkpoint-every",
@@ -85,7 +110,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="load the checkpoint in --checkpoint-dir first and continue from its step (any world size)",
+        help="load DIR/latest from --checkpoint-dir first and continue from its step (any world size)",
     )
     return p
 
@@ -94,37 +119,143 @@ def _launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def _check_writable_path(parser: argparse.ArgumentParser, option: str, path: str, is_dir: bool) -> None:
+    """``path`` can be created (or written) by this process: no file where a directory goes, an
+    existing, writable parent."""
+    if is_dir and os.path.exists(path) and not os.path.isdir(path):
+        parser.error(f"{option} {path}: exists and is not a directory")
+    if not is_dir and os.path.isdir(path):
+        parser.error(f"{option} {path}: is a directory; give a file name such as loss.png")
+    parent = os.path.abspath(path)
+    while not os.path.exists(parent):
+        if not is_dir:  # a plot goes into an existing directory
+            parser.error(f"{option} {path}: directory {os.path.dirname(parent)!r} does not exist")
+        parent = os.path.dirname(parent)
+    target = parent if os.path.isdir(parent) else os.path.dirname(parent)
+    if not os.access(target, os.W_OK):
+        parser.error(f"{option} {path}: {target!r} is not writable")
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    """Parse and check ``argv``; a bad value exits with status 2 and says which option and why."""
+    """Parse and check ``argv`` without importing torch; a bad value exits with status 2 and one line
+    saying which option and why. `check_devices` does the checks that need torch."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    positive = ["world_size", "steps", "d_model", "layers", "heads", "seq", "batch", "vocab", "threads"]
-    for name in positive:
+    positive = ["world_size", "steps", "d_model", "layers", "heads", "seq", "global_batch", "vocab", "threads"]
+    for name in positive + ["shard_group_size"]:
         value = getattr(args, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.lr <= 0 or args.timeout <= 0:
-        parser.error(f"--lr and --timeout must be positive, got --lr {args.lr} --timeout {args.timeout}")
+    for name in ("lr", "timeout"):
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value > 0):
+            parser.error(f"--{name} must be a positive finite number, got {value}")
     if args.d_model % args.heads:
         parser.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:
         parser.error("--resume and --checkpoint-every need --checkpoint-dir DIR")
     if args.checkpoint_every < 0:
         parser.error(f"--checkpoint-every must be at least 0, got {args.checkpoint_every}")
-    if args.resume and not os.path.isdir(args.checkpoint_dir):
-        parser.error(f"--resume: no checkpoint directory {args.checkpoint_dir!r}; save one first with --checkpoint-dir")
-    if args.device == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
+    if args.plot is not None:
+        _check_writable_path(parser, "--plot", args.plot, is_dir=False)
+        if importlib.util.find_spec("matplotlib") is None:
+            parser.error(f"--plot {args.plot}: needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.checkpoint_dir is not None:
+        _check_writable_path(parser, "--checkpoint-dir", args.checkpoint_dir, is_dir=True)
     if _launched_by_torchrun():
         args.world_size = int(os.environ["WORLD_SIZE"])
     elif args.world_size is None:
         args.world_size = DEFAULT_WORLD_SIZE
-    if args.device == "cuda" and not _launched_by_torchrun() and args.world_size > torch.cuda.device_count():
+    if args.global_batch % args.world_size:
         parser.error(
+            f"--global-batch {args.global_batch} must be a multiple of the world size {args.world_size} "
+            "(every rank takes an equal slice)"
+        )
+    _check_strategy(parser, args)
+    _check_checkpoint(parser, args)
+    return args
+
+
+def _check_strategy(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.strategy != "HYBRID_SHARD":
+        if args.shard_group_size is not None:
+            parser.error(f"--shard-group-size is only for --strategy HYBRID_SHARD, not {args.strategy}")
+        return
+    if args.shard_group_size is None:
+        local = os.environ.get("LOCAL_WORLD_SIZE") if _launched_by_torchrun() else None
+        args.shard_group_size = int(local) if local else max(1, args.world_size // 2)
+    if args.world_size % args.shard_group_size:
+        parser.error(
+            f"--shard-group-size {args.shard_group_size} must divide the world size {args.world_size} "
+            "(HYBRID_SHARD lays the ranks out as replicas x shard group)"
+        )
+
+
+def _check_checkpoint(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """A fresh run never writes over an existing checkpoint; a resume finds one that fits this model."""
+    if args.checkpoint_dir is None:
+        return
+    try:
+        latest = job_ckpt.latest(args.checkpoint_dir)
+    except ValueError as e:
+        parser.error(f"--checkpoint-dir: {e}")
+    if not args.resume:
+        if latest is not None:
+            parser.error(
+                f"--checkpoint-dir {args.checkpoint_dir} already holds a checkpoint ({latest.path}); "
+                "add --resume to continue it, or choose another directory"
+            )
+        return
+    if latest is None:
+        parser.error(
+            f"--resume: no checkpoint in {args.checkpoint_dir!r} (no {job_ckpt.LATEST} file); "
+            "save one first with --checkpoint-dir"
+        )
+    mismatch = job_ckpt.shape_mismatch(latest, args)
+    if mismatch:
+        parser.error(f"--resume: {latest.path} was saved for a different model ({mismatch}); pass the same options")
+    if args.steps <= latest.step:
+        parser.error(
+            f"--resume: {latest.path} is already at step {latest.step} and --steps is {args.steps}: nothing to "
+            f"train; pass --steps greater than {latest.step}"
+        )
+
+
+def check_devices(args: argparse.Namespace) -> None:
+    """The checks that need torch (imported here, after the first line is printed)."""
+    import torch
+
+    if args.device != "cuda":
+        return
+    if not torch.cuda.is_available():
+        _fail("--device cuda: torch.cuda.is_available() is False on this machine; use --device cpu")
+    if not _launched_by_torchrun() and args.world_size > torch.cuda.device_count():
+        _fail(
             f"--world-size {args.world_size} with --device cuda needs that many GPUs, found "
             f"{torch.cuda.device_count()}; lower --world-size or launch with torchrun"
         )
-    return args
+
+
+def _fail(message: str) -> None:
+    print(f"python -m fsdp_composable: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def describe_run(args: argparse.Namespace) -> str:
+    """The first line: what is about to run."""
+    ranks = f"{args.world_size} {args.device.upper() if args.device == 'cuda' else 'CPU'} rank"
+    ranks += "s" if args.world_size != 1 else ""
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    strategy = args.strategy
+    if strategy == "HYBRID_SHARD":
+        replicas = args.world_size // args.shard_group_size
+        strategy += f" ({replicas} replica{'s' if replicas != 1 else ''} x shard group {args.shard_group_size})"
+    how = "under torchrun" if _launched_by_torchrun() else "starting them"
+    resume = f", resuming from {args.checkpoint_dir}" if args.resume else ""
+    return (
+        f"fsdp_composable demo: GPT with {args.layers} blocks, d_model {args.d_model}, {args.steps} steps, "
+        f"global batch {args.global_batch}, {strategy} on {ranks} ({backend}, {how}){resume}"
+    )
 
 
 def free_port() -> int:
@@ -135,6 +266,10 @@ def free_port() -> int:
 
 def launch(args: argparse.Namespace) -> None:
     """Run this process as one torchrun rank, or start ``args.world_size`` ranks and wait for them."""
+    import torch.multiprocessing as mp
+
+    from fsdp_composable.demo import run_rank
+
     if _launched_by_torchrun():
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ.get("LOCAL_RANK", "0")))
         return
@@ -149,6 +284,12 @@ def launch(args: argparse.Namespace) -> None:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    args.start_time = START_TIME
+    if int(os.environ.get("RANK", "0")) == 0:
+        print(describe_run(args), flush=True)
+    check_devices(args)
+    import torch.multiprocessing as mp
+
     try:
         launch(args)
     except mp.ProcessRaisedException as e:  # a rank failed: its traceback is the useful part

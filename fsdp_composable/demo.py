@@ -29,19 +29,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fsdp_composable import (
-    MixedPrecision,
-    ModuleWrapPolicy,
-    ShardingStrategy,
-    StateDictType,
-    checkpoint,
-    describe,
-    fully_shard,
-    init_optim_state,
-    optim_state_dict,
-    optim_state_dict_to_load,
-    state_dict_type,
-)
+# Submodules, not the package: under `python -m fsdp_composable` the package defers its own imports
+# (see [Note: python -m fsdp_composable starts fast] in __init__.py).
+from fsdp_composable import _job_checkpoint as job_ckpt
+from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+from fsdp_composable._state_dict_utils import state_dict_type
+from fsdp_composable._wrap_utils import ModuleWrapPolicy
+from fsdp_composable.api import MixedPrecision, ShardingStrategy, StateDictType
+from fsdp_composable.checkpoint import checkpoint
+from fsdp_composable.fully_shard import fully_shard
+from fsdp_composable.inspect import describe
 
 __all__ = ["GPT", "Block", "RunContext", "run_rank", "synthetic_batch", "train"]
 
@@ -132,6 +129,7 @@ class RunContext:
     start_step: int = 0  # steps already done before this run (a resumed run sets it)
     losses: list[float] = field(default_factory=list)  # mean loss over ranks, one per step run here
     step_times: list[float] = field(default_factory=list)
+    train_seconds: float = 0.0  # wall time of the training loop on this rank, saves included
 
 
 def after_setup(ctx: RunContext) -> None:
@@ -142,14 +140,16 @@ def after_setup(ctx: RunContext) -> None:
 
 
 def resume(ctx: RunContext) -> int:
-    """With ``--resume``: load model and optimizer from ``--checkpoint-dir``; return its step (0: none).
+    """With ``--resume``: load model and optimizer from ``--checkpoint-dir``'s latest checkpoint;
+    return its step (0: none). `python -m fsdp_composable` has checked that it fits this model.
 
     A sharded checkpoint (DTensors, one file per rank) loads at any world size."""
     if not ctx.args.resume:
         return 0
     import torch.distributed.checkpoint as dcp
 
-    directory = ctx.args.checkpoint_dir
+    saved = job_ckpt.latest(ctx.args.checkpoint_dir)
+    assert saved is not None, "parse_args checks that --resume has a checkpoint"
     init_optim_state(ctx.optimizer)  # DCP loads into existing tensors: give the optimizer its state first
     with state_dict_type(ctx.model, StateDictType.SHARDED_STATE_DICT):
         state: dict[str, Any] = {
@@ -157,24 +157,31 @@ def resume(ctx: RunContext) -> int:
             "optim": optim_state_dict(ctx.model, ctx.optimizer),
             "step": 0,
         }
-        dcp.load(state, checkpoint_id=directory)
+        dcp.load(state, checkpoint_id=saved.path)
         ctx.model.load_state_dict(state["model"])
         ctx.optimizer.load_state_dict(optim_state_dict_to_load(ctx.model, ctx.optimizer, state["optim"]))
     step = int(state["step"])
     if ctx.rank == 0:
-        print(f"resumed from {directory} at step {step}", flush=True)
+        was = saved.job.get("world_size")
+        print(f"resumed from {saved.path} at step {step} (saved by {was} ranks, now {ctx.world_size})", flush=True)
     return step
 
 
 def save_checkpoint(ctx: RunContext, step: int) -> None:
-    """Save model + optimizer + step as a sharded checkpoint with torch.distributed.checkpoint."""
+    """Save model + optimizer + step to ``--checkpoint-dir``/step_<step>, then point ``latest`` at it;
+    see [Note: the main job's checkpoint directory]."""
     import torch.distributed.checkpoint as dcp
 
+    root = ctx.args.checkpoint_dir
+    path = job_ckpt.step_dir(root, step)
     with state_dict_type(ctx.model, StateDictType.SHARDED_STATE_DICT):
         state = {"model": ctx.model.state_dict(), "optim": optim_state_dict(ctx.model, ctx.optimizer), "step": step}
-        dcp.save(state, checkpoint_id=ctx.args.checkpoint_dir)
+        dcp.save(state, checkpoint_id=path)  # collective; rank 0 writes the metadata last
     if ctx.rank == 0:
-        print(f"saved checkpoint at step {step} to {ctx.args.checkpoint_dir}", flush=True)
+        job_ckpt.write_job(path, job_ckpt.job_record(ctx.args, step, ctx.world_size))
+        job_ckpt.point_latest(root, path)
+        print(f"saved checkpoint at step {step} to {path}", flush=True)
+    dist.barrier()  # no rank reads `latest` (a later resume) before it names the new checkpoint
 
 
 def after_step(ctx: RunContext, step: int) -> None:
@@ -191,13 +198,35 @@ def after_train(ctx: RunContext) -> None:
 
 
 # ---------------------------------------------------------------------------- training
-def shard_model(model: nn.Module, args: argparse.Namespace) -> nn.Module:
+def process_group_for(args: argparse.Namespace, rank: int, world_size: int) -> Any:
+    """None (the default group), or for HYBRID_SHARD the ``(shard group, replicate group)`` of this rank:
+    ranks ``[i*K, (i+1)*K)`` shard together (K = ``--shard-group-size``; under torchrun the ranks of
+    one node) and ranks ``j, j+K, j+2K, ...`` hold the same shard and all-reduce their gradients."""
+    if args.strategy != "HYBRID_SHARD":
+        return None
+    k = args.shard_group_size
+    shard = replicate = None
+    for i in range(world_size // k):  # every rank creates every group, in the same order
+        group = dist.new_group(list(range(i * k, (i + 1) * k)))
+        if rank // k == i:
+            shard = group
+    for j in range(k):
+        group = dist.new_group(list(range(j, world_size, k)))
+        if rank % k == j:
+            replicate = group
+    return shard, replicate
+
+
+def shard_model(model: nn.Module, args: argparse.Namespace, process_group: Any = None) -> nn.Module:
     if args.activation_checkpointing:
         for block in model.modules():
             if isinstance(block, Block):
                 checkpoint(block)  # composable: no wrapper, FQNs and state-dict keys unchanged
     mp = MixedPrecision(param_dtype=torch.bfloat16) if args.mixed_precision == "bf16" else None
-    return fully_shard(model, ModuleWrapPolicy({Block}), strategy=ShardingStrategy[args.strategy], mixed_precision=mp)
+    strategy = ShardingStrategy[args.strategy]
+    return fully_shard(
+        model, ModuleWrapPolicy({Block}), strategy=strategy, mixed_precision=mp, process_group=process_group
+    )
 
 
 def build_optimizer(model: nn.Module, args: argparse.Namespace) -> torch.optim.Optimizer:
@@ -213,9 +242,9 @@ def rank_device(args: argparse.Namespace, local_rank: int) -> torch.device:
 
 
 def train_step(ctx: RunContext, step: int) -> tuple[float, float]:
-    """One optimizer step on this rank's slice; returns (mean loss over ranks, seconds)."""
+    """One optimizer step on this rank's slice of the global batch; returns (mean loss over ranks, seconds)."""
     args = ctx.args
-    inputs, targets = synthetic_batch(step, args.batch * ctx.world_size, args.seq, args.vocab, args.seed)
+    inputs, targets = synthetic_batch(step, args.global_batch, args.seq, args.vocab, args.seed)
     inputs = rank_slice(inputs, ctx.rank, ctx.world_size).to(ctx.device)
     targets = rank_slice(targets, ctx.rank, ctx.world_size).to(ctx.device)
     start = time.perf_counter()
@@ -236,11 +265,12 @@ def train(args: argparse.Namespace, local_rank: int = 0) -> list[float]:
     """Train on this rank (the process group must be up); returns the per-step mean losses."""
     rank, world_size = dist.get_rank(), dist.get_world_size()
     device = rank_device(args, local_rank)
-    model = shard_model(build_model(args, device), args)
+    model = shard_model(build_model(args, device), args, process_group_for(args, rank, world_size))
     ctx = RunContext(args, rank, world_size, device, model, build_optimizer(model, args))
     after_setup(ctx)
     ctx.start_step = resume(ctx)
     bar = _progress_bar(ctx)
+    loop_start = time.perf_counter()
     for step in range(ctx.start_step + 1, args.steps + 1):
         loss, seconds = train_step(ctx, step)
         ctx.losses.append(loss)
@@ -248,10 +278,11 @@ def train(args: argparse.Namespace, local_rank: int = 0) -> list[float]:
         if rank == 0:
             _log_step(bar, step, loss, seconds)
         after_step(ctx, step)
+    ctx.train_seconds = time.perf_counter() - loop_start
     if bar is not None:
         bar.close()
     after_train(ctx)
-    report_memory(ctx)
+    report(ctx)
     if rank == 0 and args.plot:
         save_loss_plot(ctx.losses, ctx.start_step, args.plot)
     return ctx.losses
@@ -279,11 +310,20 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
 
 
 # ---------------------------------------------------------------------------- reporting
-def _progress_bar(ctx: RunContext) -> Any:
-    if ctx.rank != 0:
-        return None
-    from tqdm import tqdm  # rank 0 only: the other ranks never draw
+def use_progress_bar(stdout: Any = None, stderr: Any = None) -> bool:
+    """Draw a bar only when both streams are terminals: the bar redraws itself with carriage returns
+    on stderr, which would be mixed into the step lines of a log file or a pipe (``2>&1 | tee``)."""
+    streams = (stdout or sys.stdout, stderr or sys.stderr)
+    return all(getattr(s, "isatty", lambda: False)() for s in streams)
 
+
+def _progress_bar(ctx: RunContext) -> Any:
+    if ctx.rank != 0 or not use_progress_bar():
+        return None
+    try:
+        from tqdm import tqdm  # rank 0 only: the other ranks never draw
+    except ImportError:
+        return None
     return tqdm(total=ctx.args.steps, initial=ctx.start_step, desc="train", unit="step", file=sys.stderr)
 
 
@@ -306,30 +346,50 @@ def peak_rss_mib() -> float:
     return peak / (1024 * 1024) if sys.platform == "darwin" else peak / 1024
 
 
-def report_memory(ctx: RunContext) -> None:
-    """Rank 0 prints every rank's peak RSS (and peak CUDA memory on CUDA): a collective."""
-    mine = {"rss": peak_rss_mib()}
-    if ctx.device.type == "cuda":
-        mine["cuda"] = torch.cuda.max_memory_allocated(ctx.device) / 2**20
-    everyone: list[Optional[dict[str, float]]] = [None] * ctx.world_size
-    dist.all_gather_object(everyone, mine)
-    if ctx.rank != 0:
-        return
-    for rank, mem in enumerate(everyone):
-        assert mem is not None
-        cuda = f" peak CUDA {mem['cuda']:.1f} MiB" if "cuda" in mem else ""
-        print(f"rank {rank} peak RSS {mem['rss']:.1f} MiB{cuda}", flush=True)
+def gather_peak_memory(ctx: RunContext) -> list[tuple[float, float]]:
+    """Every rank's (peak RSS MiB, peak CUDA MiB or -1), on every rank: a collective.
+
+    A tensor all-gather, not ``all_gather_object``: that one pickles through numpy, which torch
+    does not depend on, so it fails in a virtualenv with only torch installed."""
+    cuda = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else -1.0
+    mine = torch.tensor([peak_rss_mib(), cuda], dtype=torch.float64, device=ctx.device)
+    everyone = [torch.empty_like(mine) for _ in range(ctx.world_size)]
+    dist.all_gather(everyone, mine)
+    return [(float(t[0]), float(t[1])) for t in everyone]
+
+
+def summary(ctx: RunContext, memory: list[tuple[float, float]]) -> list[str]:
+    """The last lines of a run: each rank's peak memory, then time, throughput and the peaks."""
+    lines = []
+    for rank, (rss, cuda) in enumerate(memory):
+        lines.append(f"rank {rank} peak RSS {rss:.1f} MiB" + (f" peak CUDA {cuda:.1f} MiB" if cuda >= 0 else ""))
+    steps = len(ctx.losses)
+    seconds = max(ctx.train_seconds, 1e-9)
+    tokens = steps * ctx.args.global_batch * ctx.args.seq
+    start = getattr(ctx.args, "start_time", None)
+    total = f" ({time.time() - start:.1f}s in all, startup included)" if start is not None else ""
+    peak = ", ".join(f"{rss:.0f}" for rss, _ in memory)
+    lines.append(
+        f"summary: {steps} steps in {seconds:.2f}s of training{total}, "
+        f"{steps / seconds:.2f} steps/s, {tokens / seconds:,.0f} tokens/s, peak RSS per rank [{peak}] MiB"
+        + (f", final loss {ctx.losses[-1]:.4f}" if ctx.losses else "")
+    )
+    return lines
+
+
+def report(ctx: RunContext) -> None:
+    """Rank 0 prints every rank's peak memory and the run's summary: a collective."""
+    memory = gather_peak_memory(ctx)
+    if ctx.rank == 0:
+        print("\n".join(summary(ctx, memory)), flush=True)
 
 
 def save_loss_plot(losses: list[float], start_step: int, path: str) -> None:
-    try:
-        import matplotlib
+    import matplotlib  # python -m fsdp_composable checked that it is installed
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print(f"--plot {path}: matplotlib is not installed (pip install matplotlib); no plot written", flush=True)
-        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.plot(range(start_step + 1, start_step + len(losses) + 1), losses, marker=".")
     ax.set_xlabel("step")
