@@ -40,7 +40,12 @@ if not _RUN_AS_MAIN:
         StateDictConfig,
         StateDictType,
     )
-    from fsdp_composable.checkpoint import CheckpointWrapper, apply_activation_checkpointing, checkpoint, checkpoint_wrapper
+    from fsdp_composable.checkpoint import (
+        CheckpointWrapper,
+        apply_activation_checkpointing,
+        checkpoint,
+        checkpoint_wrapper,
+    )
     from fsdp_composable.fully_shard import fully_shard
     from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
     from fsdp_composable.wrapper import FullyShardedDataParallel

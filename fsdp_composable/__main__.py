@@ -23,7 +23,7 @@ import os
 import socket
 import sys
 import time
-from typing import Optional
+from typing import NoReturn, Optional
 
 from fsdp_composable import _job_checkpoint as job_ckpt
 
@@ -34,8 +34,15 @@ DEFAULT_WORLD_SIZE = 2
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors are one line (no usage block in front), so a wrong option is easy to spot in a log."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m fsdp_composable",
         description="Train a small GPT-style model on synthetic data with fully_shard (one unit per block).",
     )
@@ -126,14 +133,15 @@ def _check_writable_path(parser: argparse.ArgumentParser, option: str, path: str
         parser.error(f"{option} {path}: exists and is not a directory")
     if not is_dir and os.path.isdir(path):
         parser.error(f"{option} {path}: is a directory; give a file name such as loss.png")
-    parent = os.path.abspath(path)
-    while not os.path.exists(parent):
-        if not is_dir:  # a plot goes into an existing directory
-            parser.error(f"{option} {path}: directory {os.path.dirname(parent)!r} does not exist")
-        parent = os.path.dirname(parent)
-    target = parent if os.path.isdir(parent) else os.path.dirname(parent)
-    if not os.access(target, os.W_OK):
-        parser.error(f"{option} {path}: {target!r} is not writable")
+    existing = os.path.abspath(path) if is_dir else os.path.dirname(os.path.abspath(path))
+    if not is_dir and not os.path.isdir(existing):
+        parser.error(f"{option} {path}: directory {existing!r} does not exist")
+    while not os.path.exists(existing):  # a checkpoint directory is created with its parents
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        parser.error(f"{option} {path}: {existing!r} is a file, not a directory")
+    if not os.access(existing, os.W_OK):
+        parser.error(f"{option} {path}: {existing!r} is not writable")
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -236,8 +244,8 @@ def check_devices(args: argparse.Namespace) -> None:
         )
 
 
-def _fail(message: str) -> None:
-    print(f"python -m fsdp_composable: error: {message}", file=sys.stderr)
+def _fail(message: str) -> NoReturn:
+    print(f"python -m fsdp_composable: error: {message} (see --help)", file=sys.stderr)
     sys.exit(2)
 
 

@@ -21,10 +21,11 @@ from __future__ import annotations
 
 import copy
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
@@ -68,6 +69,7 @@ class UnitPlan:
     reduce_dtype: Optional[torch.dtype]
     offload_params: bool
     tied_param_fqns: tuple[tuple[str, ...], ...] = ()
+    param_shapes: tuple[tuple[int, ...], ...] = ()  # one per entry of ``param_fqns``
 
     @property
     def shard_bytes(self) -> int:
@@ -77,12 +79,19 @@ class UnitPlan:
 
 @dataclass(frozen=True)
 class ShardingPlan:
-    """Every unit under a module, in module pre-order, with per-rank totals. ``str()`` is a table."""
+    """Every unit under a module, in module pre-order, with per-rank totals. ``str()`` is a table, and
+    with ``show_params`` (``describe(module, params=True)``) a second one listing every unit's parameters.
+
+    ``world_size`` is the number of ranks a unit is sharded over: under HYBRID_SHARD the shard group's
+    size, with ``replicate_world_size`` the replicate group's (``None`` for the other strategies).
+    ``rank`` is this rank in that group."""
 
     units: tuple[UnitPlan, ...]
     world_size: int
     rank: int
     ignored_param_fqns: tuple[str, ...] = ()
+    replicate_world_size: Optional[int] = None
+    show_params: bool = field(default=False, compare=False)
 
     @property
     def numel(self) -> int:
@@ -141,10 +150,11 @@ class MemoryEstimate:
 
 
 # ---------------------------------------------------------------------------- describe
-def describe(module: nn.Module) -> ShardingPlan:
+def describe(module: nn.Module, params: bool = False) -> ShardingPlan:
     """The sharding plan of every `fully_shard` unit under ``module``, read locally (no communication).
 
     Works before and after the first forward and on any single rank; see [Note: describe only reads].
+    With ``params=True``, ``str()`` of the plan adds a table of every unit's parameters (FQN, shape).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"describe() expects an nn.Module, got {type(module).__name__}")
@@ -163,7 +173,15 @@ def describe(module: nn.Module) -> ShardingPlan:
         for h in sorted(handles.values(), key=lambda h: order[h.module])
     )
     ignored = {p for s in states for p in s.ignored_params}
-    return ShardingPlan(units, states[0].world_size, states[0].rank, _param_fqns_of(ignored, fqns))
+    replicate = states[0].replicate_group
+    return ShardingPlan(
+        units,
+        states[0].world_size,
+        states[0].rank,
+        _param_fqns_of(ignored, fqns),
+        replicate_world_size=None if replicate is None else dist.get_world_size(replicate),
+        show_params=bool(params),
+    )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -189,6 +207,7 @@ def _unit_plan(
         reduce_dtype=mp.reduce_dtype if mp is not None else None,
         offload_params=config.offload_params,
         tied_param_fqns=tuple(group for group in groups if len(group) > 1),
+        param_shapes=tuple(tuple(info.shape) for info, group in zip(layout.infos, groups) for _ in group),
     )
 
 
@@ -607,14 +626,33 @@ def _format_plan(plan: ShardingPlan) -> str:
         _human_bytes(plan.sharded_param_bytes),
     )
     units = f"{len(plan.units)} unit{'s' if len(plan.units) != 1 else ''}"
-    lines = [f"ShardingPlan: {units}, world size {plan.world_size}, rank {plan.rank}"]
+    if plan.replicate_world_size is None:
+        ranks = f"world size {plan.world_size}"
+    else:
+        ranks = f"HYBRID_SHARD: shard group size {plan.world_size}, replicate group size {plan.replicate_world_size}"
+    lines = [f"ShardingPlan: {units}, {ranks}, rank {plan.rank}"]
     lines += _table(headers, rows, footer, right={1, 2, 3, 4, 10})
     for u in plan.units:
         for group in u.tied_param_fqns:
             lines.append(f"tied (one copy, in unit {u.fqn or ROOT_NAME}): {' = '.join(group)}")
     if plan.ignored_param_fqns:
         lines.append(f"ignored (not sharded, not counted): {', '.join(plan.ignored_param_fqns)}")
+    if plan.show_params:
+        lines += ["", *_format_params(plan)]
     return "\n".join(lines)
+
+
+def _format_params(plan: ShardingPlan) -> list[str]:
+    """One row per original parameter FQN, in flat order; a tied alias points at the first FQN."""
+    rows = []
+    for u in plan.units:
+        first_of = {name: group[0] for group in u.tied_param_fqns for name in group[1:]}
+        for name, shape in zip(u.param_fqns, u.param_shapes):
+            numel = f"= {first_of[name]}" if name in first_of else f"{math.prod(shape):,}"
+            rows.append((u.fqn or ROOT_NAME, name, str(tuple(shape)), numel))
+    distinct = sum(u.num_params for u in plan.units)
+    footer = ("total", f"{distinct} parameters", "", f"{plan.numel:,}")
+    return _table(("unit", "parameter", "shape", "numel"), rows, footer, right={3})
 
 
 def _format_estimate(est: MemoryEstimate) -> str:

@@ -590,3 +590,72 @@ def test_plan_is_frozen_and_copyable() -> None:
     with pytest.raises(AttributeError):
         plan.rank = 1  # type: ignore[misc]
     assert copy.deepcopy(plan) == plan
+
+
+# ---------------------------------------------------------------------------- describe: HYBRID_SHARD, params=True
+def describe_hybrid_and_params() -> dict:
+    """4 ranks as 2 replicas x shard groups of 2: (0, 1) and (2, 3) shard, (0, 2) and (1, 3) replicate."""
+    rank = dist.get_rank()
+    shard_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicate_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    groups = (shard_groups[rank // 2], replicate_groups[rank % 2])
+    model = fully_shard(_gpt(tied=True), POLICY, strategy=ShardingStrategy.HYBRID_SHARD, process_group=groups)
+    with _no_collectives():
+        plan = describe(model, params=True)
+    _step(model)
+    return {"plan": plan, "text": str(plan), "plain": str(describe(model)), "after_step": describe(model) == plan}
+
+
+def test_describe_hybrid_shard_group_sizes_and_params(dist_run) -> None:
+    """Under HYBRID_SHARD the header gives the shard and replicate group sizes, not a world size;
+    params=True adds every unit's parameter FQNs and shapes (a tied alias points at its first FQN)."""
+    ranks = dist_run(4, describe_hybrid_and_params)
+    r = ranks[0]
+    assert r["after_step"]  # show_params is not part of the plan's value
+    assert (r["plan"].world_size, r["plan"].replicate_world_size) == (2, 2)
+    assert [x["plan"].rank for x in ranks] == [0, 1, 0, 1]  # the rank in the shard group
+    assert r["plain"] == r["text"].split("\n\n")[0]
+    assert r["plan"].units[1].param_shapes[:3] == ((16,), (16,), (48, 16))
+    expecttest.TestCase().assertExpectedInline(
+        r["text"],
+        """\
+ShardingPlan: 3 units, HYBRID_SHARD: shard group size 2, replicate group size 2, rank 0
+unit      params  numel  padded  shard  dtype    strategy      param_dtype  reduce_dtype  offload  shard bytes
+--------  ------  -----  ------  -----  -------  ------------  -----------  ------------  -------  -----------
+<root>         4    752     752    376  float32  HYBRID_SHARD  -            -             no          1.47 KiB
+blocks.0      10  3,216   3,216  1,608  float32  HYBRID_SHARD  -            -             no          6.28 KiB
+blocks.1      10  3,216   3,216  1,608  float32  HYBRID_SHARD  -            -             no          6.28 KiB
+--------  ------  -----  ------  -----  -------  ------------  -----------  ------------  -------  -----------
+total         24  7,184   7,184  3,592                                                               14.03 KiB
+tied (one copy, in unit <root>): tok.weight = head.weight
+
+unit      parameter                      shape            numel
+--------  -----------------------------  --------  ------------
+<root>    pos                            (8, 16)            128
+<root>    tok.weight                     (37, 16)           592
+<root>    head.weight                    (37, 16)  = tok.weight
+<root>    ln_f.weight                    (16,)               16
+<root>    ln_f.bias                      (16,)               16
+blocks.0  blocks.0.ln1.weight            (16,)               16
+blocks.0  blocks.0.ln1.bias              (16,)               16
+blocks.0  blocks.0.attn.in_proj_weight   (48, 16)           768
+blocks.0  blocks.0.ln2.weight            (16,)               16
+blocks.0  blocks.0.ln2.bias              (16,)               16
+blocks.0  blocks.0.fc1.weight            (64, 16)         1,024
+blocks.0  blocks.0.fc1.bias              (64,)               64
+blocks.0  blocks.0.fc2.weight            (16, 64)         1,024
+blocks.0  blocks.0.fc2.bias              (16,)               16
+blocks.0  blocks.0.attn.out_proj.weight  (16, 16)           256
+blocks.1  blocks.1.ln1.weight            (16,)               16
+blocks.1  blocks.1.ln1.bias              (16,)               16
+blocks.1  blocks.1.attn.in_proj_weight   (48, 16)           768
+blocks.1  blocks.1.ln2.weight            (16,)               16
+blocks.1  blocks.1.ln2.bias              (16,)               16
+blocks.1  blocks.1.fc1.weight            (64, 16)         1,024
+blocks.1  blocks.1.fc1.bias              (64,)               64
+blocks.1  blocks.1.fc2.weight            (16, 64)         1,024
+blocks.1  blocks.1.fc2.bias              (16,)               16
+blocks.1  blocks.1.attn.out_proj.weight  (16, 16)           256
+--------  -----------------------------  --------  ------------
+total     24 parameters                                   7,184""",
+    )

@@ -3,24 +3,29 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import io
+import json
 import math
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from expecttest import TestCase
 
 from fsdp_composable.__main__ import parse_args
-from fsdp_composable.demo import GPT, rank_slice, synthetic_batch
+from fsdp_composable.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d\d)s$")
-SMALL = ["--d-model", "32", "--layers", "2", "--seq", "16", "--batch", "4"]
+SMALL = ["--d-model", "32", "--layers", "2", "--seq", "16", "--global-batch", "8"]
 
 
 def _run_job(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[str, str]:
@@ -46,15 +51,82 @@ def _losses(stdout: str) -> list[float]:
     return [loss for _, loss in steps]
 
 
-def test_default_job_two_ranks() -> None:
-    out, err = _run_job(["--steps", "4"])
+def _fake_package(root: Path, name: str) -> None:
+    """A package ``name`` whose import fails, as if it were not installed."""
+    (root / name).mkdir(parents=True)
+    (root / name / "__init__.py").write_text(f"raise ModuleNotFoundError('{name} is not installed (test stub)')\n")
+
+
+def test_default_job_two_ranks_without_numpy_prints_first_line_fast(tmp_path: Path) -> None:
+    """The README's first command in an environment without numpy (torch does not depend on it; the
+    test extras bring it in): trains, reports each rank's peak memory and a summary. The first line
+    comes before torch is imported; with stdout not a terminal, no progress bar is drawn."""
+    _fake_package(tmp_path, "numpy")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
+    start = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_composable", "--steps", "4"],
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )
+    assert proc.stdout is not None
+    first = proc.stdout.readline()
+    first_line_s = time.monotonic() - start
+    rest, err = proc.communicate(timeout=120)
+    out = first + rest
+    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
+    assert first.startswith("fsdp_composable demo: GPT with 4 blocks"), first
+    assert first_line_s < 2.0, f"first line after {first_line_s:.2f}s"
     losses = _losses(out)
     assert len(losses) == 4, out
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"the synthetic task is learnable, loss should drop: {losses}"
     assert re.search(r"^rank 0 peak RSS \d+\.\d MiB$", out, re.M), out
     assert re.search(r"^rank 1 peak RSS \d+\.\d MiB$", out, re.M), out
-    assert "train:" in err, "rank 0 draws a tqdm progress bar on stderr"
+    summary = out.strip().splitlines()[-1]
+    pattern = (
+        r"summary: 4 steps in \d+\.\d\ds of training \(\d+\.\ds in all, startup included\), \d+\.\d\d steps/s, "
+        r"[\d,]+ tokens/s, peak RSS per rank \[\d+, \d+\] MiB, final loss \d\.\d{4}$"
+    )
+    assert re.match(pattern, summary), summary
+    assert "train:" not in err and "\r" not in out + err, "no progress bar frames off a terminal"
+
+
+def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
+    """--help and a bad option answer without importing torch (a stub torch that fails to import is
+    first on the path), and the first line of a run is printed before torch is imported."""
+    _fake_package(tmp_path, "torch")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        cmd = [sys.executable, "-m", "fsdp_composable", *argv]
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+
+    start = time.monotonic()
+    helped = run("--help")
+    assert time.monotonic() - start < 2.0
+    assert helped.returncode == 0 and "--global-batch" in helped.stdout, helped.stderr
+    bad = run("--lr", "nan")
+    assert bad.returncode == 2 and bad.stdout == ""
+    expected = "python -m fsdp_composable: error: --lr must be a positive finite number, got nan (see --help)\n"
+    assert bad.stderr == expected
+    started = run("--steps", "1")
+    assert started.stdout.startswith("fsdp_composable demo: GPT with 4 blocks"), started.stdout
+    assert "torch is not installed (test stub)" in started.stderr  # it got that far before importing torch
+
+
+def test_progress_bar_only_on_a_terminal() -> None:
+    class Stream:
+        def __init__(self, tty: bool) -> None:
+            self.tty = tty
+
+        def isatty(self) -> bool:
+            return self.tty
+
+    assert use_progress_bar(Stream(True), Stream(True))
+    assert not use_progress_bar(Stream(False), Stream(True))  # python -m fsdp_composable > log
+    assert not use_progress_bar(Stream(True), Stream(False))  # 2> log
 
 
 def test_torchrun_environment_runs_in_place_with_bf16_and_shard_grad_op(tmp_path: Path) -> None:
@@ -86,40 +158,111 @@ def test_model_shapes() -> None:
     assert model(torch.zeros(3, 6, dtype=torch.long)).shape == (3, 6, 11)
 
 
+def _fake_checkpoint(root: Path, step: int, **job: object) -> None:
+    """A checkpoint directory as the job leaves it (DIR/latest -> DIR/step_N with job.json), without
+    the tensors: enough for the checks made before any rank starts."""
+    record = {"vocab": 64, "d_model": 64, "layers": 4, "heads": 4, "seq": 32, "step": step, "global_batch": 16}
+    record.update(job)
+    (root / f"step_{step}").mkdir(parents=True)
+    (root / f"step_{step}" / "job.json").write_text(json.dumps(record))
+    (root / "latest").write_text(f"step_{step}\n")
+
+
 class TestArguments(TestCase):
-    def test_bad_values_exit_2_naming_the_option(self) -> None:
+    def _errors(self, cases: list[list[str]]) -> str:
         messages = []
-        bad = (
-            ["--world-size", "0"],
-            ["--d-model", "30", "--heads", "4"],
-            ["--steps", "0"],
-            ["--resume"],
-            ["--checkpoint-dir", "ckpt", "--checkpoint-every", "-1"],
-            ["--checkpoint-dir", "/nonexistent/ckpt", "--resume"],
-        )
-        for argv in bad:
+        for argv in cases:
             err = io.StringIO()
             with self.assertRaises(SystemExit) as cm, contextlib.redirect_stderr(err):
                 parse_args(argv)
             self.assertEqual(cm.exception.code, 2)
-            messages.append(err.getvalue().strip().splitlines()[-1])
+            lines = err.getvalue().strip().splitlines()
+            self.assertEqual(len(lines), 1, lines)  # one line, no usage block
+            messages.append(lines[0].replace("python -m fsdp_composable: error: ", "").replace(" (see --help)", ""))
+        return "\n".join(messages)
+
+    def test_bad_values_exit_2_with_one_line_naming_the_option(self) -> None:
+        bad = [
+            ["--world-size", "0"],
+            ["--d-model", "30", "--heads", "4"],
+            ["--steps", "0"],
+            ["--lr", "nan"],
+            ["--lr", "-1"],
+            ["--timeout", "inf"],
+            ["--resume"],
+            ["--checkpoint-dir", "ckpt", "--checkpoint-every", "-1"],
+            ["--checkpoint-dir", "/nonexistent/ckpt", "--resume"],
+            ["--world-size", "4", "--global-batch", "6"],
+            ["--shard-group-size", "2"],
+            ["--strategy", "HYBRID_SHARD", "--world-size", "4", "--shard-group-size", "3"],
+            ["--plot", "/nonexistent/loss.png"],
+            ["--plot", "/"],
+            ["--checkpoint-dir", "/dev/null"],
+        ]
         self.assertExpectedInline(
-            "\n".join(messages),
+            self._errors(bad),
             """\
-python -m fsdp_composable: error: --world-size must be at least 1, got 0
-python -m fsdp_composable: error: --heads 4 must divide --d-model 30
-python -m fsdp_composable: error: --steps must be at least 1, got 0
-python -m fsdp_composable: error: --resume and --checkpoint-every need --checkpoint-dir DIR
-python -m fsdp_composable: error: --checkpoint-every must be at least 0, got -1
-python -m fsdp_composable: error: --resume: no checkpoint directory '/nonexistent/ckpt'; save one first with --checkpoint-dir""",  # noqa: E501
+--world-size must be at least 1, got 0
+--heads 4 must divide --d-model 30
+--steps must be at least 1, got 0
+--lr must be a positive finite number, got nan
+--lr must be a positive finite number, got -1.0
+--timeout must be a positive finite number, got inf
+--resume and --checkpoint-every need --checkpoint-dir DIR
+--checkpoint-every must be at least 0, got -1
+--resume: no checkpoint in '/nonexistent/ckpt' (no latest file); save one first with --checkpoint-dir
+--global-batch 6 must be a multiple of the world size 4 (every rank takes an equal slice)
+--shard-group-size is only for --strategy HYBRID_SHARD, not FULL_SHARD
+--shard-group-size 3 must divide the world size 4 (HYBRID_SHARD lays the ranks out as replicas x shard group)
+--plot /nonexistent/loss.png: directory '/nonexistent' does not exist
+--plot /: is a directory; give a file name such as loss.png
+--checkpoint-dir /dev/null: exists and is not a directory""",  # noqa: E501
         )
+
+    def test_plot_without_matplotlib(self) -> None:
+        real = importlib.util.find_spec
+        with mock.patch("importlib.util.find_spec", lambda name, *a: None if name == "matplotlib" else real(name, *a)):
+            self.assertExpectedInline(
+                self._errors([["--plot", "loss.png"]]),
+                """--plot loss.png: needs matplotlib, which is not installed (pip install matplotlib)""",
+            )
+
+    def test_checkpoint_directory_checks(self) -> None:
+        """Before any rank starts: a fresh run does not write over a checkpoint, a resume refuses
+        another model's checkpoint and a --steps it has already reached, in one line each."""
+        with tempfile.TemporaryDirectory() as tmp:
+            root = Path(tmp, "ckpt")
+            _fake_checkpoint(root, 10, d_model=32)
+            other = Path(tmp, "other")
+            other.mkdir()
+            (other / "latest").write_text("step_3\n")  # names a directory that is not there
+            ckpt = ["--checkpoint-dir", str(root)]
+            message = self._errors(
+                [
+                    [*ckpt, "--steps", "20"],
+                    [*ckpt, "--steps", "20", "--resume"],
+                    [*ckpt, "--steps", "20", "--resume", "--layers", "2"],
+                    [*ckpt, "--steps", "10", "--resume", "--d-model", "32"],
+                    ["--checkpoint-dir", str(other), "--resume"],
+                ]
+            )
+            args = parse_args([*ckpt, "--steps", "20", "--resume", "--d-model", "32", "--world-size", "4"])
+            self.assertEqual((args.world_size, args.global_batch), (4, 16))
+        self.assertExpectedInline(message.replace(tmp, "TMP"), """\
+--checkpoint-dir TMP/ckpt already holds a checkpoint (TMP/ckpt/step_10); add --resume to continue it, or choose another directory
+--resume: TMP/ckpt/step_10 was saved for a different model (--d-model 32 there, 64 here); pass the same options
+--resume: TMP/ckpt/step_10 was saved for a different model (--d-model 32 there, 64 here; --layers 4 there, 2 here); pass the same options
+--resume: TMP/ckpt/step_10 is already at step 10 and --steps is 10: nothing to train; pass --steps greater than 10
+--checkpoint-dir: TMP/other/latest names 'step_3', but TMP/other/step_3/job.json cannot be read ([Errno 2] No such file or directory: 'TMP/other/step_3/job.json')""")  # noqa: E501
 
     def test_defaults(self) -> None:
         args = parse_args([])
         self.assertEqual(
-            (args.world_size, args.steps, args.strategy, args.mixed_precision, args.device),
-            (2, 20, "FULL_SHARD", "none", "cpu"),
+            (args.world_size, args.steps, args.global_batch, args.strategy, args.mixed_precision, args.device),
+            (2, 20, 16, "FULL_SHARD", "none", "cpu"),
         )
+        hybrid = parse_args(["--strategy", "HYBRID_SHARD", "--world-size", "4"])
+        self.assertEqual(hybrid.shard_group_size, 2)
 
 
 def _step_losses(stdout: str) -> dict[int, float]:
@@ -127,22 +270,29 @@ def _step_losses(stdout: str) -> dict[int, float]:
 
 
 def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
-    """Save at step 3 with 2 ranks, resume to step 5 with 2 ranks (and with 4): steps 4 and 5 match a run
-    that never stopped. The job also prints describe()'s table and can checkpoint activations."""
+    """Save at steps 2 and 3 with 2 ranks, resume to step 5 with 2 ranks (and from step 3 with 4 ranks,
+    the same global batch): steps 4 and 5 match a run that never stopped. Each save has its own
+    directory and `latest` moves only once a save is complete. The job also prints describe()'s
+    table and can checkpoint activations."""
     straight, _ = _run_job(["--steps", "5", *SMALL])
-    assert "ShardingPlan: 3 units, world size 2" in straight, straight
-    ckpt = str(tmp_path / "ckpt")
-    first, _ = _run_job(["--steps", "3", "--checkpoint-dir", ckpt, "--activation-checkpointing", *SMALL])
-    assert f"saved checkpoint at step 3 to {ckpt}" in first
-    shutil.copytree(ckpt, str(tmp_path / "ckpt4"))  # the resumed run below saves step 5 over `ckpt`
-    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", ckpt, "--resume", *SMALL])
-    assert f"resumed from {ckpt} at step 3" in resumed
+    assert "ShardingPlan: 3 units, world size 2, rank 0" in straight, straight
+    ckpt = tmp_path / "ckpt"
+    args = ["--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--activation-checkpointing"]
+    first, _ = _run_job([*args, *SMALL])
+    assert f"saved checkpoint at step 2 to {ckpt / 'step_2'}" in first
+    assert f"saved checkpoint at step 3 to {ckpt / 'step_3'}" in first
+    assert (ckpt / "latest").read_text() == "step_3\n"
+    shutil.copytree(ckpt, tmp_path / "ckpt4")
+    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", str(ckpt), "--resume", *SMALL])
+    assert f"resumed from {ckpt / 'step_3'} at step 3 (saved by 2 ranks, now 2)" in resumed
+    assert (ckpt / "latest").read_text() == "step_5\n"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_2", "step_3", "step_5"]
+    assert json.loads((ckpt / "step_5" / "job.json").read_text())["step"] == 5
     expected, got = _step_losses(straight), _step_losses(resumed)
     assert sorted(got) == [4, 5], resumed
     for step in (4, 5):
         assert abs(got[step] - expected[step]) < 1e-4, (step, got[step], expected[step])
-    ckpt4 = str(tmp_path / "ckpt4")
-    # 4 ranks with half the batch each: the same global batch, so the same loss
-    args = ["--steps", "4", "--checkpoint-dir", ckpt4, "--resume", "--world-size", "4", *SMALL, "--batch", "2"]
+    args = ["--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt4"), "--resume", "--world-size", "4", *SMALL]
     four, _ = _run_job(args)
+    assert "(saved by 2 ranks, now 4)" in four
     assert abs(_step_losses(four)[4] - expected[4]) < 1e-4, four
