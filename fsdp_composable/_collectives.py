@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp_composable import _trace
+
 __all__: list[str] = []
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -149,9 +151,10 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work)."""
-    if point_to_point(group, output.device):
-        return _all_gather_exchange(output, shard, group)
-    return _all_gather(output, shard, group=group, async_op=True)  # type: ignore[no-any-return]
+    with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
+        if point_to_point(group, output.device):
+            return _all_gather_exchange(output, shard, group)
+        return _all_gather(output, shard, group=group, async_op=True)  # type: ignore[no-any-return]
 
 
 def reduce_scatter(
@@ -163,10 +166,11 @@ def reduce_scatter(
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
     concatenated first."""
     parts = [full.view(-1)] if isinstance(full, torch.Tensor) else list(full)
-    if point_to_point(group, output.device):
-        return _reduce_scatter_exchange(output, parts, group)
-    flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
+    with _trace.span("reduce_scatter", None, output):
+        if point_to_point(group, output.device):
+            return _reduce_scatter_exchange(output, parts, group)
+        flat = parts[0] if len(parts) == 1 else torch.cat(parts)
+        return _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
 
 
 class CollectiveError(RuntimeError):
@@ -178,7 +182,8 @@ def wait(work: Optional[Waitable], what: str) -> None:
     if work is None:
         return
     try:
-        work.wait()
+        with _trace.span("wait", None):  # inside the span of the unit that waits
+            work.wait()
     except RuntimeError as e:
         raise CollectiveError(
             f"fully_shard: {what} did not complete: {e}. Another rank probably died, hung, or ran "
@@ -225,4 +230,5 @@ def issue(stream: Optional["torch.cuda.Stream"], collective: Callable[[], Option
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
     """Sum ``tensor`` over ranks in place (async)."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    with _trace.span("all_reduce", None, tensor):
+        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)

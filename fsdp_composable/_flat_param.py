@@ -46,7 +46,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _trace
 from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _check_transition
 from fsdp_composable.api import ShardingStrategy
 
@@ -262,6 +262,7 @@ class FlatParamHandle:
     def unshard_in_flight(self) -> bool:
         return self._unshard_work is not None
 
+    @_trace.method("unshard", "_unsharded")
     def unshard(self) -> None:
         """Start gathering (and casting) the full flat parameter; `wait_unshard` finishes it."""
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
@@ -281,6 +282,7 @@ class FlatParamHandle:
             self.unshard_stream, lambda: _collectives.all_gather(unsharded, src, self.process_group)
         )
 
+    @_trace.method("wait_unshard")
     def wait_unshard(self) -> None:
         """Finish a pending unshard and point the original parameters at the unsharded views."""
         if self._unshard_work is not None:
@@ -294,6 +296,7 @@ class FlatParamHandle:
             return
         self.use_unsharded_views()
 
+    @_trace.method("reshard", "_unsharded")
     def reshard(self) -> None:
         """Point the original parameters back at the shard and free the unsharded storage."""
         if self._unshard_work is not None:  # never free memory a collective is still writing
@@ -429,6 +432,7 @@ class FlatParamHandle:
         (see [Note: gradients land in the flat buffer])."""
         return self.layout.world_size > 1 and _collectives.point_to_point(self.process_group, self.device)
 
+    @_trace.method("reduce")
     def start_reduce(self) -> "PendingReduce":
         """Issue the gradient reduction asynchronously and release the parameters' unsharded grads."""
         world = dist.get_world_size(self.process_group) * self.replicas
@@ -534,6 +538,7 @@ class PendingReduce:
     replicate_group: Optional[dist.ProcessGroup] = None
     divide: int = 1  # by the world size here when the input was not pre-divided
 
+    @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def finish(self) -> None:
         unit = self.handle.unit_fqn or "<root>"
         kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from fsdp_composable import _trace
 from fsdp_composable._common_utils import (
     TrainingState,
     UnitConfig,
@@ -217,6 +218,7 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
     return output
 
 
+@_trace.hook("pre_forward")
 def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, kwargs: Any) -> Any:
     # Recomputation by activation checkpointing (possibly before this unit's pre-backward, when a
     # later op of an enclosing checkpointed module needs it): only make the parameters whole.
@@ -241,6 +243,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     return args, kwargs
 
 
+@_trace.hook("post_forward")
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
@@ -265,6 +268,7 @@ def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- backward
+@_trace.hook("pre_backward")
 def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
     if handle.ran_pre_backward:
         return
@@ -290,6 +294,7 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         handle.prepare_gradient_buffer(lazy=untriggered or handle.takes_autograd_grads)
 
 
+@_trace.hook("post_backward")
 def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     """Start the unit's gradient reduction and reshard; runs once per backward per unit."""
     if handle.training_state is not HandleTrainingState.BACKWARD_PRE:
