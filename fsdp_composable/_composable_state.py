@@ -37,10 +37,6 @@ def _get_module_state(module: nn.Module, api: str) -> Optional[Any]:
     return _module_to_states.get(module, {}).get(api)
 
 
-def _remove_module_state(module: nn.Module, api: str) -> None:
-    _module_to_states.get(module, {}).pop(api, None)
-
-
 def _applied_apis(module: nn.Module) -> tuple[str, ...]:
     return tuple(_module_to_states.get(module, {}))
 

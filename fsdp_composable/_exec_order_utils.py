@@ -42,7 +42,6 @@ class _ExecOrderData:
         self.group = group
         self.unit_names = unit_names or []
         self._index: dict[int, int] = {}
-        self._validated: set[int] = set()
         self._warned = False
         self.is_first_iter = True
         self.iteration = 0

@@ -113,9 +113,6 @@ class FlatParameter(nn.Parameter):
     ``isinstance`` true for any parameter subclass.
     """
 
-    _layout: FlatLayout
-    _unit_fqn: str
-
 
 def _build_layout(
     params: list[nn.Parameter], holders: list[list[tuple[nn.Module, str, str]]], rank: int, world_size: int
@@ -209,8 +206,6 @@ class FlatParamHandle:
             if self.shard_device != self.device and torch.cuda.is_available():
                 shard = shard.pin_memory()  # lets the host-to-device copy of unshard run asynchronously
         flat_param = FlatParameter(shard, requires_grad=any(p.requires_grad for p in self.params))
-        flat_param._layout = layout
-        flat_param._unit_fqn = self.unit_fqn
         for param, info in zip(self.params, self.layout.infos):
             setattr(param, FSDP_FLATTENED, True)
             param._fsdp_fqn = f"{self.unit_fqn}.{info.fqn}" if self.unit_fqn else info.fqn  # type: ignore[attr-defined]

@@ -28,8 +28,6 @@ from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, Sh
 
 __all__: list[str] = []
 
-ProcessGroupArg = Optional[dist.ProcessGroup]
-
 # [Note: API names in messages]
 # `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so
 # that a message names the argument the user wrote (the wrapper's differ for two of them).

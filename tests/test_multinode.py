@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from harness import free_port
 
 REPO = Path(__file__).resolve().parent.parent
