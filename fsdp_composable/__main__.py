@@ -89,6 +89,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seeds the initial weights and the data (default 0)")
     p.add_argument("--plot", metavar="PATH", default=None, help="write the loss curve to PATH (needs matplotlib)")
     p.add_argument(
+        "--profile",
+        metavar="PATH",
+        default=None,
+        help="record the last step with torch.profiler and write rank 0's Chrome trace (JSON) to PATH",
+    )
+    p.add_argument(
         "--threads",
         type=int,
         default=None,
@@ -168,6 +174,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         _check_writable_path(parser, "--plot", args.plot, is_dir=False)
         if importlib.util.find_spec("matplotlib") is None:
             parser.error(f"--plot {args.plot}: needs matplotlib, which is not installed (pip install matplotlib)")
+    if args.profile is not None:
+        _check_writable_path(parser, "--profile", args.profile, is_dir=False)
     if args.checkpoint_dir is not None:
         _check_writable_path(parser, "--checkpoint-dir", args.checkpoint_dir, is_dir=True)
     if _launched_by_torchrun():

@@ -16,13 +16,14 @@ seed, the step and the global batch, never on the process that draws it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import math
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -272,7 +273,8 @@ def train(args: argparse.Namespace, local_rank: int = 0) -> list[float]:
     bar = _progress_bar(ctx)
     loop_start = time.perf_counter()
     for step in range(ctx.start_step + 1, args.steps + 1):
-        loss, seconds = train_step(ctx, step)
+        with _profile_last_step(ctx, step):
+            loss, seconds = train_step(ctx, step)
         ctx.losses.append(loss)
         ctx.step_times.append(seconds)
         if rank == 0:
@@ -310,6 +312,20 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
 
 
 # ---------------------------------------------------------------------------- reporting
+@contextlib.contextmanager
+def _profile_last_step(ctx: RunContext, step: int) -> Iterator[None]:
+    """With ``--profile PATH``: record the last step with torch.profiler on every rank (the labels
+    need the profiler on everywhere to be comparable) and write rank 0's as a Chrome trace."""
+    if not ctx.args.profile or step != ctx.args.steps:
+        yield
+        return
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        yield
+    if ctx.rank == 0:
+        prof.export_chrome_trace(ctx.args.profile)
+        print(f"trace of step {step} (rank 0) written to {ctx.args.profile}", flush=True)
+
+
 def use_progress_bar(stdout: Any = None, stderr: Any = None) -> bool:
     """Draw a bar only when both streams are terminals: the bar redraws itself with carriage returns
     on stderr, which would be mixed into the step lines of a log file or a pipe (``2>&1 | tee``)."""
