@@ -296,3 +296,19 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     four, _ = _run_job(args)
     assert "(saved by 2 ranks, now 4)" in four
     assert abs(_step_losses(four)[4] - expected[4]) < 1e-4, four
+
+
+def test_ci_runs_the_readme_first_command_in_a_bare_virtualenv() -> None:
+    """.ci/run reads the README's first quickstart command (so the two cannot drift) and runs it in a
+    fresh virtualenv holding only torch; the run itself is CI's (minutes: it installs torch)."""
+    printed = subprocess.run(
+        [sys.executable, str(REPO / ".ci" / "readme_first_command.py")], capture_output=True, text=True, check=True
+    ).stdout.strip()
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert printed == "pip install -e . && python -m fsdp_composable"
+    assert f"```bash\n{printed}\n" in readme.split("## Quickstart", 1)[1]
+    ci = (REPO / ".ci" / "run").read_text(encoding="utf-8")
+    steps = ["python .ci/readme_first_command.py", 'python -m venv "$venv"', '"$venv/bin/pip" install torch==2.13.0']
+    for needed in steps:
+        assert needed in ci, needed
+    assert 'bash -euo pipefail -c "$first_command"' in ci
