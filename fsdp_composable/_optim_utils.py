@@ -575,6 +575,11 @@ _hook_registered = False
 
 
 def _register_stale_optimizer_check() -> None:
+    """Called by every fully_shard call (and the wrapper): the global hooks into torch's optimizers,
+    and the routing of torch's clip_grad_norm_ (see [Note: torch's clip_grad_norm_])."""
+    from fsdp_composable._torch_clip_grad import _install  # it imports this module
+
+    _install()
     global _hook_registered, _generation
     _generation += 1
     if not _hook_registered:
