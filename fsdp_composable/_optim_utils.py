@@ -71,12 +71,23 @@ class _Index:
 
 def _index(module: nn.Module) -> _Index:
     fqns = _clean_module_fqns(module)
+    # A tied parameter is named as named_parameters() names it: its first FQN in traversal order
+    # (torch's get_optimizer_state_dict uses that name too), whichever holder the unit met first.
+    first: dict[int, str] = {}
+    for owner, owner_fqn in fqns.items():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                first.setdefault(id(param), _join(owner_fqn, name))
     index = _Index()
     for state in _get_fsdp_states(module):
         for handle in state.handles:
             if handle.module not in fqns:
                 continue
-            unit = _Unit(handle, [_join(fqns[i.holders[0][0]], i.holders[0][1]) for i in handle.layout.infos])
+            names = [
+                first.get(id(p), _join(fqns[i.holders[0][0]], i.holders[0][1]))
+                for p, i in zip(handle.params, handle.layout.infos)
+            ]
+            unit = _Unit(handle, names)
             index.units.append(unit)
             index.flat[id(handle.flat_param)] = unit
             for k, orig in enumerate(handle.params):
