@@ -20,16 +20,17 @@ from __future__ import annotations
 import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
-from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
+from fsdp_composable._composable_state import _module_to_states
+from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import (
     _as_dtensor,
     _chunk_shape,
@@ -43,7 +44,7 @@ from fsdp_composable._state_dict_utils import (
     _local_chunk,
     _mesh_of,
 )
-from fsdp_composable.api import FullStateDictConfig, StateDictConfig, StateDictType
+from fsdp_composable.api import FullStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
 
 __all__ = ["init_optim_state", "optim_state_dict", "optim_state_dict_to_load"]
 
@@ -70,12 +71,23 @@ class _Index:
 
 def _index(module: nn.Module) -> _Index:
     fqns = _clean_module_fqns(module)
+    # A tied parameter is named as named_parameters() names it: its first FQN in traversal order
+    # (torch's get_optimizer_state_dict uses that name too), whichever holder the unit met first.
+    first: dict[int, str] = {}
+    for owner, owner_fqn in fqns.items():
+        for name, param in owner._parameters.items():
+            if param is not None:
+                first.setdefault(id(param), _join(owner_fqn, name))
     index = _Index()
     for state in _get_fsdp_states(module):
         for handle in state.handles:
             if handle.module not in fqns:
                 continue
-            unit = _Unit(handle, [_join(fqns[i.holders[0][0]], i.holders[0][1]) for i in handle.layout.infos])
+            names = [
+                first.get(id(p), _join(fqns[i.holders[0][0]], i.holders[0][1]))
+                for p, i in zip(handle.params, handle.layout.infos)
+            ]
+            unit = _Unit(handle, names)
             index.units.append(unit)
             index.flat[id(handle.flat_param)] = unit
             for k, orig in enumerate(handle.params):
@@ -207,46 +219,116 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
     return out
 
 
+@dataclass(frozen=True)
+class _Record:
+    """What one rank knows about one unit's optimizer state, exchanged so all ranks agree."""
+
+    unit: tuple[str, int]  # unit FQN and unpadded numel: the same unit on every rank
+    has_state: tuple[bool, ...]
+    empty: tuple[bool, ...]  # the parameter's slice on this rank is empty
+    keys: tuple[tuple[str, str], ...]  # (state key, dtype) of per-parameter tensors
+    scalars: tuple[Any, ...]  # per parameter: its scalar state (``step``), or None
+
+
+def _record(unit: _Unit, c: _UnitState) -> _Record:
+    handle = unit.handle
+    ranges = [handle.layout.shard_range(info) for info in handle.layout.infos]
+    empty = tuple(start == end for start, end in ranges)
+    return _Record(
+        (handle.unit_fqn, handle.layout.unpadded_numel),
+        tuple(c.has_state),
+        empty,
+        tuple(sorted((key, str(dtype)) for key, dtype in c.flats)),
+        tuple(dict(s) if has else None for has, s in zip(c.has_state, c.scalars)),
+    )
+
+
 def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) -> None:
-    """The per-unit collectives below need every rank to hold the same keys: check once per group."""
-    by_group: dict[int, list[tuple[int, Any]]] = {}
-    groups: dict[int, dist.ProcessGroup] = {}
-    for i, (unit, c) in enumerate(zip(units, collected)):
+    """The per-unit collectives that follow need every rank to hold the same state keys. Exchange
+    what each rank has (once per process group, groups in a rank-independent order) and agree.
+
+    A parameter whose slice is empty on some rank may have no state there (its gradient there is
+    None, so the optimizer never created any): that rank takes the keys and scalars (``step``) from
+    a rank that has them, with zero-length tensors. Any other difference raises on every rank."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for i, unit in enumerate(units):
         if unit.handle.layout.world_size > 1:
-            by_group.setdefault(id(unit.handle.process_group), []).append((i, c.signature()))
-            groups[id(unit.handle.process_group)] = unit.handle.process_group
-    for gid, mine in by_group.items():
-        everyone: list[Any] = [None] * dist.get_world_size(groups[gid])
-        dist.all_gather_object(everyone, mine, group=groups[gid])
-        for (i, sig), *others in zip(mine, *everyone):
-            if any(o[1] != sig for o in others):
-                raise RuntimeError(
-                    f"optimizer state of unit '{units[i].handle.unit_fqn or '<root>'}' differs across ranks "
-                    f"(which parameters have state, or their keys and dtypes): {[o[1] for o in others]}. Every "
-                    "rank must build the same optimizer and step the same parameters"
-                )
+            ranks = tuple(dist.get_process_group_ranks(unit.handle.process_group))
+            by_group.setdefault(ranks, []).append(i)
+            groups[ranks] = unit.handle.process_group
+    for ranks in sorted(by_group):
+        mine = [_record(units[i], collected[i]) for i in by_group[ranks]]
+        everyone: list[Any] = [None] * len(ranks)
+        dist.all_gather_object(everyone, mine, group=groups[ranks])
+        if any(len(theirs) != len(mine) for theirs in everyone):
+            raise RuntimeError(
+                "the optimizer holds parameters of different units on different ranks "
+                f"({[len(theirs) for theirs in everyone]} units): every rank must build the same optimizer "
+                "from the same sharded model"
+            )
+        for j, i in enumerate(by_group[ranks]):
+            _agree(units[i], collected[i], [theirs[j] for theirs in everyone])
 
 
-def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) -> dict[str, dict[str, Any]]:
+def _agree(unit: _Unit, c: _UnitState, records: list[_Record]) -> None:
+    def differs(why: str) -> RuntimeError:
+        return RuntimeError(
+            f"optimizer state of unit '{unit.handle.unit_fqn or '<root>'}' differs across ranks ({why}): "
+            f"{[(r.has_state, r.keys) for r in records]}. Every rank must build the same optimizer and step "
+            "the same parameters"
+        )
+
+    if len({r.unit for r in records}) > 1:
+        raise differs(f"the ranks list different units: {sorted({r.unit for r in records})}")
+    # the keys of ranks that hold state for a parameter with a non-empty slice must all agree
+    full = {r.keys for r in records if any(h and not e for h, e in zip(r.has_state, r.empty))}
+    if len(full) > 1:
+        raise differs("their keys and dtypes")
+    keys = next(iter(full), tuple(sorted({k for r in records for k in r.keys})))
+    for k in range(len(unit.handle.layout.infos)):
+        holders = [r for r in records if r.has_state[k]]
+        if not holders or c.has_state[k]:
+            continue
+        if any(not r.has_state[k] and not r.empty[k] for r in records):
+            raise differs(f"which parameters have state: '{unit.fqns[k]}'")
+        c.has_state[k] = True
+        c.scalars[k] = {key: _clone(v) for key, v in (holders[0].scalars[k] or {}).items()}
+    layout, handle = unit.handle.layout, unit.handle
+    for key, dtype_name in keys:
+        dtype = getattr(torch, dtype_name.replace("torch.", ""))
+        if (key, dtype) not in c.flats:
+            c.flats[(key, dtype)] = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.device)
+
+
+def _export_entries(
+    unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig
+) -> list[Optional[dict[str, Any]]]:
+    """Each original parameter's state (None where it has none): full tensors, or with ``sharded``
+    ``DTensor``s of the parameter's shape laid out like the SHARDED model state dict. A collective."""
     handle, layout = unit.handle, unit.handle.layout
-    out = {
-        fqn: {key: _copy(v, config) for key, v in scalars.items()}
-        for fqn, has, scalars in zip(unit.fqns, c.has_state, c.scalars)
-        if has
-    }
+    out: list[Optional[dict[str, Any]]] = [
+        {key: _copy(v, config) for key, v in scalars.items()} if has else None
+        for has, scalars in zip(c.has_state, c.scalars)
+    ]
     mesh = _mesh_of(handle.process_group, handle.device) if sharded else None
     for key, dtype in sorted(c.flats, key=lambda kd: (kd[0], str(kd[1]))):
         flat = c.flats[(key, dtype)]
         if mesh is not None:
-            for info, fqn, has, chunk in zip(layout.infos, unit.fqns, c.has_state, _flat_to_chunks(handle, flat)):
-                if has:
-                    out[fqn][key] = _as_dtensor(chunk.cpu() if config.offload_to_cpu else chunk, info, layout, mesh)
+            for info, entry, chunk in zip(layout.infos, out, _flat_to_chunks(handle, flat)):
+                if entry is not None:
+                    entry[key] = _as_dtensor(chunk.cpu() if config.offload_to_cpu else chunk, info, layout, mesh)
             continue
         full = _gather_full_flat(handle, flat) if layout.world_size > 1 else flat
-        for info, fqn, has in zip(layout.infos, unit.fqns, c.has_state):
-            if has:
-                out[fqn][key] = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
+        for info, entry in zip(layout.infos, out):
+            if entry is not None:
+                entry[key] = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
     return out
+
+
+def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) -> dict[str, dict[str, Any]]:
+    entries = _export_entries(unit, c, sharded, config)
+    return {fqn: entry for fqn, entry in zip(unit.fqns, entries) if entry is not None}
 
 
 def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
@@ -260,6 +342,7 @@ def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[st
     it on every rank. Build the optimizer from ``module.parameters()`` after `fully_shard`.
     """
     _check_args("optim_state_dict", module, optim)
+    _install_optimizer_hooks(optim)
     sharded, config, drop = _mode("optim_state_dict", module)
     index = _index(module)
     params = _optimizer_params(optim)
@@ -276,8 +359,9 @@ def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[st
     if drop:
         return {}
     groups = []
-    for group, saved in zip(optim.param_groups, optim.state_dict()["param_groups"]):
-        entry = {k: v for k, v in saved.items() if k != "params"}
+    for group in optim.param_groups:
+        # not optim.state_dict(): its hook (see [Note: torch's optimizer state dict]) is a collective
+        entry = {k: v for k, v in group.items() if k != "params"}
         entry["params"] = [fqn for p in group["params"] for fqn in names[id(p)]]
         groups.append(entry)
     ordered = {fqn: state[fqn] for g in groups for fqn in g["params"] if fqn in state}
@@ -368,26 +452,37 @@ def _to_flat_shard(unit: _Unit, dtype: torch.dtype, members: list[tuple[int, tor
     return flat
 
 
-def _import(unit: _Unit, saved_state: Mapping[str, Any], ids: dict[int, int], out: dict[int, dict[str, Any]]) -> None:
+def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[Optional[dict[str, Any]]]:
+    """Each original parameter's state on this rank (its slice of every per-parameter tensor) from
+    its saved state in global form (full tensors or DTensors of the parameter's shape; None: no
+    state). A collective when the values are DTensors."""
     handle, layout = unit.handle, unit.handle.layout
-    scalars, groups = _split_saved(unit, saved_state)
-    flat_id = ids.get(id(handle.flat_param))
-    if flat_id is not None and any(s is not None for s in scalars):
-        out[flat_id] = {key: _clone(v) for s in reversed(scalars) if s for key, v in s.items()}
-    for k, s in enumerate(scalars):
-        pid = ids.get(id(handle.params[k]))
-        if pid is not None and s is not None:
-            out[pid] = {key: _clone(v) for key, v in s.items()}
+    by_fqn = {fqn: value for fqn, value in zip(unit.fqns, saved) if value is not None}
+    scalars, groups = _split_saved(unit, by_fqn)
+    out: list[Optional[dict[str, Any]]] = [
+        {key: _clone(v) for key, v in s.items()} if s is not None else None for s in scalars
+    ]
     for (key, dtype), members in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
         flat = _to_flat_shard(unit, dtype, members)
-        if flat_id is not None:
-            out[flat_id][key] = flat
-            continue
         for k, _ in members:
-            pid = ids.get(id(handle.params[k]))
-            if pid is not None:
-                start, end = layout.shard_range(layout.infos[k])
-                out[pid][key] = flat[start:end].view(handle._sharded_views[k].shape).clone()
+            start, end = layout.shard_range(layout.infos[k])
+            entry = out[k]
+            assert entry is not None
+            entry[key] = flat[start:end].view(handle._sharded_views[k].shape).clone()
+    return out
+
+
+def _flat_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> dict[str, Any]:
+    """The state of the unit's flat parameter (the wrapper's ``use_orig_params=False``), in global form:
+    per-parameter tensors become this rank's flat shard, presented as a ``Shard(0)`` DTensor of the
+    padded flat shape (see [Note: torch's optimizer state dict])."""
+    handle = unit.handle
+    by_fqn = {fqn: value for fqn, value in zip(unit.fqns, saved) if value is not None}
+    scalars, groups = _split_saved(unit, by_fqn)
+    out = {key: _clone(v) for s in reversed(scalars) if s for key, v in s.items()}
+    for (key, dtype), members in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
+        out[key] = _flat_global(handle, _to_flat_shard(unit, dtype, members))
+    return out
 
 
 def optim_state_dict_to_load(
@@ -411,10 +506,20 @@ def optim_state_dict_to_load(
             "FQNs, or parameters left out of it); load a checkpoint of the same model and param groups"
         )
     _check_groups(saved_groups, current)
+    _install_optimizer_hooks(optim)
     ids = {id(p): i for i, p in enumerate(params)}
-    out: dict[int, dict[str, Any]] = {}
+    out: dict[int, Any] = {}
+    # Original parameters keep the global form: optim.load_state_dict's hook takes their slices.
+    for p in params:
+        fqns = [index.orig[id(p)][0].fqns[index.orig[id(p)][1]]] if id(p) in index.orig else []
+        state = saved_state.get(fqns[0]) if fqns else None
+        if isinstance(state, Mapping):
+            out[ids[id(p)]] = dict(state)
     for unit in _units_in(index, params):
-        _import(unit, saved_state, ids, out)
+        if id(unit.handle.flat_param) in ids:
+            saved = [saved_state.get(fqn) for fqn in unit.fqns]
+            if any(isinstance(v, Mapping) for v in saved):
+                out[ids[id(unit.handle.flat_param)]] = _flat_state(unit, saved)
     for p in params:
         fqn = index.plain.get(id(p))
         state = saved_state.get(fqn) if fqn is not None else None
@@ -443,6 +548,7 @@ def init_optim_state(optim: torch.optim.Optimizer) -> None:
         raise TypeError(
             f"init_optim_state argument 'optim' must be a torch.optim.Optimizer, got {type(optim).__name__}"
         )
+    _install_optimizer_hooks(optim)
     if optim.state:
         return
     created = []
@@ -480,6 +586,11 @@ _hook_registered = False
 
 
 def _register_stale_optimizer_check() -> None:
+    """Called by every fully_shard call (and the wrapper): the global hooks into torch's optimizers,
+    and the routing of torch's clip_grad_norm_ (see [Note: torch's clip_grad_norm_])."""
+    from fsdp_composable._torch_clip_grad import _install  # it imports this module
+
+    _install()
     global _hook_registered, _generation
     _generation += 1
     if not _hook_registered:
@@ -491,6 +602,9 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
     if _checked.get(optim) == _generation:
         return
     _checked[optim] = _generation
+    if _holds_sharded_params(optim):
+        _install_optimizer_hooks(optim)
+        _take_back_state_loaded_early(optim)
     for group in optim.param_groups:
         for param in group["params"]:
             if not getattr(param, FSDP_FLATTENED, False):
@@ -510,3 +624,179 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
                         "fully_shard. Build the optimizer after fully_shard, or move its state with "
                         "optim_state_dict / optim_state_dict_to_load"
                     )
+
+
+# ---------------------------------------------------------------------------- optim.state_dict() hooks
+# [Note: torch's optimizer state dict]
+# Between steps the optimizer holds, per original parameter, its slice of this rank's flat shard, so a
+# plain ``optim.state_dict()`` would be per-rank pieces under the global parameter numbering, which
+# `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` then names by FQN: DCP would keep
+# one rank's piece. Instead every optimizer that holds our parameters gets two hooks:
+# - a state-dict post-hook presents each original parameter's per-parameter tensors in the layout of
+#   the SHARDED model state dict: ``DTensor``s of the parameter's shape (a collective per unit, like
+#   ``model.state_dict()``). The wrapper's flat parameters (``use_orig_params=False``) are presented as
+#   ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the same world size
+#   and wrapping only: use `optim_state_dict` to move between them);
+# - a load-state-dict pre-hook takes that global form back (DTensors of any placement and mesh size,
+#   or full tensors), keyed by int ids or by FQN (as torch's set_optimizer_state_dict passes it): it
+#   matches saved to current parameters by position in the param groups, as ``load_state_dict`` does.
+# Units are visited in the order they were built, never in the optimizer's order, so ranks that list
+# parameters in different orders still run the same collectives. Hooks are installed when an optimizer
+# first steps after `fully_shard` (torch's get/set_optimizer_state_dict step a fresh optimizer first),
+# and by `init_optim_state`, `optim_state_dict` and `optim_state_dict_to_load`.
+_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _flat_global(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
+    layout = handle.layout
+    if layout.world_size == 1:
+        return shard
+    mesh = _mesh_of(handle.process_group, handle.device)
+    shape = torch.Size((layout.padded_numel,))
+    return DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
+
+
+def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
+    """This rank's flat shard from the global form `_flat_global` gives (or a full flat tensor)."""
+    layout = unit.handle.layout
+    if not isinstance(value, torch.Tensor) or key == STEP or value.dim() == 0:
+        return _clone(value)
+    if isinstance(value, DTensor):
+        if tuple(value.placements) == (Shard(0),) and value.device_mesh.size() == layout.world_size:
+            local = value.to_local()
+            if local.shape == (layout.shard_numel,):
+                return local.clone()
+        value = value.full_tensor()
+    if value.shape != (layout.padded_numel,):
+        raise ValueError(
+            f"optimizer state {key!r} of the flat parameter of unit '{unit.handle.unit_fqn or '<root>'}' has shape "
+            f"{tuple(value.shape)}; this rank's optimizer expects the padded flat shape ({layout.padded_numel},) "
+            "of the same wrapping and world size. To move optimizer state between wrappings or world sizes, "
+            "save with optim_state_dict(model, optim) and load with optim_state_dict_to_load"
+        )
+    lo = layout.rank * layout.shard_numel
+    return value[lo : lo + layout.shard_numel].clone()
+
+
+def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:
+    """The handles with a parameter in ``params``, in the order `fully_shard` built them (the same on
+    every rank), whichever order ``params`` lists them in."""
+    ids = {id(p) for p in params}
+    out: list[FlatParamHandle] = []
+    seen: set[int] = set()
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        if state is None:
+            continue
+        for handle in state.handles:
+            if id(handle) in seen:
+                continue
+            seen.add(id(handle))
+            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.params):
+                out.append(handle)
+    return out
+
+
+def _unit_of(handle: FlatParamHandle) -> _Unit:
+    return _Unit(handle, [getattr(p, "_fsdp_fqn", info.fqn) for p, info in zip(handle.params, handle.layout.infos)])
+
+
+def _numbering(optim: torch.optim.Optimizer) -> dict[int, int]:
+    """id(param) -> the number ``optim.state_dict()`` gives it."""
+    out: dict[int, int] = {}
+    start = 0
+    for group in optim.param_groups:
+        for i, p in enumerate(group["params"], start):
+            out.setdefault(id(p), i)
+        start += len(group["params"])
+    return out
+
+
+def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Optimizer state-dict post-hook: see [Note: torch's optimizer state dict]."""
+    handles = _handles_holding(_optimizer_params(optim))
+    if not handles:
+        return None
+    numbers = _numbering(optim)
+    units = [_unit_of(h) for h in handles]
+    collected = [_collect(u, optim) for u in units]
+    _check_same_on_all_ranks(units, collected)
+    state = dict(state_dict["state"])
+    config = ShardedStateDictConfig()
+    for unit, c in zip(units, collected):
+        handle = unit.handle
+        if id(handle.flat_param) in numbers:
+            number = numbers[id(handle.flat_param)]
+            if isinstance(state.get(number), Mapping):
+                state[number] = {
+                    key: _flat_global(handle, v.detach())
+                    if isinstance(v, torch.Tensor) and key != STEP and v.shape == handle.flat_param.shape
+                    else v
+                    for key, v in state[number].items()
+                }
+            continue
+        for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
+            if entry is not None and id(param) in numbers:
+                state[numbers[id(param)]] = entry
+    return {**state_dict, "state": state}
+
+
+def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:
+    """Optimizer load-state-dict pre-hook: see [Note: torch's optimizer state dict]."""
+    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
+    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, Mapping):
+        return None  # load_state_dict raises its own error
+    if not all(isinstance(g, Mapping) and "params" in g for g in saved_groups):
+        return None
+    current = _optimizer_params(optim)
+    saved_keys = [key for g in saved_groups for key in g["params"]]
+    if len(saved_groups) != len(optim.param_groups) or len(saved_keys) != len(current):
+        return None  # load_state_dict raises its own error
+    key_of = {id(p): key for key, p in zip(saved_keys, current)}
+    handles = _handles_holding(current)
+    if not handles:
+        return None
+    state = dict(saved_state)
+    for handle in handles:
+        unit = _unit_of(handle)
+        flat_key = key_of.get(id(handle.flat_param))
+        if flat_key is not None:
+            entry = saved_state.get(flat_key)
+            if isinstance(entry, Mapping):
+                state[flat_key] = {key: _flat_local(unit, key, v) for key, v in entry.items()}
+            continue
+        keys = [key_of.get(id(p)) for p in handle.params]
+        saved = [saved_state.get(key) if key is not None else None for key in keys]
+        for key, entry in zip(keys, _local_state(unit, [s if isinstance(s, Mapping) else None for s in saved])):
+            if key is not None and entry is not None:
+                state[key] = entry
+    return {**state_dict, "state": state}
+
+
+def _install_optimizer_hooks(optim: torch.optim.Optimizer) -> None:
+    if optim in _hooked:
+        return
+    _hooked.add(optim)
+    optim.register_state_dict_post_hook(_present_state_hook)
+    optim.register_load_state_dict_pre_hook(_take_back_state_hook)
+
+
+def _holds_sharded_params(optim: torch.optim.Optimizer) -> bool:
+    return any(getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter for p in _optimizer_params(optim))
+
+
+def _take_back_state_loaded_early(optim: torch.optim.Optimizer) -> None:
+    """``optim.load_state_dict`` of a state dict in global form (DTensors) on an optimizer that had
+    not stepped yet ran before its hooks existed: convert the state now, on its first step."""
+    params = _optimizer_params(optim)
+    mine = [p for p in params if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter]
+    if not any(isinstance(v, DTensor) for p in mine for v in optim.state.get(p, {}).values()):
+        return
+    numbers = _numbering(optim)
+    groups = [{"params": [numbers[id(p)] for p in g["params"]]} for g in optim.param_groups]
+    state = {numbers[id(p)]: optim.state[p] for p in params if p in optim.state}
+    converted = _take_back_state_hook(optim, {"state": state, "param_groups": groups})
+    assert converted is not None
+    for p in mine:
+        if numbers[id(p)] in converted["state"]:
+            optim.state[p] = converted["state"][numbers[id(p)]]

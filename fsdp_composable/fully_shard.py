@@ -10,9 +10,11 @@ from torch import nn
 from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
+from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._optim_utils import _register_stale_optimizer_check
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
+from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["fully_shard"]
@@ -34,6 +36,12 @@ def fully_shard(
     forward_prefetch: bool = False,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
+    mesh: Any = None,
+    reshard_after_forward: Optional[bool] = None,
+    mp_policy: Any = None,
+    offload_policy: Any = None,
+    ignored_params: Any = None,
+    shard_placement_fn: Any = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the ranks of ``process_group``, in place.
 
@@ -42,7 +50,29 @@ def fully_shard(
     FQN are unchanged, and its parameters are the same objects (views of this rank's shard between
     steps), so build the optimizer after calling this. Read the attached state with
     ``fully_shard.state(module)``.
+
+    FSDP2's names are accepted too: ``mesh`` (for ``process_group``; 2-D means HYBRID_SHARD),
+    ``reshard_after_forward`` (False is SHARD_GRAD_OP), ``mp_policy``, ``offload_policy`` and
+    ``ignored_params`` (see [Note: FSDP2 names] in `_fsdp2_names`).
     """
+    ours = map_fsdp2_names(
+        module,
+        OurArgs(process_group, strategy, mixed_precision, cpu_offload, ignored_modules),
+        mesh=mesh,
+        reshard_after_forward=reshard_after_forward,
+        mp_policy=mp_policy,
+        offload_policy=offload_policy,
+        ignored_params=ignored_params,
+        shard_placement_fn=shard_placement_fn,
+    )
+    process_group, strategy, mixed_precision, cpu_offload, ignored_modules = (
+        ours.process_group,
+        ours.strategy,
+        ours.mixed_precision,
+        ours.cpu_offload,
+        ours.ignored_modules,
+    )
+    _register_torch_api_hooks(module)  # before the state's own hooks: see [Note: torch's model state-dict API]
     _build_state(
         module,
         policy,

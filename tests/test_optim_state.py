@@ -253,3 +253,101 @@ def test_optim_state_dict_errors(dist_run) -> None:
         e["local"],
         """ValueError: optim_state_dict does not support StateDictType.LOCAL_STATE_DICT; use FULL_STATE_DICT (full tensors) or SHARDED_STATE_DICT (DTensors for torch.distributed.checkpoint)""",  # noqa: E501
     )
+
+
+# ---------------------------------------------------------------------------- issue 13: tied weights, orders
+class _SharedAcrossUnits(nn.Module):
+    """A weight tied between two units' modules: it belongs to their common ancestor's unit, and the
+    module that registers it first in traversal order (``dec``) is not the one defined first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dec = nn.Sequential(Block(8), nn.Linear(8, 11, bias=False))
+        self.enc = nn.Embedding(11, 8)
+        self.enc.weight = self.dec[1].weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.dec(self.enc(idx))
+
+
+def tied_names() -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    torch.manual_seed(0)
+    models = {
+        "tied_gpt": fully_shard(TinyGPT(tied=True), ModuleWrapPolicy({Block})),
+        "shared": fully_shard(_SharedAcrossUnits(), ModuleWrapPolicy({Block})),
+    }
+    out = {}
+    for name, model in models.items():
+        optim = torch.optim.Adam(model.parameters(), lr=0.01)
+        model(torch.randint(0, 11, (2, 8))).sum().backward()
+        optim.step()
+        names = [n for n, _ in model.named_parameters()]
+        ours = optim_state_dict(model, optim)
+        theirs = get_optimizer_state_dict(model, optim)
+        out[name] = (names, list(ours["state"]), list(theirs["state"]), ours["param_groups"][0]["params"])
+    return out
+
+
+def test_tied_weight_optimizer_state_is_keyed_by_named_parameters(dist_run) -> None:
+    """Issue 13: the optimizer state of a tied weight is keyed by the FQN named_parameters() gives it
+    (upstream: test_fsdp_optim_state.py, test_optim_state_dict_nested / the name-based rekeying of
+    test_rekey_optim_state_dict_to_names), and torch's get_optimizer_state_dict uses the same key."""
+    for world in (1, 2):
+        for name, (names, ours, theirs, group) in dist_run(world, tied_names)[0].items():
+            assert sorted(ours) == sorted(names) == sorted(theirs) == sorted(group), (world, name, ours, names)
+
+
+def orders(path: str) -> dict[str, Any]:
+    """Save from fully_shard with a policy, each rank listing the parameters in another order; load
+    into the wrapper's flat parameters and into fully_shard without a policy, other orders again."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    ref_optim = torch.optim.Adam(ref.parameters(), lr=0.01)
+    model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({Block}))
+    params = list(model.parameters())
+    optim = torch.optim.Adam(params[::-1] if rank % 2 else params[rank:] + params[:rank], lr=0.01)
+    for step in range(2):
+        gpt_loss(ref, gpt_batch(step, GLOBAL_BATCH)).backward()
+        ref_optim.step()
+        ref_optim.zero_grad()
+    _train(model, optim, range(2))
+    osd = optim_state_dict(model, optim)
+    names = {id(p): n for n, p in ref.named_parameters()}
+    ref_osd = {names[id(p)]: s for p, s in ref_optim.state.items()}
+    out: dict[str, Any] = {
+        "saved": max((osd["state"][k][key] - s[key]).abs().max().item() for k, s in ref_osd.items() for key in s)
+    }
+    with state_dict_type(model, SHARDED):
+        sharded = optim_state_dict(model, optim)
+        dcp.save({"optim": sharded}, checkpoint_id=os.path.join(path, "orders"))
+    continued = _train(model, optim, range(2, 4))
+    # the wrapper (flat parameters) and a policy-less fully_shard, each rank in yet another order
+    wrapper = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    w_optim = torch.optim.Adam(list(wrapper.parameters())[:: -1 if rank % 2 == 0 else 1], lr=0.5)
+    whole = fully_shard(copy.deepcopy(ref))
+    whole_params = list(whole.parameters())
+    h_optim = torch.optim.Adam(whole_params[rank:] + whole_params[:rank], lr=0.5)
+    init_optim_state(h_optim)
+    with state_dict_type(whole, SHARDED):
+        template = {"optim": optim_state_dict(whole, h_optim)}
+        dcp.load(template, checkpoint_id=os.path.join(path, "orders"))
+        h_optim.load_state_dict(optim_state_dict_to_load(whole, h_optim, template["optim"]))
+    w_optim.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(wrapper, w_optim, osd))
+    back = optim_state_dict(whole, h_optim)
+    out["whole"] = max((back["state"][k][key] - s[key]).abs().max().item() for k, s in ref_osd.items() for key in s)
+    back = FullyShardedDataParallel.optim_state_dict(wrapper, w_optim)
+    out["wrapper"] = max((back["state"][k][key] - s[key]).abs().max().item() for k, s in ref_osd.items() for key in s)
+    out["continued"] = continued
+    return out
+
+
+def test_optimizer_state_between_wrappings_with_per_rank_orders(dist_run, tmp_path) -> None:
+    """Issue 13: converting optimizer state between different wrappings when ranks list the optimizer's
+    parameters in different orders is correct, never a process abort (upstream: test_fsdp_optim_state.py,
+    test_shard_full_optim_state_dict_* and test_use_orig_params, which rekey between wrappings)."""
+    for world in (2, 4):
+        for r in dist_run(world, orders, str(tmp_path / str(world))):
+            assert r["saved"] < 1e-6 and r["whole"] < 1e-6 and r["wrapper"] < 1e-6, (world, r)

@@ -1,0 +1,207 @@
+"""FSDP2's argument names for `fully_shard`: ``mesh``, ``reshard_after_forward``, ``mp_policy``,
+``offload_policy``, ``ignored_params`` (and ``shard_placement_fn``), mapped to ours.
+
+[Note: FSDP2 names]
+- ``mesh``: ``process_group`` (which already takes a DeviceMesh); a 2-D ``(replicate, shard)`` mesh
+  means HYBRID_SHARD, as in FSDP2 (HSDP).
+- ``reshard_after_forward``: True is FULL_SHARD (HYBRID_SHARD on a 2-D mesh), False is SHARD_GRAD_OP.
+  It decides the strategy when ``strategy`` is left at its default, FULL_SHARD (an explicit
+  ``strategy=FULL_SHARD`` cannot be told apart from the default, so it yields too); any other
+  explicit ``strategy`` that disagrees is an error. An int (FSDP2 resharding to a smaller group)
+  has no equivalent.
+- ``mp_policy``: FSDP2's MixedPrecisionPolicy maps field by field onto `MixedPrecision`
+  (``output_dtype`` has no equivalent); ``offload_policy``: CPUOffloadPolicy is
+  ``CPUOffload(offload_params=True)``, the base OffloadPolicy is no offload.
+- ``ignored_params``: ``ignored_modules`` when the parameters are exactly all parameters of some
+  modules (our unit of ignoring); otherwise an error naming the module to list or restructure.
+Recognised by duck typing (class name and fields): the package does not import torch FSDP.
+Passing both our name and FSDP2's for the same thing is an error.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Optional
+
+import torch
+from torch import nn
+
+from fsdp_composable.api import CPUOffload, MixedPrecision, ShardingStrategy
+
+__all__: list[str] = []
+
+
+@dataclass(frozen=True)
+class OurArgs:
+    """The arguments of ours that FSDP2's names map to, after mapping."""
+
+    process_group: Any
+    strategy: ShardingStrategy
+    mixed_precision: Optional[MixedPrecision]
+    cpu_offload: Optional[CPUOffload]
+    ignored_modules: Optional[Iterable[nn.Module]]
+
+
+def _both(ours: str, theirs: str) -> ValueError:
+    return ValueError(
+        f"fully_shard got both {ours}= and {theirs}= (FSDP2's name for it); pass only one of them"
+    )
+
+
+def map_fsdp2_names(
+    module: nn.Module,
+    args: OurArgs,
+    *,
+    mesh: Any,
+    reshard_after_forward: Any,
+    mp_policy: Any,
+    offload_policy: Any,
+    ignored_params: Any,
+    shard_placement_fn: Any,
+) -> OurArgs:
+    """Our arguments with FSDP2's names folded in; ``args`` unchanged when none is given."""
+    process_group, strategy = args.process_group, args.strategy
+    if shard_placement_fn is not None:
+        raise ValueError(
+            "fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element "
+            "(the SHARDED state dict still gives Shard(0) DTensors); leave it out"
+        )
+    if mesh is not None:
+        from torch.distributed.device_mesh import DeviceMesh
+
+        if process_group is not None:
+            raise _both("process_group", "mesh")
+        if not isinstance(mesh, DeviceMesh):
+            raise TypeError(f"fully_shard argument 'mesh' must be a DeviceMesh, got {type(mesh).__name__}")
+        if mesh.ndim not in (1, 2):
+            raise ValueError(
+                f"fully_shard argument 'mesh' must be 1-D (shard) or 2-D (replicate, shard), got a {mesh.ndim}-D "
+                "DeviceMesh; slice or flatten it"
+            )
+        process_group = mesh
+    strategy = _strategy(strategy, mesh, reshard_after_forward)
+    return OurArgs(
+        process_group,
+        strategy,
+        _mixed_precision(args.mixed_precision, mp_policy),
+        _cpu_offload(args.cpu_offload, offload_policy),
+        _ignored_modules(module, args.ignored_modules, ignored_params),
+    )
+
+
+def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any) -> ShardingStrategy:
+    hybrid = mesh is not None and mesh.ndim == 2
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+        raise ValueError(
+            f"fully_shard argument 'reshard_after_forward' must be True or False, got {reshard_after_forward!r}: "
+            "resharding to a smaller group after forward (FSDP2's int) has no equivalent here"
+        )
+    if hybrid and reshard_after_forward is False:
+        raise ValueError(
+            "fully_shard: a 2-D mesh (HYBRID_SHARD) with reshard_after_forward=False is not supported; keep "
+            "reshard_after_forward=True or pass a 1-D mesh with strategy=ShardingStrategy.SHARD_GRAD_OP"
+        )
+    if hybrid:
+        implied, why = ShardingStrategy.HYBRID_SHARD, "a 2-D mesh"
+    elif reshard_after_forward is None:
+        return strategy
+    elif reshard_after_forward:
+        implied, why = ShardingStrategy.FULL_SHARD, "reshard_after_forward=True"
+    else:
+        implied, why = ShardingStrategy.SHARD_GRAD_OP, "reshard_after_forward=False"
+    if strategy not in (ShardingStrategy.FULL_SHARD, implied):
+        raise ValueError(
+            f"fully_shard: strategy=ShardingStrategy.{strategy.name} conflicts with {why} (which means "
+            f"ShardingStrategy.{implied.name}); pass only one of them"
+        )
+    return implied
+
+
+def _mixed_precision(ours: Optional[MixedPrecision], mp_policy: Any) -> Optional[MixedPrecision]:
+    if mp_policy is None:
+        return ours
+    if ours is not None:
+        raise _both("mixed_precision", "mp_policy")
+    if isinstance(mp_policy, MixedPrecision):
+        return mp_policy
+    fields = ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")
+    if type(mp_policy).__name__ != "MixedPrecisionPolicy" or not all(hasattr(mp_policy, f) for f in fields):
+        raise TypeError(
+            "fully_shard argument 'mp_policy' must be FSDP2's MixedPrecisionPolicy (or our MixedPrecision; "
+            f"better: mixed_precision=MixedPrecision(...)), got {type(mp_policy).__name__}"
+        )
+    if mp_policy.output_dtype is not None:
+        raise ValueError(
+            f"fully_shard: MixedPrecisionPolicy(output_dtype={mp_policy.output_dtype}) has no equivalent in "
+            "MixedPrecision; leave output_dtype out and cast the module's output yourself"
+        )
+    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None:
+        return None
+    return MixedPrecision(
+        param_dtype=mp_policy.param_dtype,
+        reduce_dtype=mp_policy.reduce_dtype,
+        cast_forward_inputs=bool(mp_policy.cast_forward_inputs),
+    )
+
+
+def _cpu_offload(ours: Optional[CPUOffload], offload_policy: Any) -> Optional[CPUOffload]:
+    if offload_policy is None:
+        return ours
+    if ours is not None:
+        raise _both("cpu_offload", "offload_policy")
+    if isinstance(offload_policy, CPUOffload):
+        return offload_policy
+    name = type(offload_policy).__name__
+    if name == "CPUOffloadPolicy":
+        return CPUOffload(offload_params=True)
+    if name == "OffloadPolicy":
+        return None
+    raise TypeError(
+        "fully_shard argument 'offload_policy' must be FSDP2's CPUOffloadPolicy or OffloadPolicy (better: "
+        f"cpu_offload=CPUOffload(offload_params=True)), got {name}"
+    )
+
+
+def _ignored_modules(
+    module: nn.Module, ours: Optional[Iterable[nn.Module]], ignored_params: Any
+) -> Optional[Iterable[nn.Module]]:
+    if ignored_params is None:
+        return ours
+    if ours is not None:
+        raise _both("ignored_modules", "ignored_params")
+    if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
+        raise TypeError(
+            "fully_shard argument 'ignored_params' must be a set of parameters (better: ignored_modules=[...]), "
+            f"got {type(ignored_params).__name__}"
+        )
+    wanted = {id(p) for p in ignored_params}
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    unknown = wanted - set(names)
+    if unknown:
+        raise ValueError(
+            f"fully_shard argument 'ignored_params' has {len(unknown)} tensor(s) that are not parameters of this "
+            f"{type(module).__name__}; pass its own parameters (or ignored_modules=[...])"
+        )
+    # the outermost modules all of whose parameters are ignored, and which own one of them
+    chosen: list[nn.Module] = []
+    covered: set[int] = set()
+    for sub in module.modules():
+        params = {id(p) for p in sub.parameters()}
+        if not params or not params <= wanted or params <= covered:
+            continue
+        if sub is module:
+            raise ValueError(
+                "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "
+                "sharded; do not call fully_shard on it"
+            )
+        chosen.append(sub)
+        covered |= params
+    left = wanted - covered
+    if left:
+        fqn = names[next(iter(sorted(left, key=lambda i: names[i])))]
+        raise ValueError(
+            f"fully_shard ignores whole modules (ignored_modules=[...]), not single parameters: ignored_params "
+            f"holds '{fqn}' but not every parameter of the module that holds it; list that module in "
+            "ignored_modules, or move the parameter into a module of its own"
+        )
+    return chosen
