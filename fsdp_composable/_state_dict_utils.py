@@ -374,8 +374,10 @@ def _match_placements(handle: FlatParamHandle, opened: _OpenUnit, state_dict: di
                 value = state_dict.get(key)
                 if not isinstance(value, torch.Tensor) or value.shape != info.shape:
                     continue  # absent, or nn.Module reports the size mismatch
-                if isinstance(value, DTensor) and value.device_mesh == target.device_mesh and (
-                    value.placements == target.placements
+                if (
+                    isinstance(value, DTensor)
+                    and value.device_mesh == target.device_mesh
+                    and (value.placements == target.placements)
                 ):
                     continue
                 chunk = _local_chunk(value, info, layout).view(_chunk_shape(info, layout, layout.rank))
@@ -434,9 +436,7 @@ def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set
     reported on every rank (see [Note: a sharded load is all or nothing per key])."""
     _take_assigned(handle, opened)
     layout = handle.layout
-    loaded = [
-        any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos
-    ]
+    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
     flags = torch.tensor(loaded, dtype=torch.int32, device=handle.device)
     world = dist.get_world_size(handle.process_group)
     everyone = [torch.empty_like(flags) for _ in range(world)]
@@ -508,7 +508,9 @@ def _root_pre_load_hook(
             state_dict[key] = value.to_local()
 
 
-def _compare_keys_across_ranks(state: _FSDPState, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]) -> None:
+def _compare_keys_across_ranks(
+    state: _FSDPState, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+) -> None:
     """SHARDED loads are collective: a key some ranks have and others lack is an error on every rank."""
     mine = sorted(k for k in state_dict if k.startswith(prefix))
     everyone: list[Any] = [None] * state.world_size
