@@ -15,6 +15,8 @@ pointer comparisons: no collective, and a few microseconds per parameter.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
@@ -37,6 +39,7 @@ def check_model_unchanged(root: _FSDPState) -> None:
         close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
         for handle in state.handles:
             _check_handle(handle)
+    _restore_views(states)
     _check_no_new_parameters(root, states)
 
 
@@ -49,17 +52,30 @@ def _check_handle(handle: FlatParamHandle) -> None:
     if flat.dtype != handle.dtype or flat.device != handle.shard_device:
         # flat-parameter mode: `.half()`/`.to()` cast the registered flat parameter itself
         _raise_cast(handle, handle.unit_fqn or "<root>", flat, "flat parameter of unit", restored=False)
-    views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-    for param, info, view in zip(handle.params, handle.layout.infos, views):
+    for param, info in zip(handle.params, handle.layout.infos):
         for module, attr, fqn in info.holders:
             # flat-parameter mode keeps original parameters as plain attributes instead
             if module._parameters.get(attr) is not param and module.__dict__.get(attr) is not param:
                 _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
-        if param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape:
-            continue
-        data = param.data
-        handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
-        _raise_cast(handle, _fqn(handle, info.fqn), data, "parameter", restored=True)
+
+
+def _restore_views(states: list[_FSDPState]) -> None:
+    """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
+    first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
+    for state in states:
+        for handle in state.handles:
+            views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+            changed = False
+            for param, info, view in zip(handle.params, handle.layout.infos, views):
+                if param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape:
+                    continue
+                changed = True
+                if first is None:
+                    first = (handle, _fqn(handle, info.fqn), param.data)
+            if changed:
+                handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+    if first is not None:
+        _raise_cast(*first, "parameter", restored=True)
 
 
 def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:
@@ -110,7 +126,8 @@ def _check_no_new_parameters(root: _FSDPState, states: list[_FSDPState]) -> None
 
 def _raise_added(fqn: str, module: nn.Module) -> None:
     raise ModelEditedAfterShardingError(
-        f"parameter '{fqn}' ({type(module).__name__}) was added after fully_shard, so no unit manages it and each "
+        f"parameter '{fqn}' ({type(module).__name__}) was added or replaced after fully_shard, so no unit manages it "
+        "and each "
         "rank would train its own copy. Add parameters and submodules before calling fully_shard, or put the "
         "new module in ignored_modules of a fully_shard call made after adding it"
     )

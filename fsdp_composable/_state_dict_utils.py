@@ -166,6 +166,7 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
         state.hook_handles.append(
             unit_module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state, handle))
         )
+        _register_placement_hooks(state, handle)
     # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
         state.module._register_state_dict_hook(functools.partial(_root_post_state_dict_hook, state))
@@ -343,8 +344,7 @@ def _pre_load_state_dict_hook(
         _check_not_rank0_only_load(state)
         opened = _open_full(handle)
     else:
-        opened = _open_sharded(state, handle, for_save=False)
-        _match_placements(handle, opened, state_dict, prefix)
+        opened = _open_sharded(state, handle, for_save=False)  # values are matched by `_match_placements`
     opened.prefix, opened.error_msgs = prefix, error_msgs
     _open(handle, opened)
 
@@ -361,27 +361,46 @@ def _check_not_rank0_only_load(state: _FSDPState) -> None:
         )
 
 
-def _match_placements(handle: FlatParamHandle, opened: _OpenUnit, state_dict: dict[str, Any], prefix: str) -> None:
-    """Give each checkpoint value of a parameter this unit holds our DTensor layout, so ``nn.Module``'s
+def _register_placement_hooks(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """One load pre-hook per module holding a parameter of ``handle``, registered after the module's own
+    hooks, so it sees the value that module will load (e.g. one its hook fused from three)."""
+    entries: dict[nn.Module, list[tuple[str, int]]] = {}
+    for k, info in enumerate(handle.layout.infos):
+        for module, attr, _ in info.holders:
+            entries.setdefault(module, []).append((attr, k))
+    for module, attrs in entries.items():
+        hook = functools.partial(_match_placements, state, handle, attrs)
+        state.hook_handles.append(module._register_load_state_dict_pre_hook(hook))
+
+
+def _match_placements(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    attrs: list[tuple[str, int]],
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
     ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk."""
+    opened = _OPEN.get(handle)
+    if opened is None or opened.kind is not StateDictType.SHARDED_STATE_DICT:
+        return
     layout = handle.layout
-    clean = _clean_module_fqns(handle.module)
-    for info, dparam in zip(layout.infos, opened.dparams):
-        assert isinstance(dparam.data, DTensor)
-        target = dparam.data
-        for module, attr, fqn in info.holders:
-            for key in {prefix + fqn, prefix + _join(clean.get(module, ""), attr)}:
-                value = state_dict.get(key)
-                if not isinstance(value, torch.Tensor) or value.shape != info.shape:
-                    continue  # absent, or nn.Module reports the size mismatch
-                if (
-                    isinstance(value, DTensor)
-                    and value.device_mesh == target.device_mesh
-                    and (value.placements == target.placements)
-                ):
-                    continue
-                chunk = _local_chunk(value, info, layout).view(_chunk_shape(info, layout, layout.rank))
-                state_dict[key] = _as_dtensor(chunk.to(handle.dtype), info, layout, target.device_mesh)
+    for attr, k in attrs:
+        info, target = layout.infos[k], opened.dparams[k].data
+        assert isinstance(target, DTensor)
+        value = state_dict.get(prefix + attr)
+        if not isinstance(value, torch.Tensor) or value.shape != info.shape:
+            continue  # absent, or nn.Module reports the size mismatch
+        if (
+            isinstance(value, DTensor)
+            and value.device_mesh == target.device_mesh
+            and value.placements == target.placements
+        ):
+            continue
+        chunk = _local_chunk(value, info, layout).view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _as_dtensor(chunk.to(handle.dtype), info, layout, target.device_mesh)
 
 
 def _post_load_state_dict_hook(
