@@ -389,7 +389,7 @@ def _check_param_init_fn_arity(
         signature.bind(unit_module)
     except TypeError as e:
         raise TypeError(
-            f"{_arg(api, 'param_init_fn')} cannot be called with the unit module '{fqn or '<root>'}' "
+            f"{_arg(api, 'param_init_fn')} cannot be called with module '{fqn or '<root>'}' "
             f"({type(unit_module).__name__}): it must take one argument, the module to materialise"
         ) from e
 
