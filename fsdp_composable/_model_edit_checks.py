@@ -15,10 +15,12 @@ pointer comparisons: no collective, and a few microseconds per parameter.
 
 from __future__ import annotations
 
+import weakref
 from typing import Optional
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _module_hooks
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
@@ -31,16 +33,39 @@ class ModelEditedAfterShardingError(RuntimeError):
     """The model was changed after `fully_shard` in a way the sharded units cannot follow."""
 
 
+# [Note: cheap edit checks]
+# A full scan (every holder's registration, every module's parameters) costs milliseconds on a large
+# model, too much for every forward. Registering a parameter or a submodule goes through
+# ``nn.Module.register_parameter`` / ``register_module`` (also ``m.w = nn.Parameter(...)`` and
+# ``m.sub = nn.Linear(...)``), whose global registration hooks bump `_GENERATION`; the full scan runs
+# only when it moved since the root's last check. ``.data`` assignments (``.half()``, ``.to()``,
+# ``p.data = t``) have no hook, so every forward compares each parameter's data pointer with its
+# view's: two C calls per parameter.
+_GENERATION = [0]
+_CHECKED: "weakref.WeakKeyDictionary[_FSDPState, int]" = weakref.WeakKeyDictionary()
+
+
+def _bump(*args: object) -> None:
+    _GENERATION[0] += 1
+
+
+_module_hooks.register_module_parameter_registration_hook(_bump)
+_module_hooks.register_module_module_registration_hook(_bump)
+
+
 def check_model_unchanged(root: _FSDPState) -> None:
     """Raise `ModelEditedAfterShardingError` if a parameter of any state under ``root`` was cast, moved,
-    reassigned or replaced, or a parameter was added, since `fully_shard`."""
+    reassigned or replaced, or a parameter was added, since `fully_shard` (see [Note: cheap edit checks])."""
     states = root.all_states or [root]
     for state in states:
         close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
-        for handle in state.handles:
-            _check_handle(handle)
+    if _CHECKED.get(root) != _GENERATION[0]:
+        for state in states:
+            for handle in state.handles:
+                _check_handle(handle)
+        _check_no_new_parameters(root, states)
+        _CHECKED[root] = _GENERATION[0]
     _restore_views(states)
-    _check_no_new_parameters(root, states)
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -65,6 +90,8 @@ def _restore_views(states: list[_FSDPState]) -> None:
     for state in states:
         for handle in state.handles:
             views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+            if all(p.data_ptr() == v.data_ptr() for p, v in zip(handle.params, views)):
+                continue
             changed = False
             for param, info, view in zip(handle.params, handle.layout.infos, views):
                 if param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape:

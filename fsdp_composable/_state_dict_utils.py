@@ -207,6 +207,8 @@ _OPEN: "weakref.WeakKeyDictionary[FlatParamHandle, _OpenUnit]" = weakref.WeakKey
 
 def close_stale_units(state: _FSDPState) -> None:
     """Close units that a failed save or load left open (nothing is written back)."""
+    if not _OPEN:  # the usual case: checked at every forward
+        return
     for handle in state.handles:
         _close_stale(handle)
 
