@@ -3,10 +3,10 @@ and prefix hooks for wrapper modules.
 
 [Note: full state dicts from sharded units]
 Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
-``state_dict()`` would hold shard slices. A post-hook on each unit module all-gathers the unit's flat
-parameter in full precision and puts each original parameter's full tensor under every FQN that
-registers it. A pre-hook on load does the reverse: it checks the full shape and replaces the value by
-this rank's slice, so ``nn.Module``'s own loader copies it straight into the shard.
+``state_dict()`` would hold shard slices. Each unit is therefore unsharded around its subtree's save
+and load (see [Note: a unit is unsharded around its subtree's save and load]): FULL points the
+parameters at views of the all-gathered flat tensor, so ``nn.Module`` saves and loads full shapes
+itself, under every FQN and through every hook of the model's own modules.
 
 [Note: sharded state dicts are DTensors in torch.chunk layout]
 Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
