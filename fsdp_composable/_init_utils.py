@@ -312,28 +312,67 @@ def _materialize_meta_module(
     device: torch.device,
     api: str = "fully_shard",
 ) -> None:
-    """Materialise a unit's meta parameters with ``param_init_fn`` or ``reset_parameters``."""
-    metas = [p for p in unit_module.parameters() if p.is_meta and not getattr(p, FSDP_FLATTENED, False)]
-    if not metas:
+    """Materialise a unit's meta parameters and buffers, one module at a time (parents first).
+
+    [Note: param_init_fn is called per module]
+    As in FSDP1 since torch 2.1, ``param_init_fn(m)`` (or, without it, ``m.to_empty(device,
+    recurse=False); m.reset_parameters()``) is called for each module of the unit that directly holds a
+    meta parameter or buffer, so the common
+    ``lambda m: (m.to_empty(device=d, recurse=False), m.reset_parameters())`` works. Modules of deeper
+    units were materialised before (units are built bottom-up) and are skipped, and a module is skipped
+    if an earlier call (e.g. a recursive ``to_empty`` on its parent) already materialised it.
+    """
+    modules = _meta_modules(unit_module)
+    if not modules:
         return
+    names = {m: n for n, m in unit_module.named_modules(prefix=fqn)}
     if param_init_fn is not None:
-        _check_param_init_fn_arity(api, param_init_fn, unit_module, fqn)
-        param_init_fn(unit_module)
+        _check_param_init_fn_arity(api, param_init_fn, modules[0], names.get(modules[0], fqn))
+        for m in modules:
+            if _holds_meta(m):
+                param_init_fn(m)
         return
-    modules = [m for m in unit_module.modules() if any(p.is_meta for p in m.parameters(recurse=False))]
     missing = [m for m in modules if not callable(getattr(m, "reset_parameters", None))]
     if missing:
-        name = next(n for n, m in unit_module.named_modules(prefix=fqn) if m is missing[0])
-        param = next(n for n, p in missing[0].named_parameters(prefix=name, recurse=False) if p.is_meta)
+        name = names.get(missing[0], "")
+        kind, tensor = next(
+            (kind, n)
+            for kind, named in (
+                ("parameter", missing[0].named_parameters(prefix=name, recurse=False)),
+                ("buffer", missing[0].named_buffers(prefix=name, recurse=False)),
+            )
+            for n, t in named
+            if t.is_meta
+        )
         raise ValueError(
-            f"unit '{fqn or '<root>'}' has parameters on the meta device and module '{name or '<root>'}' "
-            f"({type(missing[0]).__name__}, parameter '{param}') has no reset_parameters(); pass "
+            f"unit '{fqn or '<root>'}' has {kind}s on the meta device and module '{name or '<root>'}' "
+            f"({type(missing[0]).__name__}, {kind} '{tensor}') has no reset_parameters(); pass "
             f"param_init_fn= to {api} to materialise them"
         )
     for m in modules:
         m.to_empty(device=device, recurse=False)
         with torch.no_grad():
             getattr(m, "reset_parameters")()  # noqa: B009 (checked callable above)
+
+
+def _holds_meta(module: nn.Module) -> bool:
+    """``module`` directly holds a meta parameter or buffer that no unit has flattened yet."""
+    params = (p for p in module.parameters(recurse=False) if not getattr(p, FSDP_FLATTENED, False))
+    return any(t.is_meta for t in params) or any(b.is_meta for b in module.buffers(recurse=False))
+
+
+def _meta_modules(unit_module: nn.Module) -> list[nn.Module]:
+    """Modules of the unit holding meta tensors, breadth-first from the unit module (FSDP1's order)."""
+    out, queue, seen = [], [unit_module], {unit_module}
+    while queue:
+        module = queue.pop(0)
+        if _holds_meta(module):
+            out.append(module)
+        for child in module.children():
+            if child not in seen and (child is unit_module or _get_fsdp_state(child) is None):
+                seen.add(child)
+                queue.append(child)
+    return out
 
 
 def _check_param_init_fn_arity(
@@ -348,7 +387,7 @@ def _check_param_init_fn_arity(
         signature.bind(unit_module)
     except TypeError as e:
         raise TypeError(
-            f"{_arg(api, 'param_init_fn')} cannot be called with the unit module '{fqn or '<root>'}' "
+            f"{_arg(api, 'param_init_fn')} cannot be called with module '{fqn or '<root>'}' "
             f"({type(unit_module).__name__}): it must take one argument, the module to materialise"
         ) from e
 

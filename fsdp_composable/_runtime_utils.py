@@ -30,6 +30,7 @@ from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
 from fsdp_composable import _trace
+from fsdp_composable._cast_inputs import cast_floating
 from fsdp_composable._common_utils import (
     TrainingState,
     UnitConfig,
@@ -43,6 +44,7 @@ from fsdp_composable._common_utils import (
 from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._limiter_utils import _AllGatherLimiter
+from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
@@ -189,6 +191,7 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         )
     if state.final_callback_queued:  # the previous backward raised before its final callback ran
         _reset_after_failure(state)
+    check_model_unchanged(state)  # see [Note: edits of a sharded model]
     for s in state.all_states:
         _set_training_state(s, TrainingState.FORWARD_BACKWARD)
     if state.exec_order_data is not None:
@@ -498,5 +501,5 @@ def _tensors(structure: Any) -> list[torch.Tensor]:
 
 
 def _cast_floating(structure: Any, dtype: torch.dtype) -> Any:
-    """Cast floating-point tensors in ``structure`` to ``dtype``; integers and others pass through."""
-    return pytree.tree_map_only(torch.Tensor, lambda t: t.to(dtype) if t.is_floating_point() else t, structure)
+    """Cast floating-point tensors in ``structure`` (dataclass fields too) to ``dtype``; others pass through."""
+    return cast_floating(structure, dtype)

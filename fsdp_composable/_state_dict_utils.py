@@ -3,10 +3,10 @@ and prefix hooks for wrapper modules.
 
 [Note: full state dicts from sharded units]
 Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
-``state_dict()`` would hold shard slices. A post-hook on each unit module all-gathers the unit's flat
-parameter in full precision and puts each original parameter's full tensor under every FQN that
-registers it. A pre-hook on load does the reverse: it checks the full shape and replaces the value by
-this rank's slice, so ``nn.Module``'s own loader copies it straight into the shard.
+``state_dict()`` would hold shard slices. Each unit is therefore unsharded around its subtree's save
+and load (see [Note: a unit is unsharded around its subtree's save and load]): FULL points the
+parameters at views of the all-gathered flat tensor, so ``nn.Module`` saves and loads full shapes
+itself, under every FQN and through every hook of the model's own modules.
 
 [Note: sharded state dicts are DTensors in torch.chunk layout]
 Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import weakref
+from dataclasses import dataclass, field
 from typing import Any, Iterator, Optional
 
 import torch
@@ -144,8 +145,16 @@ def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
 
 # ---------------------------------------------------------------------------- registration
 def _register_state_dict_hooks(state: _FSDPState) -> None:
+    # Before the unit hooks: replicated buffers become plain tensors and every rank checks the key set
+    # first; the unit hooks then give parameter values the layout of their DTensor parameters.
+    state.hook_handles.append(
+        state.module._register_load_state_dict_pre_hook(functools.partial(_root_pre_load_hook, state), with_module=True)
+    )
     for handle in state.handles:
         unit_module = handle.module
+        state.hook_handles.append(
+            unit_module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state, handle))
+        )
         state.hook_handles.append(
             unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
         )
@@ -154,13 +163,127 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
                 functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
             )
         )
-    # Registered after the unit hooks, so on the root unit they run after it.
+        state.hook_handles.append(
+            unit_module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state, handle))
+        )
+        _register_placement_hooks(state, handle)
+    # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
         state.module._register_state_dict_hook(functools.partial(_root_post_state_dict_hook, state))
     )
-    state.hook_handles.append(
-        state.module._register_load_state_dict_pre_hook(functools.partial(_root_pre_load_hook, state), with_module=True)
-    )
+
+
+# ---------------------------------------------------------------------------- a unit unsharded for one save/load
+# [Note: a unit is unsharded around its subtree's save and load]
+# FULL and SHARDED state dicts never look keys up by name. A state-dict *pre*-hook on the unit module
+# gives each original parameter its original shape before ``nn.Module`` visits the unit's subtree:
+# FULL points ``param.data`` at a view of the unit's all-gathered flat tensor; SHARDED registers, in
+# place of each original parameter, a `DTensor` parameter of the original shape holding this rank's
+# `torch.chunk` rows (see [Note: sharded state dicts are DTensors in torch.chunk layout]). So every
+# module below sees what it would see without sharding: its own state-dict hooks (a fused QKV weight
+# split into three, torchtitan-style), a module registered under two FQNs, a `CheckpointWrapper`
+# renaming keys, ``load_state_dict(assign=True)``. The post-hook takes over whatever tensors ended up
+# viewing the gathered flat tensor (cloning them, so it can be freed) and restores the sharded views.
+# Loading is the mirror image: the pre-hook opens the same full-shape parameters (filled with the
+# current values, so a missing key keeps its value), ``nn.Module`` copies the checkpoint into them, and
+# the load post-hook (which runs after the whole subtree loaded) writes this rank's part back into the
+# flat shard. Cost: a unit's full flat tensor lives while its subtree is saved, so nested units hold
+# their ancestors' too (the root unit plus one unit at a time for a root/blocks policy).
+# A save or load that raised midway leaves its units open; the next save, load or forward closes them
+# without writing anything back (`close_stale_units`).
+@dataclass
+class _OpenUnit:
+    kind: StateDictType
+    full: Optional[torch.Tensor] = None  # FULL: the flat tensor the parameters view
+    # SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
+    swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    dparams: list[nn.Parameter] = field(default_factory=list)  # SHARDED: one per ParamInfo
+    prefix: str = ""
+    error_msgs: Optional[list[str]] = None
+
+
+_OPEN: "weakref.WeakKeyDictionary[FlatParamHandle, _OpenUnit]" = weakref.WeakKeyDictionary()
+
+
+def close_stale_units(state: _FSDPState) -> None:
+    """Close units that a failed save or load left open (nothing is written back)."""
+    if not _OPEN:  # the usual case: checked at every forward
+        return
+    for handle in state.handles:
+        _close_stale(handle)
+
+
+def _unit_name(handle: FlatParamHandle) -> str:
+    return f"unit '{handle.unit_fqn or '<root>'}'"
+
+
+def _check_registered(handle: FlatParamHandle) -> None:
+    """Every holder still registers its original parameter (else we would save or overwrite another)."""
+    for param, info in zip(handle.params, handle.layout.infos):
+        for module, attr, fqn in info.holders:
+            if module._parameters.get(attr) is not param:
+                raise RuntimeError(
+                    f"parameter '{_join(handle.unit_fqn, fqn)}' was replaced after fully_shard (its module registers "
+                    "another tensor under that name), so fully_shard cannot save or load it. Assign new values in "
+                    "place (param.copy_(t) inside unshard_params(model, writeback=True)) or load them with "
+                    "load_state_dict; to change the model's structure, do it before fully_shard"
+                )
+
+
+def _open_full(handle: FlatParamHandle) -> _OpenUnit:
+    """Every parameter of the unit becomes a full-shape view of its all-gathered flat tensor (full precision)."""
+    _check_registered(handle)
+    full = _gather_full_flat(handle)
+    for param, info in zip(handle.params, handle.layout.infos):
+        param.data = full[info.offset : info.offset + info.numel].view(info.shape)
+    return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
+
+
+def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) -> _OpenUnit:
+    """Register a `DTensor` parameter of the original shape in place of each original parameter."""
+    _check_registered(handle)
+    layout = handle.layout
+    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
+    mesh = _mesh_of(handle.process_group, handle.device)
+    opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
+    for param, info, chunk in zip(handle.params, layout.infos, chunks):
+        local = _to_output(state, chunk) if for_save else chunk
+        dparam = nn.Parameter(_as_dtensor(local, info, layout, mesh), requires_grad=param.requires_grad)
+        opened.dparams.append(dparam)
+        for module, attr, _ in info.holders:
+            opened.swaps.append((module, attr, param, dparam))
+            module._parameters[attr] = dparam
+    return opened
+
+
+def _close(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """Put the original parameters back, viewing the shard (or the unsharded buffer, if it is unsharded)."""
+    for module, attr, param, _ in opened.swaps:
+        module._parameters[attr] = param
+    if opened.full is not None:
+        handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+
+
+def _close_stale(handle: FlatParamHandle) -> None:
+    stale = _OPEN.pop(handle, None)
+    if stale is not None:
+        _close(handle, stale)
+
+
+def _open(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    _close_stale(handle)
+    _OPEN[handle] = opened
+
+
+def _pre_state_dict_hook(
+    state: _FSDPState, handle: FlatParamHandle, module: nn.Module, prefix: str, keep_vars: bool
+) -> None:
+    _close_stale(handle)
+    kind = state.state_dict_type
+    if kind is StateDictType.FULL_STATE_DICT:
+        _open(handle, _open_full(handle))
+    elif kind is StateDictType.SHARDED_STATE_DICT:
+        _open(handle, _open_sharded(state, handle, for_save=True))
 
 
 def _post_state_dict_hook(
@@ -171,13 +294,35 @@ def _post_state_dict_hook(
     prefix: str,
     local_metadata: Any,
 ) -> None:
-    kind = state.state_dict_type
-    if kind is StateDictType.FULL_STATE_DICT:
-        _full_post_state_dict_hook(state, handle, state_dict, prefix)
-    elif kind is StateDictType.SHARDED_STATE_DICT:
-        _sharded_post_state_dict_hook(state, handle, state_dict, prefix)
-    else:
+    if state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
+        return
+    opened = _OPEN.pop(handle, None)
+    if opened is None:
+        return
+    try:
+        if opened.full is not None:
+            _take_over_views(state, opened.full, state_dict, prefix)
+    finally:
+        _close(handle, opened)
+
+
+def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str, Any], prefix: str) -> None:
+    """Replace every saved tensor that views ``full`` (a parameter, or a piece a module's hook cut from
+    one) by a copy that owns its memory, or drop it for ``rank0_only`` on other ranks."""
+    storage = full.untyped_storage().data_ptr()
+    drop = _drops_values(state)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        if (
+            type(value) is torch.Tensor
+            and value.device == full.device
+            and value.untyped_storage().data_ptr() == storage
+        ):
+            if drop:
+                del state_dict[key]
+            else:
+                state_dict[key] = _copy_out(state, value)
 
 
 def _pre_load_state_dict_hook(
@@ -192,13 +337,165 @@ def _pre_load_state_dict_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    _close_stale(handle)
     kind = state.state_dict_type
-    if kind is StateDictType.FULL_STATE_DICT:
-        _full_pre_load_hook(handle, state_dict, prefix, error_msgs)
-    elif kind is StateDictType.SHARDED_STATE_DICT:
-        _sharded_pre_load_hook(handle, state_dict, prefix, error_msgs)
-    else:
+    if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
+        return
+    if kind is StateDictType.FULL_STATE_DICT:
+        _check_not_rank0_only_load(state)
+        opened = _open_full(handle)
+    else:
+        opened = _open_sharded(state, handle, for_save=False)  # values are matched by `_match_placements`
+    opened.prefix, opened.error_msgs = prefix, error_msgs
+    _open(handle, opened)
+
+
+def _check_not_rank0_only_load(state: _FSDPState) -> None:
+    config = _config(state)
+    if isinstance(config, FullStateDictConfig) and config.rank0_only:
+        raise ValueError(
+            "load_state_dict under FULL_STATE_DICT with FullStateDictConfig(rank0_only=True) is not supported: "
+            "rank0_only only applies to saving (other ranks would have nothing to load). Load with "
+            "rank0_only=False and the full state dict on every rank (e.g. torch.load it on every rank, or send "
+            "it with torch.distributed.broadcast_object_list), or load it into the unsharded model on rank 0 "
+            "before fully_shard(..., sync_module_states=True)"
+        )
+
+
+def _register_placement_hooks(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """One load pre-hook per module holding a parameter of ``handle``, registered after the module's own
+    hooks, so it sees the value that module will load (e.g. one its hook fused from three)."""
+    entries: dict[nn.Module, list[tuple[str, int]]] = {}
+    for k, info in enumerate(handle.layout.infos):
+        for module, attr, _ in info.holders:
+            entries.setdefault(module, []).append((attr, k))
+    for module, attrs in entries.items():
+        hook = functools.partial(_match_placements, state, handle, attrs)
+        state.hook_handles.append(module._register_load_state_dict_pre_hook(hook))
+
+
+def _match_placements(
+    state: _FSDPState,
+    handle: FlatParamHandle,
+    attrs: list[tuple[str, int]],
+    state_dict: dict[str, Any],
+    prefix: str,
+    *args: Any,
+) -> None:
+    """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
+    ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk."""
+    opened = _OPEN.get(handle)
+    if opened is None or opened.kind is not StateDictType.SHARDED_STATE_DICT:
+        return
+    layout = handle.layout
+    for attr, k in attrs:
+        info, target = layout.infos[k], opened.dparams[k].data
+        assert isinstance(target, DTensor)
+        value = state_dict.get(prefix + attr)
+        if not isinstance(value, torch.Tensor) or value.shape != info.shape:
+            continue  # absent, or nn.Module reports the size mismatch
+        if (
+            isinstance(value, DTensor)
+            and value.device_mesh == target.device_mesh
+            and value.placements == target.placements
+        ):
+            continue
+        chunk = _local_chunk(value, info, layout).view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _as_dtensor(chunk.to(handle.dtype), info, layout, target.device_mesh)
+
+
+def _post_load_state_dict_hook(
+    state: _FSDPState, handle: FlatParamHandle, module: nn.Module, incompatible_keys: Any
+) -> None:
+    opened = _OPEN.pop(handle, None)
+    if opened is None:
+        return
+    try:
+        if opened.kind is StateDictType.FULL_STATE_DICT:
+            _write_back_full(handle, opened)
+        else:
+            _write_back_sharded(handle, opened, set(incompatible_keys.missing_keys))
+    finally:
+        _close(handle, opened)
+
+
+def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    assert opened.full is not None
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    lo = layout.rank * layout.shard_numel
+    with torch.no_grad():
+        handle.flat_param.data.copy_(opened.full[lo : lo + layout.shard_numel])
+
+
+def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
+    into the open unit and register the original parameters again."""
+    layout = handle.layout
+    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
+        expected = opened.dparams[k] if opened.dparams else param
+        for module, attr, _ in info.holders:
+            current = module._parameters.get(attr)
+            if current is expected or current is None:
+                continue
+            with torch.no_grad():
+                if opened.full is not None:
+                    value = current.full_tensor() if isinstance(current, DTensor) else current
+                    opened.full[info.offset : info.offset + info.numel].copy_(value.detach().reshape(-1))
+                else:
+                    target = expected.data
+                    assert isinstance(target, DTensor)
+                    chunk = _local_chunk(current.detach(), info, layout)
+                    target.to_local().copy_(chunk.view(target.to_local().shape))
+            module._parameters[attr] = expected
+
+
+def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
+    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard (an
+    all-to-all). A parameter loaded on some ranks but not others keeps its values on every rank and is
+    reported on every rank (see [Note: a sharded load is all or nothing per key])."""
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
+    flags = torch.tensor(loaded, dtype=torch.int32, device=handle.device)
+    world = dist.get_world_size(handle.process_group)
+    everyone = [torch.empty_like(flags) for _ in range(world)]
+    dist.all_gather(everyone, flags, group=handle.process_group)
+    by_rank = torch.stack(everyone) if layout.infos else flags.new_zeros((world, 0))
+    partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
+    chunks = []
+    for dparam in opened.dparams:
+        assert isinstance(dparam.data, DTensor)
+        chunks.append(dparam.data.to_local().reshape(-1).to(handle.dtype))
+    flat = _chunks_to_flat(handle, chunks)
+    with torch.no_grad():
+        current = handle.flat_param.detach()
+        for k, info in enumerate(layout.infos):
+            if partial[k]:
+                start, end = layout.shard_range(info)
+                flat[start:end] = current[start:end]
+                _report_partial_key(handle, opened, info, by_rank[:, k])
+        handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
+
+
+# [Note: a sharded load is all or nothing per key]
+# Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
+# zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
+# ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
+# loaded (`_write_back_sharded`), and a difference is an error on every rank.
+def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamInfo, flags: torch.Tensor) -> None:
+    if opened.error_msgs is None:
+        return
+    key = opened.prefix + info.fqn
+    if any(f"'{key}'" in m for m in opened.error_msgs):
+        return  # the key comparison of the whole state dict already reported it
+    lacking = [r for r, f in enumerate(flags.tolist()) if not f]
+    opened.error_msgs.append(
+        f"SHARDED_STATE_DICT: parameter '{key}' of {_unit_name(handle)} was loaded on some ranks but not on "
+        f"ranks {lacking} (of its process group); every rank must load the same keys. It keeps its previous "
+        "values on every rank"
+    )
 
 
 def _root_post_state_dict_hook(
@@ -212,12 +509,44 @@ def _root_post_state_dict_hook(
 
 
 def _root_pre_load_hook(
-    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
+    state: _FSDPState,
+    module: nn.Module,
+    state_dict: dict[str, Any],
+    prefix: str,
+    local_metadata: Any,
+    strict: bool,
+    missing_keys: list[str],
+    unexpected_keys: list[str],
+    error_msgs: list[str],
 ) -> None:
+    if state.state_dict_type is StateDictType.FULL_STATE_DICT:
+        _check_not_rank0_only_load(state)
+    if state.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+        _compare_keys_across_ranks(state, state_dict, prefix, error_msgs)
     # Buffers (and parameters of unsharded units) arrive as replicated DTensors: load their local value.
     for key, value in list(state_dict.items()):
         if key.startswith(prefix) and isinstance(value, DTensor) and _is_replicated(value):
             state_dict[key] = value.to_local()
+
+
+def _compare_keys_across_ranks(
+    state: _FSDPState, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
+) -> None:
+    """SHARDED loads are collective: a key some ranks have and others lack is an error on every rank."""
+    mine = sorted(k for k in state_dict if k.startswith(prefix))
+    everyone: list[Any] = [None] * state.world_size
+    dist.all_gather_object(everyone, mine, group=state.process_group)
+    union = sorted(set().union(*everyone))
+    for key in union:
+        lacking = [r for r, keys in enumerate(everyone) if key not in set(keys)]
+        if lacking:
+            message = (
+                f"SHARDED_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks {lacking}; "
+                "every rank must load the same keys (the pieces of a sharded parameter are exchanged between "
+                "ranks). Nothing was loaded for it"
+            )
+            if message not in error_msgs:
+                error_msgs.append(message)
 
 
 # ---------------------------------------------------------------------------- FULL_STATE_DICT
@@ -233,52 +562,6 @@ def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = N
     if work is not None:
         work.wait()
     return full
-
-
-def _full_post_state_dict_hook(
-    state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
-) -> None:
-    # One unit's full flat tensor at a time: each parameter is cloned out and `full` dies here.
-    full = _gather_full_flat(handle)
-    drop = _drops_values(state)
-    for info in handle.layout.infos:
-        value = None if drop else _copy_out(state, full[info.offset : info.offset + info.numel].view(info.shape))
-        for _, _, fqn in info.holders:
-            if prefix + fqn not in state_dict:
-                continue
-            if value is None:
-                del state_dict[prefix + fqn]
-            else:
-                state_dict[prefix + fqn] = value
-
-
-def _size_mismatch(key: str, got: torch.Size, expected: torch.Size) -> str:
-    return (
-        f"size mismatch for {key}: copying a param with shape {got} from checkpoint, "
-        f"the shape in current model is {expected}."
-    )
-
-
-def _full_pre_load_hook(
-    handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
-) -> None:
-    layout = handle.layout
-    lo = layout.rank * layout.shard_numel
-    for info, sharded_view in zip(layout.infos, handle._sharded_views):
-        for _, _, fqn in info.holders:
-            key = prefix + fqn
-            value = state_dict.get(key)
-            if isinstance(value, DTensor):
-                value = value.full_tensor()
-            if not isinstance(value, torch.Tensor):
-                continue
-            if value.shape != info.shape:
-                error_msgs.append(_size_mismatch(key, value.shape, info.shape))
-                state_dict[key] = sharded_view.detach().clone()  # leave the parameter as it was
-                continue
-            start, end = layout.shard_range(info)
-            begin = lo + start - info.offset
-            state_dict[key] = value.reshape(-1)[begin : begin + end - start].view(sharded_view.shape)
 
 
 # ---------------------------------------------------------------------------- flat <-> chunk layout
@@ -446,19 +729,6 @@ def _local_chunk(value: torch.Tensor, info: ParamInfo, layout: FlatLayout) -> to
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT
-def _sharded_post_state_dict_hook(
-    state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
-) -> None:
-    layout = handle.layout
-    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
-    mesh = _mesh_of(handle.process_group, handle.device)
-    for info, chunk in zip(layout.infos, chunks):
-        value = _as_dtensor(_to_output(state, chunk), info, layout, mesh)
-        for _, _, fqn in info.holders:
-            if prefix + fqn in state_dict:
-                state_dict[prefix + fqn] = value
-
-
 def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
     """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
     mesh = _mesh_of(state.process_group, state.device)
@@ -472,36 +742,6 @@ def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: st
                 continue
             if not isinstance(value, DTensor):
                 state_dict[key] = DTensor.from_local(_to_output(state, value), mesh, [Replicate()], run_check=False)
-
-
-def _sharded_pre_load_hook(
-    handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
-) -> None:
-    layout = handle.layout
-    if layout.world_size == 1:  # not sharded: every rank loads whole values
-        _full_pre_load_hook(handle, state_dict, prefix, error_msgs)
-        return
-    present: list[list[str]] = []
-    chunks: list[torch.Tensor] = []
-    for info, sharded_view in zip(layout.infos, handle._sharded_views):
-        keys = [prefix + fqn for _, _, fqn in info.holders if isinstance(state_dict.get(prefix + fqn), torch.Tensor)]
-        for key in [k for k in keys if state_dict[k].shape != info.shape]:
-            error_msgs.append(_size_mismatch(key, state_dict[key].shape, info.shape))
-            state_dict[key] = sharded_view.detach().clone()  # leave the parameter as it was
-            keys.remove(key)
-        present.append(keys)
-        # Every rank joins the all-to-all for every parameter; a missing one contributes zeros.
-        chunk = _local_chunk(state_dict[keys[0]], info, layout) if keys else None
-        chunks.append(
-            chunk.to(handle.dtype)
-            if chunk is not None
-            else torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=handle.dtype, device=handle.device)
-        )
-    flat = _chunks_to_flat(handle, chunks)
-    for info, keys, sharded_view in zip(layout.infos, present, handle._sharded_views):
-        start, end = layout.shard_range(info)
-        for key in keys:
-            state_dict[key] = flat[start:end].view(sharded_view.shape)
 
 
 # ---------------------------------------------------------------------------- LOCAL_STATE_DICT

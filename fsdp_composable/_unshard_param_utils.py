@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 from typing import Iterator, Optional
 
 import torch
@@ -17,8 +18,8 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
-from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
-from fsdp_composable._state_dict_utils import _gather_full_flat
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState, _assign_grad
+from fsdp_composable._state_dict_utils import _gather_full_flat, _join
 from fsdp_composable.api import _check_bool
 
 __all__ = ["summon_full_params", "unshard_params"]
@@ -67,12 +68,16 @@ def unshard_params(
     offload_to_cpu: bool = False,
     with_grads: bool = False,
 ) -> Iterator[None]:
-    """Inside the context every original parameter has its full shape and full-precision values.
+    """Inside the context every original parameter of the units in ``module``'s subtree (only
+    ``module``'s own units with ``recurse=False``) has its full shape and full-precision values.
 
-    ``writeback``: changes to the parameters persist on exit. ``rank0_only``: only rank 0 holds full
-    parameters (others keep their shard views); it cannot be combined with ``writeback``.
-    ``offload_to_cpu``: the full parameters live on the CPU. ``with_grads``: ``.grad`` holds the full
-    gradient too (zeros where a unit has none yet). Collective: every rank must enter it.
+    ``writeback``: changes to the parameters persist on exit, whether made in place (``p.copy_(t)``)
+    or by assignment (``p.data = t``, same shape). ``rank0_only``: only rank 0 holds full parameters
+    (others keep their shard views); it cannot be combined with ``writeback``. ``offload_to_cpu``: the
+    full parameters live on the CPU. ``with_grads``: ``.grad`` holds the full gradient too, in the
+    parameters' dtype (``None`` while no backward has produced one), and with ``writeback`` edits of
+    ``.grad`` persist. A wrapper in flat-parameter mode exposes its original parameters inside.
+    Collective: every rank must enter it.
     """
     for name, value in (
         ("recurse", recurse),
@@ -89,57 +94,157 @@ def unshard_params(
         )
     states = _states_for(module, recurse)
     _check_idle(states)
-    handles = [h for s in states for h in s.handles]
-    fulls: list[Optional[torch.Tensor]] = []
+    inside = set(module.modules()) if recurse else {module}
+    handles = [h for s in states for h in s.handles if h.module in inside]
+    flat_mode = [s for s in states if _in_flat_mode(s)]
+    summoned: list[_Summoned] = []
     for s in states:
         _set_training_state(s, TrainingState.SUMMON_FULL_PARAMS)
+    for s in flat_mode:
+        _switch_flat_mode(s, on=False)
     try:
         for handle in handles:
             handle.set_training_state(HandleTrainingState.SUMMON_FULL_PARAMS)
-            fulls.append(_summon_handle(handle, rank0_only, offload_to_cpu, with_grads))
+            summoned.append(_summon_handle(handle, rank0_only, offload_to_cpu, with_grads))
         yield
     finally:
-        for handle, full in zip(handles, fulls):
-            _restore_handle(handle, full, writeback)
+        problems: list[str] = []
+        for entry in summoned:
+            problems.extend(_restore_handle(entry, writeback))
         for handle in handles:
             if handle.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
                 handle.set_training_state(HandleTrainingState.IDLE)
+        for s in flat_mode:
+            _switch_flat_mode(s, on=True)
         for s in states:
             _set_training_state(s, TrainingState.IDLE)
+    if problems:
+        raise RuntimeError("unshard_params(writeback=True) could not write back: " + "; ".join(problems))
 
 
 summon_full_params = unshard_params
 
 
-def _summon_handle(
-    handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
-) -> Optional[torch.Tensor]:
+def _in_flat_mode(state: _FSDPState) -> bool:
+    return any(h.module._parameters.get(h.name) is h.flat_param for h in state.handles)
+
+
+def _switch_flat_mode(state: _FSDPState, on: bool) -> None:
+    # The wrapper owns flat-parameter mode; imported here because the wrapper imports this module.
+    from fsdp_composable.wrapper import _use_flat_params, _use_orig_params
+
+    _use_flat_params(state) if on else _use_orig_params(state)
+
+
+@dataclass
+class _Summoned:
+    """One handle inside `unshard_params`: the full tensors its parameters (and gradients) view."""
+
+    handle: FlatParamHandle
+    full: Optional[torch.Tensor] = None  # None on ranks that hold no full values (rank0_only)
+    grad_full: Optional[torch.Tensor] = None
+    with_grads: bool = False
+    views: list[torch.Tensor] = field(default_factory=list)
+    grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)
+
+
+def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
     handle.stash_sharded_grads()  # the flat gradient now reflects what the user left in `.grad`
     full = _gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
-        return None
+        handle.expose_sharded_grads()
+        return _Summoned(handle)
     if offload_to_cpu:
         full = full.cpu()
         grad_full = grad_full.cpu() if grad_full is not None else None
+    if grad_full is not None and grad_full.dtype != full.dtype:  # keep_low_precision_grads: full precision here
+        grad_full = grad_full.to(full.dtype)
+    entry = _Summoned(handle, full, grad_full, with_grads)
     for param, info in zip(handle.params, handle.layout.infos):
-        param.data = full[info.offset : info.offset + info.numel].view(info.shape)
+        view = full[info.offset : info.offset + info.numel].view(info.shape)
+        param.data = view
+        entry.views.append(view)
+        grad_view = None
         if grad_full is not None and param.requires_grad:
-            param.grad = grad_full[info.offset : info.offset + info.numel].view(info.shape)
-    return full
+            grad_view = grad_full[info.offset : info.offset + info.numel].view(info.shape)
+        param.grad = grad_view
+        entry.grad_views.append(grad_view)
+    return entry
 
 
-def _gather_full_grad(handle: FlatParamHandle) -> torch.Tensor:
+def _gather_full_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
+    """The unit's full gradient, or None when no rank has one (before any backward, as in torch)."""
     grad = handle.flat_param.grad
+    has = torch.tensor([int(grad is not None)], device=handle.device)
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
+    if not has.item():
+        return None
     return _gather_full_flat(handle, grad.detach() if grad is not None else torch.zeros_like(handle.flat_param))
 
 
-def _restore_handle(handle: FlatParamHandle, full: Optional[torch.Tensor], writeback: bool) -> None:
-    if full is not None and writeback:
-        lo = handle.layout.rank * handle.layout.shard_numel
+def _is_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:
+    return (
+        tensor.data_ptr() == view.data_ptr()
+        and tensor.shape == view.shape
+        and tensor.dtype == view.dtype
+        and tensor.device == view.device
+    )
+
+
+def _restore_handle(entry: _Summoned, writeback: bool) -> list[str]:
+    """Write the full values (and gradients) back into the shard if asked; point the parameters at
+    the shard again. Returns what could not be written back, naming each parameter."""
+    handle = entry.handle
+    problems: list[str] = []
+    if entry.full is not None and writeback:
+        problems = _collect_edits(entry)
+        layout = handle.layout
+        lo, hi = layout.rank * layout.shard_numel, (layout.rank + 1) * layout.shard_numel
         with torch.no_grad():
-            handle.flat_param.data.copy_(full[lo : lo + handle.layout.shard_numel].to(handle.flat_param.device))
+            handle.flat_param.data.copy_(entry.full[lo:hi].to(handle.flat_param.device))
+            if entry.with_grads and entry.grad_full is not None:
+                _write_back_grad(handle, entry.grad_full[lo:hi])
     for param in handle.params:
         param.grad = None
     handle.use_sharded_views()
     handle.expose_sharded_grads()
+    return problems
+
+
+def _collect_edits(entry: _Summoned) -> list[str]:
+    """Fold ``p.data = t`` and ``p.grad = g`` (same shapes) into the full tensors the shard is copied from."""
+    handle, full = entry.handle, entry.full
+    assert full is not None
+    problems = []
+    for param, info, view, grad_view in zip(handle.params, handle.layout.infos, entry.views, entry.grad_views):
+        fqn = _join(handle.unit_fqn, info.fqn)
+        with torch.no_grad():
+            if not _is_view(param.data, view):
+                if param.shape != info.shape:
+                    problems.append(f"parameter '{fqn}' now has shape {tuple(param.shape)}, not {tuple(info.shape)}")
+                else:
+                    view.copy_(param.data)
+            if not entry.with_grads or not param.requires_grad:
+                continue
+            grad = param.grad
+            if grad_view is not None and grad is not None and _is_view(grad, grad_view):
+                continue
+            if grad is not None and grad.shape != info.shape:
+                problems.append(f"the gradient of '{fqn}' now has shape {tuple(grad.shape)}, not {tuple(info.shape)}")
+                continue
+            if grad is None and grad_view is None:
+                continue
+            if entry.grad_full is None:  # the first gradient of this unit: start from zeros
+                entry.grad_full = torch.zeros_like(full)
+            target = entry.grad_full[info.offset : info.offset + info.numel].view(info.shape)
+            target.zero_() if grad is None else target.copy_(grad)
+    return problems
+
+
+def _write_back_grad(handle: FlatParamHandle, local: torch.Tensor) -> None:
+    flat_grad = handle.flat_param.grad
+    if flat_grad is None:
+        _assign_grad(handle.flat_param, local.to(device=handle.flat_param.device, dtype=handle.flat_param.dtype))
+    else:
+        flat_grad.copy_(local)

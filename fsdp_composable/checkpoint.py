@@ -47,7 +47,7 @@ import contextlib
 import functools
 import inspect
 import sys
-from typing import Any, Callable, Generator
+from typing import Any, Callable, Generator, Iterator
 
 import torch
 from torch import nn
@@ -116,6 +116,24 @@ class CheckpointWrapper(nn.Module):
 
     def __getitem__(self, index: int) -> Any:
         return self._checkpoint_wrapped_module.__getitem__(index)  # type: ignore[operator]
+
+    def named_parameters(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, nn.Parameter]]:
+        """As ``nn.Module.named_parameters``, without the wrapper's attribute: the FQNs the state dict uses."""
+        for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
+            yield _strip_wrapped(name), param
+
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module.named_buffers``, without the wrapper's attribute."""
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield _strip_wrapped(name), buf
+
+
+def _strip_wrapped(name: str) -> str:
+    return name.replace(f"{WRAPPED}.", "")
 
 
 def checkpoint_wrapper(module: nn.Module, use_reentrant: bool = False) -> CheckpointWrapper:

@@ -738,7 +738,7 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     )
     expect(
         "fully_shard/meta_init_fn_no_argument",
-        """TypeError: fully_shard argument 'param_init_fn' cannot be called with the unit module '<root>' (Sequential): it must take one argument, the module to materialise""",
+        """TypeError: fully_shard argument 'param_init_fn' cannot be called with module '0' (Linear): it must take one argument, the module to materialise""",
     )
     expect(
         "fully_shard/sync_module_states_str",

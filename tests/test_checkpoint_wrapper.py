@@ -153,3 +153,16 @@ def test_fully_shard_after_activation_checkpointing(dist_run) -> None:
         assert r["forwards"] == 2 * 2 * 2, r  # 2 steps x 2 blocks x (forward + recomputation)
         assert r["grad_diff"] < 1e-6 and r["losses"] < 1e-6 and r["values"] < 1e-6, r
         assert r["keys"] and r["reloaded"], r
+
+
+def test_wrapper_named_parameters_match_state_dict() -> None:
+    """Upstream: test_checkpoint_wrapper.py (CheckpointWrapper.named_parameters() strips
+    ``_checkpoint_wrapped_module``): the wrapper's parameter and buffer FQNs are its state-dict keys."""
+    inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
+    wrapped = checkpoint_wrapper(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))
+    params = [n for n, _ in wrapped.named_parameters()]
+    buffers = [n for n, _ in wrapped.named_buffers()]
+    assert params == [n for n, _ in inner.named_parameters()]
+    assert buffers == [n for n, _ in inner.named_buffers()]
+    assert set(params) | set(buffers) == set(wrapped.state_dict())
+    assert [p for _, p in wrapped.named_parameters()] == list(wrapped.parameters())

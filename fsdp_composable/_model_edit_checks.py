@@ -1,0 +1,160 @@
+"""Checks, at the root's next forward, that nothing changed the sharded model behind fully_shard's back.
+
+[Note: edits of a sharded model]
+Between steps every original parameter is a view of its slice of the unit's flat shard, and every
+module that registered it still registers that same object. ``nn.Module`` methods can break either
+silently: ``model.half()`` / ``.to(dtype)`` / ``.to(device)`` and ``p.data = t`` repoint ``.data`` at a
+new tensor, which the next unshard would quietly undo (or, in flat-parameter mode, leave the views
+pointing at the old storage); ``module.weight = nn.Parameter(...)``, a new submodule, or tying a
+parameter to one in ``ignored_modules`` registers a tensor no unit manages, so each rank would train its
+own copy. We do not rebuild units on the fly; instead the root pre-forward calls `check_model_unchanged`,
+which raises an error naming the parameter's FQN and what to do. For a changed ``.data`` the sharded
+views are restored first, so the model stays usable after the error. The checks are identity and
+pointer comparisons: no collective, and a few microseconds per parameter.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Optional
+
+import torch
+from torch import nn
+from torch.nn.modules import module as _module_hooks
+
+from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
+from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
+from fsdp_composable._state_dict_utils import _join, close_stale_units
+
+__all__ = ["check_model_unchanged"]
+
+
+class ModelEditedAfterShardingError(RuntimeError):
+    """The model was changed after `fully_shard` in a way the sharded units cannot follow."""
+
+
+# [Note: cheap edit checks]
+# A full scan (every holder's registration, every module's parameters) costs milliseconds on a large
+# model, too much for every forward. Registering a parameter or a submodule goes through
+# ``nn.Module.register_parameter`` / ``register_module`` (also ``m.w = nn.Parameter(...)`` and
+# ``m.sub = nn.Linear(...)``), whose global registration hooks bump `_GENERATION`; the full scan runs
+# only when it moved since the root's last check. ``.data`` assignments (``.half()``, ``.to()``,
+# ``p.data = t``) have no hook, so every forward compares each parameter's data pointer with its
+# view's: two C calls per parameter.
+_GENERATION = [0]
+_CHECKED: "weakref.WeakKeyDictionary[_FSDPState, int]" = weakref.WeakKeyDictionary()
+
+
+def _bump(*args: object) -> None:
+    _GENERATION[0] += 1
+
+
+_module_hooks.register_module_parameter_registration_hook(_bump)
+_module_hooks.register_module_module_registration_hook(_bump)
+
+
+def check_model_unchanged(root: _FSDPState) -> None:
+    """Raise `ModelEditedAfterShardingError` if a parameter of any state under ``root`` was cast, moved,
+    reassigned or replaced, or a parameter was added, since `fully_shard` (see [Note: cheap edit checks])."""
+    states = root.all_states or [root]
+    for state in states:
+        close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
+    if _CHECKED.get(root) != _GENERATION[0]:
+        for state in states:
+            for handle in state.handles:
+                _check_handle(handle)
+        _check_no_new_parameters(root, states)
+        _CHECKED[root] = _GENERATION[0]
+    _restore_views(states)
+
+
+def _fqn(handle: FlatParamHandle, fqn: str) -> str:
+    return _join(handle.unit_fqn, fqn)
+
+
+def _check_handle(handle: FlatParamHandle) -> None:
+    flat = handle.flat_param
+    if flat.dtype != handle.dtype or flat.device != handle.shard_device:
+        # flat-parameter mode: `.half()`/`.to()` cast the registered flat parameter itself
+        _raise_cast(handle, handle.unit_fqn or "<root>", flat, "flat parameter of unit", restored=False)
+    for param, info in zip(handle.params, handle.layout.infos):
+        for module, attr, fqn in info.holders:
+            # flat-parameter mode keeps original parameters as plain attributes instead
+            if module._parameters.get(attr) is not param and module.__dict__.get(attr) is not param:
+                _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
+
+
+def _restore_views(states: list[_FSDPState]) -> None:
+    """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
+    first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
+    for state in states:
+        for handle in state.handles:
+            views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+            if all(p.data_ptr() == v.data_ptr() for p, v in zip(handle.params, views)):
+                continue
+            changed = False
+            for param, info, view in zip(handle.params, handle.layout.infos, views):
+                if param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape:
+                    continue
+                changed = True
+                if first is None:
+                    first = (handle, _fqn(handle, info.fqn), param.data)
+            if changed:
+                handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+    if first is not None:
+        _raise_cast(*first, "parameter", restored=True)
+
+
+def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:
+    if data.dtype != handle.dtype:
+        raise ModelEditedAfterShardingError(
+            f"{what} '{fqn}' was cast from {handle.dtype} to {data.dtype} after fully_shard (model.half(), "
+            f".to(dtype), .bfloat16(), ...). fully_shard keeps parameters in the dtype they had when it was "
+            f"called: to compute in {data.dtype}, pass mixed_precision=MixedPrecision(param_dtype={data.dtype}) "
+            "to fully_shard, or cast the model before calling fully_shard."
+            + (f" The parameters were put back to {handle.dtype}" if restored else "")
+        )
+    if data.device != handle.shard_device:
+        raise ModelEditedAfterShardingError(
+            f"{what} '{fqn}' was moved from {handle.shard_device} to {data.device} after fully_shard "
+            "(model.to(device), .cuda(), .cpu()). Move the model before calling fully_shard (or pass device_id=)."
+            + (f" The parameters were put back on {handle.shard_device}" if restored else "")
+        )
+    raise ModelEditedAfterShardingError(
+        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t): between steps it must stay a view "
+        "of this rank's shard. Change values in place inside `with unshard_params(model, writeback=True):` "
+        "(p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone"
+    )
+
+
+def _raise_replaced(fqn: str, current: object) -> None:
+    now = "nothing" if current is None else f"a new {type(current).__name__}"
+    raise ModelEditedAfterShardingError(
+        f"parameter '{fqn}' was replaced after fully_shard (its module now registers {now}), so the units "
+        "no longer manage it and each rank would train its own copy. Build the model completely (new "
+        "parameters, tied weights, swapped submodules) before calling fully_shard, or assign values in place "
+        "inside `with unshard_params(model, writeback=True):`"
+    )
+
+
+def _check_no_new_parameters(root: _FSDPState, states: list[_FSDPState]) -> None:
+    # A parameter tied (before fully_shard) to one in ignored_modules is ignored everywhere, like FSDP1.
+    ignored_modules = {m for s in states for m in s.ignored_modules}
+    ignored_params = {p for s in states for p in s.ignored_params}
+    for name, module in root.module.named_modules():
+        if module in ignored_modules:
+            continue
+        for attr, param in module._parameters.items():
+            if param is None or type(param) is FlatParameter or getattr(param, FSDP_FLATTENED, False):
+                continue
+            if param not in ignored_params:
+                _raise_added(_join(name, attr), module)
+
+
+def _raise_added(fqn: str, module: nn.Module) -> None:
+    raise ModelEditedAfterShardingError(
+        f"parameter '{fqn}' ({type(module).__name__}) was added or replaced after fully_shard, so no unit manages it "
+        "and each "
+        "rank would train its own copy. Add parameters and submodules before calling fully_shard, or put the "
+        "new module in ignored_modules of a fully_shard call made after adding it"
+    )

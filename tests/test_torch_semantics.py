@@ -1,0 +1,652 @@
+"""Behaviours torch FSDP users rely on (issue 13): state dicts of every module shape, writes and casts
+after sharding, sizes, and meta-device init. Each test names the upstream torch test it is derived from;
+every comparison is exact, against the plain (unsharded) model."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import re
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from models import Block, OddMLP, TinyGPT
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_composable import (
+    FullStateDictConfig,
+    FullyShardedDataParallel,
+    MixedPrecision,
+    ModuleWrapPolicy,
+    StateDictType,
+    checkpoint_wrapper,
+    describe,
+    fully_shard,
+    state_dict_type,
+    unshard_params,
+)
+
+FULL, SHARDED = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT
+
+
+def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return list(a) == list(b) and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def _full_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
+
+
+def _error(fn: Any) -> str:
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what we compare
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+# ---------------------------------------------------------------------------- state dicts
+class WithWrapperInside(nn.Module):
+    """A unit (``body``) with a checkpoint wrapper inside it and a padded odd size."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(5, 7), checkpoint_wrapper(nn.Linear(7, 3)), nn.Linear(3, 5))
+        self.out = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x))
+
+
+def wrapper_inside_unit() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = WithWrapperInside()
+    model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({nn.Sequential}))
+    out: dict[str, Any] = {"full": _same(model.state_dict(), ref.state_dict())}
+    with state_dict_type(model, SHARDED):
+        out["sharded"] = _same(_full_values(model.state_dict()), ref.state_dict())
+    torch.manual_seed(1)
+    other = WithWrapperInside()
+    model.load_state_dict(other.state_dict())
+    out["loaded"] = _same(model.state_dict(), other.state_dict())
+    out["keys"] = list(ref.state_dict())
+    return out
+
+
+def test_checkpoint_wrapper_inside_unit_full_shapes(dist_run) -> None:
+    """Upstream: test_fsdp_state_dict.py::test_state_dict_with_manual_ac_wrapper and
+    test_fsdp_checkpoint.py (a checkpoint wrapper inside an FSDP unit saves full, unprefixed values)."""
+    for r in dist_run(2, wrapper_inside_unit):
+        assert r["full"] and r["sharded"] and r["loaded"], r
+        assert "body.1.weight" in r["keys"]
+
+
+class SharedModule(nn.Module):
+    """One Linear under two FQNs (``a`` and ``b``), and an embedding tied to a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(11, 6)
+        self.a = nn.Linear(6, 6)
+        self.b = self.a
+        self.blocks = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 11, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(self.blocks(self.b(self.a(self.emb(idx)))))
+
+
+def shared_module(policy: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = SharedModule()
+    policies = {"none": None, "linear": ModuleWrapPolicy({nn.Linear}), "seq": ModuleWrapPolicy({nn.Sequential})}
+    model = fully_shard(copy.deepcopy(ref), policies[policy])
+    out = {"full": _same(model.state_dict(), ref.state_dict())}
+    with state_dict_type(model, SHARDED):
+        out["sharded"] = _same(_full_values(model.state_dict()), ref.state_dict())
+    torch.manual_seed(1)
+    other = SharedModule()
+    model.load_state_dict(other.state_dict())
+    out["loaded"] = _same(model.state_dict(), other.state_dict())
+    out["still_shared"] = model.a is model.b and model.head.weight is model.emb.weight
+    return out
+
+
+@pytest.mark.parametrize("policy", ["none", "linear", "seq"])
+def test_shared_module_under_two_fqns(dist_run, policy: str) -> None:
+    """Upstream: test_fsdp_state_dict.py::test_shared_module_and_shared_parameter (every key, full shape,
+    equal to the plain model's state_dict())."""
+    for r in dist_run(2, shared_module, policy):
+        assert all(r.values()), r
+
+
+def sharded_key_missing_on_one_rank(case: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}))
+    before = model.state_dict()
+    with state_dict_type(model, SHARDED):
+        sd = model.state_dict()
+        torch.manual_seed(1)
+        for v in sd.values():
+            if isinstance(v, DTensor):
+                v.to_local().normal_()  # a different checkpoint: a partial load would be visible
+        if dist.get_rank() == 1:
+            if case == "missing":
+                del sd["l2.0.weight"]
+            else:
+                sd["l9.weight"] = sd["l1.weight"]
+        msg = _error(lambda: model.load_state_dict(sd, strict=False))
+    after = model.state_dict()
+    return {
+        "msg": msg,
+        "unchanged_key": torch.equal(after["l2.0.weight"], before["l2.0.weight"]),
+        "after": after,
+    }
+
+
+@pytest.mark.parametrize("case", ["missing", "extra"])
+def test_sharded_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
+    """Upstream: test_fsdp_state_dict.py::test_full_state_dict_missing_unexpected_keys_cleaned (strict key
+    checks), for SHARDED: a key some ranks lack is an error on every rank, even with strict=False, and never
+    zeros loaded silently."""
+    rs = dist_run(2, sharded_key_missing_on_one_rank, case)
+    key = "l2.0.weight" if case == "missing" else "l9.weight"
+    for r in rs:
+        assert r["msg"].startswith("RuntimeError: Error(s) in loading state_dict for OddMLP"), r["msg"]
+        assert f"SHARDED_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks" in r["msg"]
+        assert r["unchanged_key"] or case == "extra"  # a parameter loaded on only some ranks keeps its values
+    assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+
+
+def rank0_only_load() -> str:
+    torch.manual_seed(0)
+    model = fully_shard(OddMLP())
+    config = FullStateDictConfig(rank0_only=True)
+    with state_dict_type(model, FULL, config):
+        sd = model.state_dict()
+        return _error(lambda: model.load_state_dict(sd))
+
+
+def test_rank0_only_full_state_dict_load_is_a_clear_error(dist_run) -> None:
+    """Upstream: test_fsdp_state_dict.py::test_state_dict_rank0_offload_save_load (torch loads a rank0_only
+    checkpoint on every rank after broadcasting it itself); loading under rank0_only is an error on every rank."""
+    msgs = dist_run(2, rank0_only_load)
+    assert msgs[0] == msgs[1]
+    expecttest.TestCase().assertExpectedInline(
+        msgs[0],
+        """ValueError: load_state_dict under FULL_STATE_DICT with FullStateDictConfig(rank0_only=True) is not supported: rank0_only only applies to saving (other ranks would have nothing to load). Load with rank0_only=False and the full state dict on every rank (e.g. torch.load it on every rank, or send it with torch.distributed.broadcast_object_list), or load it into the unsharded model on rank 0 before fully_shard(..., sync_module_states=True)""",  # noqa: E501
+    )
+
+
+class FusedAttention(nn.Module):
+    """torchtitan-style: one fused QKV weight in memory, three weights in checkpoints (split by a
+    state-dict post-hook, fused again by a load pre-hook)."""
+
+    SEEN: list[tuple[str, tuple[int, ...]]] = []
+
+    def __init__(self, d: int = 6) -> None:
+        super().__init__()
+        self.d = d
+        self.wqkv = nn.Parameter(torch.randn(3 * d, d))
+        self.proj = nn.Linear(d, d)
+        self.register_state_dict_post_hook(FusedAttention._split)
+        self._register_load_state_dict_pre_hook(FusedAttention._fuse)
+
+    @staticmethod
+    def _split(module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any) -> None:
+        fused = state_dict.pop(prefix + "wqkv")
+        FusedAttention.SEEN.append(("save", tuple(fused.shape)))
+        for name, part in zip(("wq", "wk", "wv"), fused.chunk(3, dim=0)):
+            state_dict[prefix + name] = part
+
+    @staticmethod
+    def _fuse(state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
+        parts = [state_dict.pop(prefix + name) for name in ("wq", "wk", "wv") if prefix + name in state_dict]
+        if parts:
+            FusedAttention.SEEN.append(("load", tuple(parts[0].shape)))
+            state_dict[prefix + "wqkv"] = torch.cat(parts, dim=0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (x @ w.t() for w in self.wqkv.chunk(3, dim=0))
+        return self.proj(F.softmax(q @ k.transpose(-1, -2), dim=-1) @ v)
+
+
+class FusedModel(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 6)
+        self.layers = nn.ModuleList(FusedAttention() for _ in range(2))
+        self.out = nn.Linear(6, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.inp(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.out(x)
+
+
+def fused_qkv_hooks(policy_name: str) -> dict[str, Any]:
+    FusedAttention.SEEN.clear()
+    torch.manual_seed(0)
+    ref = FusedModel()
+    policy = ModuleWrapPolicy({FusedAttention}) if policy_name == "layers" else None
+    model = fully_shard(copy.deepcopy(ref), policy)
+    expected = ref.state_dict()
+    FusedAttention.SEEN.clear()
+    out: dict[str, Any] = {"full": _same(model.state_dict(), expected)}
+    with state_dict_type(model, SHARDED):
+        sharded = model.state_dict()
+        out["sharded"] = _same(_full_values(sharded), expected)
+        torch.manual_seed(1)
+        other = FusedModel()
+        with state_dict_type(fully_shard(other), SHARDED):
+            other_sharded = other.state_dict()
+        model.load_state_dict(other_sharded)
+    out["sharded_load"] = _same(model.state_dict(), other.state_dict())
+    model.load_state_dict(expected)  # FULL load of the plain model's checkpoint
+    out["full_load"] = _same(model.state_dict(), expected)
+    out["seen"] = sorted(set(FusedAttention.SEEN))
+    x = torch.randn(3, 5)
+    out["forward"] = torch.equal(model(x), ref(x))
+    return out
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("policy", ["root", "layers"])
+def test_submodule_state_dict_hooks_see_original_shapes(dist_run, world: int, policy: str) -> None:
+    """Upstream: test/distributed/_composable/fsdp/test_fully_shard_state_dict.py (state-dict hooks of the
+    model's own modules see DTensors of the original shapes; torchtitan splits a fused QKV weight this way)."""
+    for r in dist_run(world, fused_qkv_hooks, policy):
+        assert r["full"] and r["sharded"] and r["sharded_load"] and r["full_load"] and r["forward"], r
+        assert r["seen"] == [("load", (6, 6)), ("save", (18, 6))], r["seen"]
+
+
+# ---------------------------------------------------------------------------- unshard_params writeback
+def _mlp_pair(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(seed)
+    ref = OddMLP()
+    return ref, fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({nn.Sequential}))
+
+
+def _batch() -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(7)
+    return torch.randn(4, 5, generator=g), torch.randn(4, 1, generator=g)
+
+
+def unshard_writeback() -> dict[str, Any]:
+    ref, model = _mlp_pair()
+    out: dict[str, Any] = {}
+    with unshard_params(model, with_grads=True):
+        out["grads_none_before_backward"] = all(p.grad is None for p in model.parameters())
+        model.l1.weight.data = torch.full((7, 5), 0.5)  # assignment
+        with torch.no_grad():
+            model.l2[0].bias.copy_(torch.arange(3.0))  # in place
+    with torch.no_grad():
+        ref.l1.weight.data = torch.full((7, 5), 0.5)
+        ref.l2[0].bias.copy_(torch.arange(3.0))
+    out["edits_persist"] = _same(model.state_dict(), ref.state_dict())
+    x, y = _batch()
+    F.mse_loss(model(x), y).backward()  # the same batch on every rank: the mean gradient is ref's
+    F.mse_loss(ref(x), y).backward()
+    with unshard_params(model, with_grads=True):
+        out["grads_full"] = all(
+            p.grad is not None and torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters())
+        )
+        model.l1.weight.grad.mul_(2)  # in place
+        model.l3.bias.grad = torch.full((1,), 3.0)  # assignment
+    ref.l1.weight.grad.mul_(2)
+    ref.l3.bias.grad = torch.full((1,), 3.0)
+    with unshard_params(model, with_grads=True):
+        out["grad_edits_persist"] = all(
+            torch.equal(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters())
+        )
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    torch.optim.SGD(ref.parameters(), lr=0.1).step()
+    out["step_sees_edits"] = _same(model.state_dict(), ref.state_dict())
+    return out
+
+
+def test_unshard_params_writeback_and_grads(dist_run) -> None:
+    """Upstream: test_fsdp_unshard_params.py::test_unshard_params_writeback and
+    test_unshard_params_param_data (p.data = t and in-place writes persist), test_fsdp_summon_full_params.py::
+    test_with_grads_none_grads (None before any backward) and test_with_grads_core (full gradients)."""
+    for r in dist_run(2, unshard_writeback):
+        assert all(r.values()), r
+
+
+def unshard_low_precision_grads() -> dict[str, Any]:
+    torch.manual_seed(0)
+    mp = MixedPrecision(param_dtype=torch.bfloat16, keep_low_precision_grads=True)
+    model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
+    x, y = _batch()
+    F.mse_loss(model(x).float(), y).backward()
+    local = {n: p.grad.clone() for n, p in model.named_parameters()}
+    with unshard_params(model, with_grads=True):
+        dtypes = {str(p.grad.dtype) for p in model.parameters()}
+        shapes_ok = all(p.grad.shape == p.shape for p in model.parameters())
+    after = {n: p.grad for n, p in model.named_parameters()}
+    return {
+        "dtypes": sorted(dtypes),
+        "shapes_ok": shapes_ok,
+        "unchanged": all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], local[n]) for n in local),
+    }
+
+
+def test_unshard_params_with_grads_keep_low_precision_grads(dist_run) -> None:
+    """Upstream: test_fsdp_summon_full_params.py::test_with_grads_core (with mixed precision): full-precision
+    full gradients inside, the low-precision sharded gradients unchanged after."""
+    for r in dist_run(2, unshard_low_precision_grads):
+        assert r == {"dtypes": ["torch.float32"], "shapes_ok": True, "unchanged": True}, r
+
+
+def unshard_submodule_flat_mode() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    wrapper = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    block = wrapper.module.blocks[0]
+    flat_before = [n for n, _ in block.named_parameters()]
+    with unshard_params(block):
+        inside = {n: p.detach().clone() for n, p in block.named_parameters()}
+        root_sharded = wrapper.module.tok.weight.dim() == 1  # other units stay sharded
+    expected = dict(ref.blocks[0].named_parameters())
+    return {
+        "flat_before": flat_before,
+        "orig_inside": list(inside) == list(expected) and all(torch.equal(inside[n], expected[n]) for n in inside),
+        "flat_after": [n for n, _ in block.named_parameters()] == flat_before,
+        "root_sharded": root_sharded,
+    }
+
+
+def test_unshard_params_on_submodule_of_flat_wrapper(dist_run) -> None:
+    """Upstream: test_fsdp_unshard_params.py::test_unshard_submodule (unsharding one nested unit exposes its
+    original parameters with full values; the rest stay sharded)."""
+    for r in dist_run(2, unshard_submodule_flat_mode):
+        assert r["flat_before"] == ["_flat_param"], r
+        assert r["orig_inside"] and r["flat_after"] and r["root_sharded"], r
+
+
+# ---------------------------------------------------------------------------- edits after sharding
+def casts_after_sharding() -> dict[str, str]:
+    out = {}
+    x, y = _batch()
+    for name, cast in {
+        "half": lambda m: m.half(),
+        "double": lambda m: m.double(),
+        "bfloat16": lambda m: m.bfloat16(),
+        "to_dtype": lambda m: m.to(torch.float16),
+    }.items():
+        ref, model = _mlp_pair()
+        F.mse_loss(model(x), y).backward()
+        cast(model)
+        out[name] = _error(lambda m=model: m(x))
+        model.zero_grad()
+        model.float()  # buffers, if any; parameters were put back by the error
+        ok = torch.equal(model(x), ref(x))  # noqa: B023
+        out[name + "_usable_after"] = str(ok)
+    return out
+
+
+def test_cast_after_sharding_is_a_clear_error(dist_run) -> None:
+    """No upstream FSDP1 test pins this (FSDP2 casts its DTensor shards). ``.half()``/``.double()``/
+    ``.bfloat16()``/``.to(dtype)`` after fully_shard: an error naming fully_shard and MixedPrecision at the
+    next forward, never a dtype error inside a matmul or a silent undo; the model stays usable."""
+    r = dist_run(2, casts_after_sharding)[0]
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        r["half"],
+        """ModelEditedAfterShardingError: parameter 'l1.weight' was cast from torch.float32 to torch.float16 after fully_shard (model.half(), .to(dtype), .bfloat16(), ...). fully_shard keeps parameters in the dtype they had when it was called: to compute in torch.float16, pass mixed_precision=MixedPrecision(param_dtype=torch.float16) to fully_shard, or cast the model before calling fully_shard. The parameters were put back to torch.float32""",  # noqa: E501
+    )
+    for name in ("double", "bfloat16", "to_dtype"):
+        assert r[name].startswith("ModelEditedAfterShardingError: parameter 'l1.weight' was cast from torch.float32"), r
+        assert "MixedPrecision(param_dtype=" in r[name]
+        assert r[name + "_usable_after"] == "True"
+    assert r["half_usable_after"] == "True"
+
+
+def edits_after_sharding() -> dict[str, str]:
+    x, y = _batch()
+    out = {}
+
+    _, model = _mlp_pair()
+    model.l2[0].weight = nn.Parameter(torch.zeros(3, 7))
+    out["replaced"] = _error(lambda: model(x))
+    _, model = _mlp_pair()
+    model.extra = nn.Linear(2, 2)
+    out["added"] = _error(lambda: model(x))
+    _, model = _mlp_pair()
+    model.l3.weight.data = torch.zeros(7)
+    out["data_assigned"] = _error(lambda: model(x))
+    out["data_assigned_usable_after"] = str(model(x).shape == (4, 1))
+    return out
+
+
+def test_params_replaced_or_added_after_sharding(dist_run) -> None:
+    """Upstream: test_fsdp_misc.py (FSDP1 checks parameters are unchanged since construction); parameters
+    added, replaced or with .data reassigned after fully_shard: an error at the next forward naming the FQN."""
+    r = dist_run(2, edits_after_sharding)[0]
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        r["replaced"],
+        """ModelEditedAfterShardingError: parameter 'l2.0.weight' was replaced after fully_shard (its module now registers a new Parameter), so the units no longer manage it and each rank would train its own copy. Build the model completely (new parameters, tied weights, swapped submodules) before calling fully_shard, or assign values in place inside `with unshard_params(model, writeback=True):`""",  # noqa: E501
+    )
+    tc.assertExpectedInline(
+        r["added"],
+        """ModelEditedAfterShardingError: parameter 'extra.weight' (Linear) was added or replaced after fully_shard, so no unit manages it and each rank would train its own copy. Add parameters and submodules before calling fully_shard, or put the new module in ignored_modules of a fully_shard call made after adding it""",  # noqa: E501
+    )
+    tc.assertExpectedInline(
+        r["data_assigned"],
+        """ModelEditedAfterShardingError: parameter 'l3.weight' had its .data replaced after fully_shard (p.data = t): between steps it must stay a view of this rank's shard. Change values in place inside `with unshard_params(model, writeback=True):` (p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone""",  # noqa: E501
+    )
+    assert r["data_assigned_usable_after"] == "True"
+
+
+def reset_inside_unshard_params() -> bool:
+    ref, model = _mlp_pair()
+    with unshard_params(model):
+        torch.manual_seed(5)  # the same seed on every rank: every rank draws the same values
+        for m in model.modules():
+            if isinstance(m, nn.Linear):
+                m.reset_parameters()
+    torch.manual_seed(5)
+    for m in ref.modules():
+        if isinstance(m, nn.Linear):
+            m.reset_parameters()
+    return _same(model.state_dict(), ref.state_dict())
+
+
+def test_reset_parameters_after_sharding(dist_run) -> None:
+    """Upstream: test_fsdp_meta.py (reset_parameters on full parameters). Re-initialising after sharding is
+    supported inside ``unshard_params(writeback=True)``, seeded alike on every rank: exactly the plain reset."""
+    assert dist_run(2, reset_inside_unshard_params) == [True, True]
+
+
+class TiedToIgnored(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(9, 4)
+        self.mid = nn.Linear(4, 4)
+        self.head = nn.Linear(4, 9, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(idx))))
+
+
+def tied_to_ignored() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = TiedToIgnored()
+    model = copy.deepcopy(ref)
+    fully_shard(model, ignored_modules=[model.emb])
+    idx = torch.arange(6).view(2, 3)  # the same batch on every rank
+    for m in (model, ref):
+        m(idx).sum().backward()
+        torch.optim.SGD(m.parameters(), lr=0.1).step()
+    out = {
+        "tied": model.head.weight is model.emb.weight,
+        "state_dict": _same(model.state_dict(), ref.state_dict()),
+    }
+    model.head.weight = nn.Parameter(torch.zeros(9, 4))  # untied after sharding
+    out["retied_msg"] = _error(lambda: model(idx)).split(" (")[0]  # "... (Linear) was added or replaced ..."
+    return out
+
+
+def test_param_tied_to_ignored_module(dist_run) -> None:
+    """Upstream: test_fsdp_ignored_modules.py (a parameter shared with an ignored module is ignored
+    everywhere, FSDP1's rule): it stays tied and trains like the plain model; re-tying after sharding errors."""
+    for r in dist_run(2, tied_to_ignored):
+        assert r["tied"] and r["state_dict"], r
+        assert r["retied_msg"] == "ModelEditedAfterShardingError: parameter 'head.weight'", r["retied_msg"]
+
+
+@dataclasses.dataclass
+class Inputs:
+    x: torch.Tensor
+    ids: torch.Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class FrozenInputs:
+    x: torch.Tensor
+    ids: torch.Tensor
+
+
+class TakesDataclass(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 2)
+        self.seen: list[tuple[str, str]] = []
+
+    def forward(self, inp: Any) -> torch.Tensor:
+        self.seen.append((str(inp.x.dtype), str(inp.ids.dtype)))
+        return self.lin(inp.x)
+
+
+def dataclass_inputs() -> dict[str, Any]:
+    model = fully_shard(TakesDataclass(), mixed_precision=MixedPrecision(param_dtype=torch.bfloat16))
+    out: dict[str, Any] = {}
+    for cls in (Inputs, FrozenInputs):
+        inp = cls(torch.randn(4, 3), torch.arange(4))
+        y = model(inp)
+        out[cls.__name__] = (y.dtype, inp.x.dtype)  # the caller's instance is not modified
+    out["seen"] = model.seen
+    return out
+
+
+def test_mixed_precision_casts_dataclass_inputs(dist_run) -> None:
+    """Upstream: test/distributed/test_utils.py::test_apply_to_tensors (dataclasses, frozen too), which FSDP's
+    MixedPrecision input casting uses: floating tensors inside dataclass inputs are cast, integers are not."""
+    r = dist_run(1, dataclass_inputs)[0]
+    assert r["Inputs"] == r["FrozenInputs"] == (torch.bfloat16, torch.float32), r
+    assert r["seen"] == [("torch.bfloat16", "torch.int64")] * 2, r
+
+
+# ---------------------------------------------------------------------------- sizes
+def sizes() -> dict[str, int]:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({Block}))
+    plan = describe(model)
+    return {
+        "plain": sum(p.numel() for p in ref.parameters()),
+        "local": sum(p.numel() for p in model.parameters()),
+        "plan_numel": plan.numel,
+        "plan_shard": plan.shard_numel,
+        "inside_unshard": _numel_inside(model),
+    }
+
+
+def _numel_inside(model: nn.Module) -> int:
+    with unshard_params(model, writeback=False):
+        return sum(p.numel() for p in model.parameters())
+
+
+def test_sizes_between_steps(dist_run) -> None:
+    """Upstream: test/distributed/_composable/fsdp/test_fully_shard_init.py (FSDP2 parameters are DTensors of
+    the global shape). Ours are local 1-D views: ``sum(p.numel())`` counts this rank's shard, ``describe``
+    gives the model's total (documented in docs/migration.md)."""
+    rs = dist_run(2, sizes)
+    plain = rs[0]["plain"]
+    assert sum(r["local"] for r in rs) == plain  # each element counted on exactly one rank
+    for r in rs:
+        assert r["plan_numel"] == r["inside_unshard"] == plain
+        assert r["local"] <= r["plan_shard"] < plain
+
+
+# ---------------------------------------------------------------------------- meta-device init
+class MyLinear(nn.Linear):
+    def reset_parameters(self) -> None:
+        torch.manual_seed(42)
+        with torch.no_grad():
+            nn.init.xavier_uniform_(self.weight, 1.0)  # depends on the full shape
+
+
+class MyBuffer(nn.Module):
+    def __init__(self, device: Any = None) -> None:
+        super().__init__()
+        self.register_buffer("buf", torch.empty(3, 3, device=device))
+
+    def reset_parameters(self) -> None:
+        torch.manual_seed(42)
+        nn.init.xavier_uniform_(self.buf, 0.5)
+
+
+class MetaModel(nn.Module):
+    def __init__(self, device: Any = None) -> None:
+        super().__init__()
+        self.lin1 = MyLinear(2, 2, bias=False, device=device)
+        self.lin2 = MyLinear(2, 2, bias=False, device=device)
+        self.buf_mod = MyBuffer(device)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin2(self.lin1(x)) + self.buf_mod.buf.sum()
+
+
+def _to_empty_then_reset(m: nn.Module) -> None:
+    m.to_empty(device="cpu", recurse=False)
+    m.reset_parameters()
+
+
+def meta_init(kind: str, policy_name: str) -> dict[str, Any]:
+    ref = MetaModel()
+    for m in ref.modules():
+        if hasattr(m, "reset_parameters"):
+            m.reset_parameters()
+    model = MetaModel(device="meta")
+    policy = ModuleWrapPolicy({MyLinear}) if policy_name == "linear" else None
+    fully_shard(model, policy, param_init_fn=_to_empty_then_reset if kind == "fn" else None)
+    out = {
+        "no_meta": not any(t.is_meta for t in [*model.parameters(), *model.buffers()]),
+        "init_equal": _same(model.state_dict(), ref.state_dict()),
+    }
+    x = torch.randn(10, 2, generator=torch.Generator().manual_seed(3))  # the same batch on every rank
+    for m in (model, ref):
+        m(x).sum().backward()
+        torch.optim.SGD(m.parameters(), lr=1e-3).step()
+    out["step_equal"] = _same(model.state_dict(), ref.state_dict())
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fn", "default"])
+@pytest.mark.parametrize("policy", ["root", "linear"])
+def test_meta_init_per_module(dist_run, kind: str, policy: str) -> None:
+    """Upstream: test_fsdp_meta.py::test_simple_model_with_meta_device_reset_params (param_init_fn is called
+    per module, so ``to_empty(recurse=False); reset_parameters()`` works) and
+    test_simple_model_with_meta_device_default_init (a buffer-only meta module is materialised too)."""
+    for r in dist_run(2, meta_init, kind, policy):
+        assert all(r.values()), r
+
+
+# ---------------------------------------------------------------------------- dependencies
+def test_numpy_is_declared() -> None:
+    """torch.distributed's object collectives (all_gather_object, used by DCP planning and by our SHARDED
+    key check) convert through numpy, so it is a runtime dependency."""
+    with open(os.path.join(os.path.dirname(__file__), "..", "pyproject.toml")) as f:
+        deps = re.search(r"^dependencies = \[(.*)\]$", f.read(), re.MULTILINE)
+    assert deps is not None and '"numpy>=' in deps.group(1), deps
