@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_composable import _reduce_utils
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -18,6 +19,7 @@ from fsdp_composable._common_utils import (
     _set_training_state,
 )
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat
 from fsdp_composable.api import _check_bool
 
@@ -88,6 +90,7 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
     _check_idle(states)
     handles = [h for s in states for h in s.handles]
     fulls: list[Optional[torch.Tensor]] = []
@@ -114,7 +117,7 @@ summon_full_params = unshard_params
 def _summon_handle(
     handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Optional[torch.Tensor]:
-    handle.stash_sharded_grads()  # the flat gradient now reflects what the user left in `.grad`
+    _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     full = _gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
@@ -142,4 +145,4 @@ def _restore_handle(handle: FlatParamHandle, full: Optional[torch.Tensor], write
     for param in handle.params:
         param.grad = None
     handle.use_sharded_views()
-    handle.expose_sharded_grads()
+    _reduce_utils.expose_sharded_grads(handle)
