@@ -24,7 +24,7 @@ from torch import nn
 
 from fsdp_composable import _reduce_utils
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
-from fsdp_composable._runtime_utils import _in_backward, _settle_unfinished_step
+from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -70,11 +70,11 @@ def _check_root(outer: _FSDPState, module: nn.Module, api: str, why: str) -> Non
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally, without communication, until the context exits."""
     states = _root_states(module, "no_sync", "it must skip the reduction of every unit")
-    if _in_backward():
-        raise RuntimeError("no_sync must be entered between steps, not during backward")
     # A step that stopped midway is closed first; between a forward and its backward is fine (the
     # choice to reduce is made at each unit's post-backward), as in torch FSDP.
-    _settle_if_stopped(states[0])
+    _settle_unfinished_step(states[0])
+    if _in_backward() or _forward_running(states[0]):
+        raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
     previous = [s.sync_gradients for s in states]
     for s in states:
         s.sync_gradients = False
@@ -93,7 +93,7 @@ def clip_grad_norm_(
     equal to the unsharded model's. A collective: call it on every rank."""
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
-    _settle_if_stopped(states[0])
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
     group = states[0].process_group
     sharded, replicated = _grads_by_placement(module, states)
     device = states[0].device
@@ -119,11 +119,6 @@ def clip_grad_norm_(
         return total
     # as torch FSDP: computed in float32, returned in the gradients' (promoted) dtype
     return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
-
-
-def _settle_if_stopped(state: _FSDPState) -> None:
-    """Close a step that stopped midway before touching the gradients (see `_runtime_utils`)."""
-    _settle_unfinished_step(state)
 
 
 def _check_clip_args(module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int, str]) -> float:

@@ -441,6 +441,12 @@ def _frames() -> Iterator[Any]:
         frame = frame.f_back  # type: ignore[assignment]
 
 
+def _forward_running(state: _FSDPState) -> bool:
+    """Whether the root forward of ``state``'s root is running on the stack now."""
+    root = state.root_state if state.root_state is not None else state
+    return root.ctx is not None and _live_forward(root.ctx)
+
+
 def _settle_unfinished_step(state: _FSDPState) -> None:
     """At an entry point between steps (``no_sync``, ``clip_grad_norm_``, ``unshard_params``): close
     a step that stopped midway (abort), or one whose backward will not come because its forward
