@@ -1,4 +1,7 @@
-"""The per-call state `_FSDPState`, its `TrainingState` machine, and traversal helpers."""
+"""The per-call state `_FSDPState`, its `TrainingState` machine, and traversal helpers.
+
+Imports flow one way: this module uses `_flat_param`, `_config` and `_state_machine`, none of which
+imports it back."""
 
 from __future__ import annotations
 
@@ -11,39 +14,22 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable._composable_state import _get_module_state
-from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy, StateDictConfig, StateDictType
+from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat_param import FSDP_FLATTENED, FlatParamHandle
+from fsdp_composable._state_machine import StateTransitionError, Transitions, check_transition
+from fsdp_composable.api import BackwardPrefetch, StateDictConfig, StateDictType
 
 if TYPE_CHECKING:
     from fsdp_composable._exec_order_utils import _ExecOrderData
-    from fsdp_composable._flat_param import FlatParamHandle
     from fsdp_composable._limiter_utils import _AllGatherLimiter
+    from fsdp_composable._root_context import RootContext
 
-__all__ = ["FSDP_FLATTENED", "TrainingState", "_FSDPState"]
-
-# Attribute set on every original parameter that a unit manages, so that a later call (manual
-# nesting) or another composable API never flattens it twice.
-FSDP_FLATTENED = "_fsdp_flattened"
+__all__ = ["FSDP_FLATTENED", "StateTransitionError", "TrainingState", "UnitConfig", "_FSDPState"]
 
 API_NAME = "fully_shard"
 
 # Set on original parameters while a wrapper exposes flat parameters instead (use_orig_params=False).
 FLAT_MODE = "_fsdp_flat_mode"
-
-
-class StateTransitionError(RuntimeError):
-    """An illegal transition of a `TrainingState` or `HandleTrainingState`."""
-
-
-def _check_transition(
-    kind: str, where: str, current: enum.Enum, new: enum.Enum, allowed: dict[Any, frozenset[Any]]
-) -> None:
-    if new not in allowed[current]:
-        raise StateTransitionError(
-            f"{kind} of {where} cannot go from {current.name} to {new.name} "
-            f"(allowed from {current.name}: {sorted(s.name for s in allowed[current]) or 'none'}). "
-            "This usually means a previous forward/backward raised midway or modules ran in an order "
-            "fully_shard does not support; see docs/errors.md"
-        )
 
 
 class TrainingState(enum.Enum):
@@ -54,20 +40,11 @@ class TrainingState(enum.Enum):
     SUMMON_FULL_PARAMS = enum.auto()
 
 
-_TRAINING_TRANSITIONS: dict[Any, frozenset[Any]] = {
+_TRAINING_TRANSITIONS: Transitions = {
     TrainingState.IDLE: frozenset({TrainingState.FORWARD_BACKWARD, TrainingState.SUMMON_FULL_PARAMS}),
     TrainingState.FORWARD_BACKWARD: frozenset({TrainingState.IDLE, TrainingState.FORWARD_BACKWARD}),
     TrainingState.SUMMON_FULL_PARAMS: frozenset({TrainingState.IDLE}),
 }
-
-
-@dataclass(frozen=True)
-class UnitConfig:
-    """Per-unit settings: the call's arguments, possibly overridden per unit by `CustomPolicy`."""
-
-    strategy: ShardingStrategy
-    mixed_precision: Optional[MixedPrecision]
-    offload_params: bool
 
 
 @dataclass
@@ -88,22 +65,16 @@ class _FSDPState:
     replicate_group: Optional[dist.ProcessGroup] = None
     # every handle, root unit first then pre-order; a unit with parameters of several dtypes, or
     # frozen and trainable ones, has one handle per group (`handle.module` is the unit module)
-    handles: list["FlatParamHandle"] = field(default_factory=list)
+    handles: list[FlatParamHandle] = field(default_factory=list)
     ignored_params: set[nn.Parameter] = field(default_factory=set)
     ignored_modules: set[nn.Module] = field(default_factory=set)
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     training_state: TrainingState = TrainingState.IDLE
-    # Set by the root's lazy init; shared by every state under the root.
+    # Set by the root's lazy init: whether this is the root, and what every state under it shares.
     is_root: Optional[bool] = None
     root_state: Optional["_FSDPState"] = None
-    all_states: list["_FSDPState"] = field(default_factory=list)
-    exec_order_data: Optional["_ExecOrderData"] = None
-    limiter: Optional["_AllGatherLimiter"] = None
-    non_root_handles: list["FlatParamHandle"] = field(default_factory=list)
-    # Root only: per-backward bookkeeping.
-    final_callback_queued: bool = False
-    pending_reductions: list[Any] = field(default_factory=list)
+    ctx: Optional["RootContext"] = None
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
@@ -116,6 +87,23 @@ class _FSDPState:
             f"rank={self.rank}/{self.world_size}, training_state={self.training_state.name})"
         )
 
+    # Read-only views of the root context, for callers that predate it.
+    @property
+    def all_states(self) -> list["_FSDPState"]:
+        return self.ctx.states if self.ctx is not None else []
+
+    @property
+    def exec_order_data(self) -> Optional["_ExecOrderData"]:
+        return self.ctx.exec_order if self.ctx is not None else None
+
+    @property
+    def limiter(self) -> Optional["_AllGatherLimiter"]:
+        return self.ctx.limiter if self.ctx is not None else None
+
+    @property
+    def final_callback_queued(self) -> bool:
+        return self.ctx is not None and self.ctx.final_callback_queued
+
     def __hash__(self) -> int:
         return id(self)
 
@@ -124,7 +112,7 @@ class _FSDPState:
 
 
 def _set_training_state(state: _FSDPState, new: TrainingState) -> None:
-    _check_transition(
+    check_transition(
         "TrainingState",
         f"fully_shard({type(state.module).__name__})",
         state.training_state,
@@ -153,7 +141,7 @@ def _is_inside_unit(module: nn.Module) -> bool:
     return any(getattr(p, FSDP_FLATTENED, False) for p in module.parameters())
 
 
-def _iter_handles(state: _FSDPState) -> Iterator["FlatParamHandle"]:
+def _iter_handles(state: _FSDPState) -> Iterator[FlatParamHandle]:
     """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
     for s in state.all_states or [state]:
         yield from s.handles

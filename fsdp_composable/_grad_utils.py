@@ -13,14 +13,18 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
+import warnings
 from typing import Iterator, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable import _reduce_utils
+from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -66,9 +70,11 @@ def _check_root(outer: _FSDPState, module: nn.Module, api: str, why: str) -> Non
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally, without communication, until the context exits."""
     states = _root_states(module, "no_sync", "it must skip the reduction of every unit")
-    for s in states:
-        if s.training_state is not TrainingState.IDLE:
-            raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
+    # A step that stopped midway is closed first; between a forward and its backward is fine (the
+    # choice to reduce is made at each unit's post-backward), as in torch FSDP.
+    _settle_unfinished_step(states[0])
+    if _in_backward() or _forward_running(states[0]):
+        raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
     previous = [s.sync_gradients for s in states]
     for s in states:
         s.sync_gradients = False
@@ -87,9 +93,11 @@ def clip_grad_norm_(
     equal to the unsharded model's. A collective: call it on every rank."""
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
     group = states[0].process_group
     sharded, replicated = _grads_by_placement(module, states)
     device = states[0].device
+    grads = sharded + replicated
     local_sharded = _norm_term(sharded, norm_type, device)
     local_replicated = _norm_term(replicated, norm_type, device)
     if math.isinf(norm_type):
@@ -100,9 +108,17 @@ def clip_grad_norm_(
         total = (local_sharded + local_replicated) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
-        for grad in sharded + replicated:
+        for grad in grads:
             grad.mul_(coef.to(grad.dtype))
-    return total
+    if not grads:  # this rank has none (the norm still counts the other ranks')
+        warnings.warn(
+            f"clip_grad_norm_ called on rank {dist.get_rank(group)} with no gradients; returning the total "
+            f"norm in {total.dtype}",
+            stacklevel=2,
+        )
+        return total
+    # as torch FSDP: computed in float32, returned in the gradients' (promoted) dtype
+    return total.to(functools.reduce(torch.promote_types, [g.dtype for g in grads]))
 
 
 def _check_clip_args(module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int, str]) -> float:
@@ -133,9 +149,10 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
     managed: set[int] = set()
     for s in states:
         for handle in s.handles:
-            handle.stash_sharded_grads()  # fold the user's `.grad` edits into the flat gradient
-            handle.expose_sharded_grads()
-            managed.update(id(p) for p in handle.params)
+            _reduce_utils.stash_sharded_grads(handle)  # fold the user's `.grad` edits into the flat gradient
+            _reduce_utils.expose_sharded_grads(handle)
+            # a wrapper in flat mode registers the flat parameter itself: count it once, as a shard
+            managed.update([id(p) for p in handle.params] + [id(handle.flat_param)])
             grad = handle.flat_param.grad
             if grad is not None:
                 (sharded if handle.layout.world_size > 1 else replicated).append(grad)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable._common_utils import FSDP_FLATTENED, UnitConfig, _FSDPState, _get_fsdp_state
+from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
+from fsdp_composable._config import ShardConfig, UnitConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_composable._wrap_utils import (
     ModuleWrapPolicy,
@@ -51,19 +52,12 @@ def _check_type(api: str, name: str, value: Any, types: Union[type, tuple[type, 
     raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
 
 
-def _validate_args(
-    api: str,
-    strategy: Any,
-    mixed_precision: Any,
-    cpu_offload: Any,
-    backward_prefetch: Any,
-    forward_prefetch: Any,
-    limit_all_gathers: Any,
-    sync_module_states: Any,
-    param_init_fn: Any,
-    policy: Any,
-) -> Optional[Policy]:
+def _validate_args(args: ShardConfig) -> Optional[Policy]:
     """Check the plain arguments' types; returns ``policy`` as a `Policy` (its messages name ``api``)."""
+    api, strategy, mixed_precision, cpu_offload = args.api, args.strategy, args.mixed_precision, args.cpu_offload
+    backward_prefetch, forward_prefetch = args.backward_prefetch, args.forward_prefetch
+    limit_all_gathers, sync_module_states = args.limit_all_gathers, args.sync_module_states
+    param_init_fn, policy = args.param_init_fn, args.policy
     _check_type(api, "strategy", strategy, ShardingStrategy, "a ShardingStrategy (e.g. ShardingStrategy.FULL_SHARD)")
     _check_type(api, "mixed_precision", mixed_precision, (MixedPrecision, type(None)), "a MixedPrecision or None")
     _check_type(api, "cpu_offload", cpu_offload, (CPUOffload, type(None)), "a CPUOffload or None")
@@ -235,41 +229,30 @@ def _check_device_id(api: str, device_id: Any) -> torch.device:
 
 def _init_core_state(
     module: nn.Module,
+    args: ShardConfig,
     process_group: dist.ProcessGroup,
-    rank: int,
-    world_size: int,
+    replicate_group: Optional[dist.ProcessGroup],
     device: torch.device,
-    strategy: ShardingStrategy,
-    mixed_precision: Optional[MixedPrecision],
-    cpu_offload: Optional[CPUOffload],
-    use_orig_params: bool,
 ) -> _FSDPState:
+    """The state of one call, with its runtime and prefetching settings; handles come later."""
+    rank, world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
+    strategy = args.strategy
     if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
         strategy = ShardingStrategy.NO_SHARD  # nothing to shard: skip the collectives entirely
-    config = UnitConfig(strategy, mixed_precision, bool(cpu_offload and cpu_offload.offload_params))
+    offload = bool(args.cpu_offload and args.cpu_offload.offload_params)
     return _FSDPState(
         module=module,
         process_group=process_group,
         rank=rank,
         world_size=world_size,
         device=device,
-        config=config,
-        backward_prefetch=None,
-        forward_prefetch=False,
-        limit_all_gathers=True,
-        use_orig_params=use_orig_params,
+        config=UnitConfig(strategy, args.mixed_precision, offload),
+        backward_prefetch=args.backward_prefetch,
+        forward_prefetch=args.forward_prefetch,
+        limit_all_gathers=args.limit_all_gathers,
+        use_orig_params=args.use_orig_params,
+        replicate_group=replicate_group,
     )
-
-
-def _init_runtime_state(state: _FSDPState, limit_all_gathers: bool) -> None:
-    state.limit_all_gathers = limit_all_gathers
-
-
-def _init_prefetching_state(
-    state: _FSDPState, backward_prefetch: Optional[BackwardPrefetch], forward_prefetch: bool
-) -> None:
-    state.backward_prefetch = backward_prefetch
-    state.forward_prefetch = forward_prefetch
 
 
 def _init_buffer_state(state: _FSDPState, module: nn.Module) -> None:

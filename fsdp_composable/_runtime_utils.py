@@ -15,6 +15,18 @@ gradients of the module's *inputs* are computed. Pre-forward passes the inputs t
 through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
 triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
 trigger never runs reduce in the final callback.
+
+[Note: a step that stops midway]
+A step is opened by the root pre-forward and closed by `_end_step` (the final callback, or the root
+post-forward when no backward follows). When forward or backward raises, `_abort_step` closes it
+instead: it waits for every collective already posted (each rank that failed at the same point
+posted the same ones, so nothing stays half-matched), drops everything the step produced for the
+gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
+while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
+root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
+(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
+backward, where autograd skips the final callback), from the next entry point that finds the step
+unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -22,29 +34,31 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from fsdp_composable import _reduce_utils as grads
 from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating
 from fsdp_composable._common_utils import (
     TrainingState,
-    UnitConfig,
     _FSDPState,
     _get_fsdp_state,
     _get_fsdp_states,
     _is_inside_unit,
-    _iter_handles,
     _set_training_state,
 )
+from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._model_edit_checks import check_model_unchanged
+from fsdp_composable._reduce_utils import GradState
+from fsdp_composable._root_context import RootContext
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
@@ -84,28 +98,42 @@ def _register_hooks(state: _FSDPState) -> None:
 
 # ---------------------------------------------------------------------------- lazy init
 def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
-    """On the first forward: the state whose module runs first is the root; share its per-step
-    data (exec order, pending reductions) with every state below it."""
+    """On the first forward: the state whose module runs first is the root; build the root context
+    every state below it shares ([Note: the root context])."""
     if state.is_root is not None:
         return
     states = _get_fsdp_states(root_module)
-    exec_order = _ExecOrderData(state.process_group)
+    handles = [h for s in states for h in s.handles]
+    streams: tuple[Optional[torch.cuda.Stream], Optional[torch.cuda.Stream]] = (None, None)
+    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
+        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
+    ctx = RootContext(
+        root=state,
+        states=states,
+        handles=handles,
+        exec_order=_ExecOrderData(state.process_group),
+        limiter=_AllGatherLimiter(),
+        non_root_handles=[h for h in handles if h.module is not root_module],
+        state_of={h: s for s in states for h in s.handles},
+        unshard_stream=streams[0],
+        reduce_stream=streams[1],
+        steps={h: h.step for h in handles},
+    )
     for s in states:
         s.is_root = s is state
         s.root_state = state
-        s.exec_order_data = exec_order
-    state.all_states = states
-    state.limiter = _AllGatherLimiter()
-    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
-        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
-        for handle in _iter_handles(state):
-            handle.unshard_stream, handle.reduce_stream = streams
-    state.non_root_handles = [h for h in _iter_handles(state) if h.module is not root_module]
+        s.ctx = ctx
+    for handle in handles:
+        handle.unshard_stream, handle.reduce_stream = streams
     fqn_of = {m: name for name, m in root_module.named_modules()}
-    handles = list(_iter_handles(state))
-    exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
+    ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+def _ctx(state: _FSDPState) -> RootContext:
+    assert state.ctx is not None, "used before lazy init"
+    return state.ctx
 
 
 # ---------------------------------------------------------------------------- buffers
@@ -184,21 +212,23 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
     _lazy_init(state, module)
     if not state.is_root or _in_backward():
         return None
-    if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in state.all_states):
+    ctx = _ctx(state)
+    if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in ctx.states):
         raise RuntimeError(
             f"forward of {type(module).__name__} was called inside unshard_params(); leave the "
             "unshard_params context before running forward"
         )
-    if state.final_callback_queued:  # the previous backward raised before its final callback ran
-        _reset_after_failure(state)
-    check_model_unchanged(state)  # see [Note: edits of a sharded model]
-    for s in state.all_states:
-        _set_training_state(s, TrainingState.FORWARD_BACKWARD)
-    if state.exec_order_data is not None:
-        state.exec_order_data.start_forward()
-    _finish_pending_reductions(state)
-    for handle in _iter_handles(state):
-        handle.release_cleared_grads()
+    if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
+        _abort_step(ctx)
+    nested = ctx.open_forwards > 0  # a registered method (e.g. generate) calling self(...)
+    ctx.open_forwards += 1
+    if not nested:
+        check_model_unchanged(state)  # see [Note: edits of a sharded model]
+        for s in ctx.states:
+            _set_training_state(s, TrainingState.FORWARD_BACKWARD)
+        ctx.exec_order.start_forward()
+        for handle in ctx.handles:
+            grads.release_cleared_grads(handle)
     mp = state.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
         return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
@@ -208,16 +238,21 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
     if not state.is_root or _in_backward():
         return output
+    ctx = _ctx(state)
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
-        # Only a step in progress needs undoing: if pre-forward refused to start one (e.g. forward
-        # inside unshard_params), resetting would break the context that owns the states.
-        if state.training_state is TrainingState.FORWARD_BACKWARD:
-            _reset_after_failure(state)
+        # Only a forward that was opened needs closing: if pre-forward refused to start one (e.g.
+        # forward inside unshard_params), resetting would break the context that owns the states.
+        if ctx.open_forwards > 1:
+            ctx.open_forwards -= 1  # nested: the registered method around it aborts the step
+        elif ctx.open_forwards == 1:
+            _abort_step(ctx)
         return None
-    if state.exec_order_data is not None:
-        state.exec_order_data.end_forward()
+    ctx.open_forwards = max(ctx.open_forwards - 1, 0)
+    if ctx.open_forwards > 0:
+        return output  # nested in a registered method: its own post-forward closes the forward
+    ctx.exec_order.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
-        _finish_step(state)  # no backward will follow: leave everything IDLE and resharded now
+        _end_step(ctx)  # no backward will follow: leave everything IDLE and resharded now
     return output
 
 
@@ -229,15 +264,24 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         _unshard(state, handle)
         handle.wait_unshard()
         return None
-    handle.set_training_state(HandleTrainingState.FORWARD)
-    eo = state.exec_order_data
-    assert eo is not None, "pre-forward before lazy init"
-    eo.record_pre_forward(handle)
-    for sibling in handle.siblings:  # a unit's groups gather together, then each waits for its own
-        _unshard(state, sibling)
-    if state.forward_prefetch:
-        _prefetch(state, eo.forward_prefetch_target(handle), "forward")
-    handle.wait_unshard()
+    if state.ctx is None:  # a unit called by itself before the root's first forward
+        _lazy_init(state, state.module)
+    ctx = _ctx(state)
+    nested = handle.training_state is HandleTrainingState.FORWARD
+    if nested and ctx.method_calls == 0:  # left in FORWARD by a forward that died (BaseException)
+        _abort_step(ctx)
+        nested = False
+    if nested:  # the unit's module calls itself inside a registered method: it is already whole
+        handle.step.forward_depth += 1
+    else:
+        handle.set_training_state(HandleTrainingState.FORWARD)
+        handle.step.forward_depth = 1
+        ctx.exec_order.record_pre_forward(handle)
+        for sibling in handle.siblings:  # a unit's groups gather together, then each waits for its own
+            _unshard(state, sibling)
+        if state.forward_prefetch:
+            _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
+        handle.wait_unshard()
     mp = handle.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
         args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
@@ -250,12 +294,14 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
-    eo = state.exec_order_data
-    assert eo is not None
-    eo.record_post_forward(handle)
-    if _reshard_after_forward(state, handle):
-        handle.reshard()
-    handle.set_training_state(HandleTrainingState.IDLE)
+    if handle.step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
+        handle.step.forward_depth -= 1
+    else:
+        handle.step.forward_depth = 0
+        _ctx(state).exec_order.record_post_forward(handle)
+        if _reshard_after_forward(state, handle):
+            handle.reshard()
+        handle.set_training_state(HandleTrainingState.IDLE)
     if torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)
         for t in _tensors(output):
@@ -273,28 +319,26 @@ def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
 # ---------------------------------------------------------------------------- backward
 @_trace.hook("pre_backward")
 def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
-    if handle.ran_pre_backward:
+    step = handle.step
+    if step.ran_pre_backward:
         return
-    root = state.root_state
-    assert root is not None
-    if not root.final_callback_queued:
-        root.final_callback_queued = True
-        Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, root))
-    handle.ran_pre_backward = True
+    ctx = _ctx(state)
+    if not ctx.final_callback_queued:
+        ctx.final_callback_queued = True
+        Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, ctx))
+    step.ran_pre_backward = True
     handle.set_training_state(HandleTrainingState.BACKWARD_PRE)
-    if state.exec_order_data is not None:
-        state.exec_order_data.record_pre_backward(handle)
+    ctx.exec_order.record_pre_backward(handle)
     _unshard(state, handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
         _prefetch_for_backward(state, handle)
     handle.wait_unshard()
     if handle.requires_grad:
-        handle.stash_sharded_grads()
         # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
-        untriggered = handle.pending_triggers == 0 or handle.untriggered_calls > 0
-        handle.prepare_gradient_buffer(lazy=untriggered or handle.takes_autograd_grads)
+        untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
+        grads.begin_backward(handle, lazy=untriggered or grads.takes_autograd_grads(handle))
 
 
 @_trace.hook("post_backward")
@@ -303,94 +347,149 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if handle.training_state is not HandleTrainingState.BACKWARD_PRE:
         return
     handle.set_training_state(HandleTrainingState.BACKWARD_POST)
-    if handle.has_gradient_buffer():
+    ctx = _ctx(state)
+    if handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD):
         if state.sync_gradients:
-            root = state.root_state
-            assert root is not None
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
-            _finish_pending_reductions(root)
-            root.pending_reductions.append(handle.start_reduce())
+            _wait_reductions(ctx)
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
         else:
-            handle.keep_gradient_buffer()  # `no_sync`: the next backward accumulates into it
+            grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     handle.reshard()
+    grads.expose_sharded_grads(handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
         _prefetch_for_backward(state, handle)
 
 
-def _post_backward_final_callback(root: _FSDPState) -> None:
+def _post_backward_final_callback(ctx: RootContext) -> None:
     """End of backward: reduce units whose trigger did not run, finish every reduction, go IDLE."""
-    state_of = {id(h): s for s in root.all_states for h in s.handles}
-    for handle in _iter_handles(root):
+    for handle in ctx.handles:
         if handle.training_state is HandleTrainingState.BACKWARD_PRE:
-            _post_backward(state_of[id(handle)], handle)
-    _finish_step(root)
+            _post_backward(ctx.state_of[handle], handle)
+    for handle in ctx.handles:
+        # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
+        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.state_of[handle].sync_gradients:
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+    _end_step(ctx)
 
 
-def _finish_step(root: _FSDPState) -> None:
-    _finish_pending_reductions(root)
-    for handle in _iter_handles(root):
+def _end_step(ctx: RootContext) -> None:
+    """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
+    _wait_reductions(ctx)
+    for handle in ctx.handles:
         if handle.is_unsharded or handle.unshard_in_flight:
             handle.reshard()
         if handle.training_state is not HandleTrainingState.IDLE:
             handle.set_training_state(HandleTrainingState.IDLE)
-        handle.ran_pre_backward = False
-        handle.pending_triggers = 0
-        handle.untriggered_calls = 0
-    for s in root.all_states:
+    finished, ctx.finished_reductions = ctx.finished_reductions, []
+    for reduction in finished:
+        reduction.commit()
+    for handle in ctx.handles:
+        if handle.grads.state is GradState.STAGED:
+            grads.commit_staged(handle)
+    for s in ctx.states:
         if s.training_state is TrainingState.FORWARD_BACKWARD:
             _set_training_state(s, TrainingState.IDLE)
-    root.final_callback_queued = False
-    if root.exec_order_data is not None:
-        root.exec_order_data.next_iter()
+    ctx.reset_counters()
+    ctx.exec_order.next_iter()
 
 
-def _reset_after_failure(root: _FSDPState) -> None:
-    """Forward or backward raised midway: drop partial gradients, reshard, and return every state and
-    handle to IDLE so the next step starts clean (the sharded gradients of earlier steps are kept)."""
-    _finish_pending_reductions(root)
-    for handle in _iter_handles(root):
-        handle.discard_gradient_buffer()
-        handle.reshard()
+def _abort_step(ctx: RootContext) -> None:
+    """Close a step that stopped midway; see [Note: a step that stops midway]."""
+    error: Optional[BaseException] = None
+    reductions = ctx.pending_reductions + ctx.finished_reductions
+    ctx.pending_reductions, ctx.finished_reductions = [], []
+    for reduction in reductions:
+        try:
+            reduction.wait()  # its buffers must outlive the collective; its result is dropped
+        except Exception as e:  # a peer died: still reset everything, then report it
+            error = error or e
+    for handle in ctx.handles:
+        grads.abort(handle)
+        try:
+            handle.reshard()  # waits for an all-gather in flight
+        except Exception as e:
+            error = error or e
         handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
-        handle.ran_pre_backward = False
-        handle.pending_triggers = 0
-        handle.untriggered_calls = 0
-    for s in root.all_states:
-        s.training_state = TrainingState.IDLE
-    root.final_callback_queued = False
+        grads.expose_sharded_grads(handle)
+    for s in ctx.states:
+        if s.training_state is TrainingState.FORWARD_BACKWARD:
+            s.training_state = TrainingState.IDLE  # a reset, not a transition
+    ctx.reset_counters()
+    if error is not None:
+        raise error
 
 
-def _finish_pending_reductions(root: _FSDPState) -> None:
-    pending, root.pending_reductions = root.pending_reductions, []
+def _wait_reductions(ctx: RootContext) -> None:
+    """Finish the reductions in flight; their results wait for the end of backward."""
+    pending, ctx.pending_reductions = ctx.pending_reductions, []
     for reduction in pending:
-        reduction.finish()
+        reduction.wait()
+        ctx.finished_reductions.append(reduction)
+
+
+def _live_forward(ctx: RootContext) -> bool:
+    """Whether a root forward is running on this thread's stack now (an entry point called from
+    inside it), as opposed to one left open by a ``BaseException``."""
+    roots = {id(s.module) for s in ctx.states if s.is_root}
+    for frame in _frames():
+        if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in roots:
+            return True
+    return ctx.method_calls > 0
+
+
+_CALL_IMPL_CODE = nn.Module._call_impl.__code__
+
+
+def _frames() -> Iterator[Any]:
+    frame = sys._getframe(1)
+    while frame is not None:
+        yield frame
+        frame = frame.f_back  # type: ignore[assignment]
+
+
+def _forward_running(state: _FSDPState) -> bool:
+    """Whether the root forward of ``state``'s root is running on the stack now."""
+    root = state.root_state if state.root_state is not None else state
+    return root.ctx is not None and _live_forward(root.ctx)
+
+
+def _settle_unfinished_step(state: _FSDPState) -> None:
+    """At an entry point between steps (``no_sync``, ``clip_grad_norm_``, ``unshard_params``): close
+    a step that stopped midway (abort), or one whose backward will not come because its forward
+    finished and no backward started (end it normally: nothing of it reached the gradients)."""
+    root = state.root_state if state.root_state is not None else state
+    ctx = root.ctx
+    if ctx is None or _in_backward() or _live_forward(ctx):
+        return
+    if ctx.final_callback_queued or ctx.open_forwards > 0:
+        _abort_step(ctx)
+    elif any(s.training_state is TrainingState.FORWARD_BACKWARD for s in ctx.states):
+        _end_step(ctx)
 
 
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.unshard()
-    root = state.root_state
-    if root is not None and root.limiter is not None:
-        root.limiter.record(root.non_root_handles)
+    if state.ctx is not None:
+        state.ctx.limiter.record(state.ctx.non_root_handles)
 
 
 def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
     """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
     if handle is None or handle.is_unsharded or handle.unshard_in_flight:
         return
-    root = state.root_state
-    assert root is not None and root.exec_order_data is not None
-    if state.limit_all_gathers and root.limiter is not None and not root.limiter.may_prefetch(root.non_root_handles):
+    ctx = _ctx(state)
+    if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
         return
-    root.exec_order_data.prefetch_log.append((phase, handle.unit_fqn))
+    ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
     _unshard(state, handle)
 
 
 def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    eo = state.exec_order_data
-    if eo is not None:
-        _prefetch(state, eo.backward_prefetch_target(handle), "backward")
+    if state.ctx is not None:
+        _prefetch(state, state.ctx.exec_order.backward_prefetch_target(handle), "backward")
 
 
 # ---------------------------------------------------------------------------- other forward methods
@@ -407,18 +506,31 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if module is state.module:
-            new = _fsdp_root_pre_forward(state, module, args, kwargs)
-            args, kwargs = new if new is not None else (args, kwargs)
-        for handle in handles:
-            new = _pre_forward(state, handle, module, args, kwargs)
-            args, kwargs = new if new is not None else (args, kwargs)
-        output = method(*args, **kwargs)
-        for handle in handles:
-            output = _post_forward(state, handle, module, args, output)
-        if module is state.module:
-            _fsdp_root_post_forward(state, module, args, output)
-        return output
+        if state.ctx is None:  # before the first forward (of the root, or of this unit by itself)
+            _lazy_init(state, state.module)
+        ctx = _ctx(state)
+        if ctx.method_calls == 0 and not _in_backward() and ctx.unfinished():
+            _abort_step(ctx)
+        ctx.method_calls += 1  # lets the method call self(...): see [Note: the root context]
+        try:
+            if module is state.module:
+                new = _fsdp_root_pre_forward(state, module, args, kwargs)
+                args, kwargs = new if new is not None else (args, kwargs)
+            for handle in handles:
+                new = _pre_forward(state, handle, module, args, kwargs)
+                args, kwargs = new if new is not None else (args, kwargs)
+            output = method(*args, **kwargs)
+            for handle in handles:
+                output = _post_forward(state, handle, module, args, output)
+            if module is state.module:
+                _fsdp_root_post_forward(state, module, args, output)
+            return output
+        except BaseException:
+            if ctx.method_calls == 1 and not _in_backward():  # also KeyboardInterrupt, which hooks miss
+                _abort_step(ctx)
+            raise
+        finally:
+            ctx.method_calls -= 1
 
     object.__setattr__(module, method_name, wrapped)
 
@@ -469,9 +581,9 @@ def _attach_post_backward_trigger(
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     if not positions:
-        handle.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
+        handle.step.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
         return args, kwargs
-    handle.pending_triggers += 1
+    handle.step.pending_triggers += 1
     outs = _PostBackwardTrigger.apply(functools.partial(_on_trigger, state, handle), *(flat[i] for i in positions))
     outs = (outs,) if isinstance(outs, torch.Tensor) else outs
     for i, out in zip(positions, outs):
@@ -480,10 +592,11 @@ def _attach_post_backward_trigger(
 
 
 def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
-    handle.pending_triggers -= 1
+    step = handle.step
+    step.pending_triggers -= 1
     # A call without a trigger (inputs needing no grad) may still have backward to run after the
     # last trigger fires; then only the final callback knows the unit is done.
-    if handle.pending_triggers == 0 and handle.untriggered_calls == 0:
+    if step.pending_triggers == 0 and step.untriggered_calls == 0:
         _post_backward(state, handle)
 
 

@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_composable import _reduce_utils
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -18,7 +19,8 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
-from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState, _assign_grad
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat, _join
 from fsdp_composable.api import _check_bool
 
@@ -93,6 +95,7 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
     _check_idle(states)
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
@@ -149,11 +152,11 @@ class _Summoned:
 
 
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
-    handle.stash_sharded_grads()  # the flat gradient now reflects what the user left in `.grad`
+    _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     full = _gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
-        handle.expose_sharded_grads()
+        _reduce_utils.expose_sharded_grads(handle)
         return _Summoned(handle)
     if offload_to_cpu:
         full = full.cpu()
@@ -208,7 +211,7 @@ def _restore_handle(entry: _Summoned, writeback: bool) -> list[str]:
     for param in handle.params:
         param.grad = None
     handle.use_sharded_views()
-    handle.expose_sharded_grads()
+    _reduce_utils.expose_sharded_grads(handle)
     return problems
 
 
@@ -245,6 +248,8 @@ def _collect_edits(entry: _Summoned) -> list[str]:
 def _write_back_grad(handle: FlatParamHandle, local: torch.Tensor) -> None:
     flat_grad = handle.flat_param.grad
     if flat_grad is None:
-        _assign_grad(handle.flat_param, local.to(device=handle.flat_param.device, dtype=handle.flat_param.dtype))
+        _reduce_utils.assign_grad(
+            handle.flat_param, local.to(device=handle.flat_param.device, dtype=handle.flat_param.dtype)
+        )
     else:
         flat_grad.copy_(local)

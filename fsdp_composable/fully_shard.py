@@ -10,8 +10,10 @@ from torch import nn
 from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
+from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._optim_utils import _register_stale_optimizer_check
+from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
 from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
@@ -65,81 +67,44 @@ def fully_shard(
         ignored_params=ignored_params,
         shard_placement_fn=shard_placement_fn,
     )
-    process_group, strategy, mixed_precision, cpu_offload, ignored_modules = (
-        ours.process_group,
-        ours.strategy,
-        ours.mixed_precision,
-        ours.cpu_offload,
-        ours.ignored_modules,
-    )
     _register_torch_api_hooks(module)  # before the state's own hooks: see [Note: torch's model state-dict API]
-    _build_state(
-        module,
-        policy,
-        process_group,
-        strategy,
-        mixed_precision,
-        cpu_offload,
-        ignored_modules,
-        device_id,
-        param_init_fn,
-        sync_module_states,
-        forward_prefetch,
-        backward_prefetch,
-        limit_all_gathers,
-        True,
+    args = ShardConfig(
+        policy=policy,
+        process_group=ours.process_group,
+        strategy=ours.strategy,
+        mixed_precision=ours.mixed_precision,
+        cpu_offload=ours.cpu_offload,
+        ignored_modules=ours.ignored_modules,
+        device_id=device_id,
+        param_init_fn=param_init_fn,
+        sync_module_states=sync_module_states,
+        forward_prefetch=forward_prefetch,
+        backward_prefetch=backward_prefetch,
+        limit_all_gathers=limit_all_gathers,
     )
+    _build_state(module, args)
     return module
 
 
-def _build_state(
-    module: nn.Module,
-    policy: Any,
-    process_group: Any,
-    strategy: ShardingStrategy,
-    mixed_precision: Optional[MixedPrecision],
-    cpu_offload: Optional[CPUOffload],
-    ignored_modules: Optional[Iterable[nn.Module]],
-    device_id: Union[int, torch.device, None],
-    param_init_fn: Optional[Callable[[nn.Module], None]],
-    sync_module_states: bool,
-    forward_prefetch: bool,
-    backward_prefetch: Optional[BackwardPrefetch],
-    limit_all_gathers: bool,
-    use_orig_params: bool,
-    api: str = API_NAME,
-) -> _FSDPState:
-    """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``api``
+def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
+    """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``args.api``
     names the caller in error messages (see [Note: API names in messages] in `_init_utils`)."""
     if _get_module_state(module, API_NAME) is not None:
         raise RuntimeError(
             f"fully_shard was already applied to this {type(module).__name__} (directly or as a unit of "
             "a parent's policy); apply it once per module"
         )
-    unit_policy = init._validate_args(
-        api,
-        strategy,
-        mixed_precision,
-        cpu_offload,
-        backward_prefetch,
-        forward_prefetch,
-        limit_all_gathers,
-        sync_module_states,
-        param_init_fn,
-        policy,
-    )
-    group, replicate_group, rank, world_size = init._init_process_group_state(process_group, strategy, api)
-    ignored_mods, ignored_params = init._init_ignored_module_states(module, ignored_modules, api)
-    device = init._init_device(module, device_id, ignored_params, api)
-    state = init._init_core_state(
-        module, group, rank, world_size, device, strategy, mixed_precision, cpu_offload, use_orig_params
-    )
+    api = args.api
+    unit_policy = init._validate_args(args)
+    group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
+    ignored_mods, ignored_params = init._init_ignored_module_states(module, args.ignored_modules, api)
+    device = init._init_device(module, args.device_id, ignored_params, api)
+    state = init._init_core_state(module, args, group, replicate_group, device)
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
-    state.replicate_group = replicate_group
-    init._init_runtime_state(state, limit_all_gathers)
-    init._init_prefetching_state(state, backward_prefetch, forward_prefetch)
     init._init_buffer_state(state, module)
-    init._init_param_handles_from_module(state, unit_policy, param_init_fn, sync_module_states, api)
+    init._init_param_handles_from_module(state, unit_policy, args.param_init_fn, args.sync_module_states, api)
+    for handle in state.handles:
+        init_grads(handle, expose_orig=args.use_orig_params)
     for unit_module in {module, *(h.module for h in state.handles)}:
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
+from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
@@ -57,23 +58,23 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self._fsdp_wrapped_module = module
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
-        state = _build_state(
-            module,
-            auto_wrap_policy,
-            process_group,
-            strategy,
-            mixed_precision,
-            cpu_offload,
-            ignored_modules,
-            device_id,
-            param_init_fn,
-            sync_module_states,
-            forward_prefetch,
-            backward_prefetch,
-            limit_all_gathers,
-            use_orig_params,
+        args = ShardConfig(
+            policy=auto_wrap_policy,
+            process_group=process_group,
+            strategy=strategy,
+            mixed_precision=mixed_precision,
+            cpu_offload=cpu_offload,
+            ignored_modules=ignored_modules,
+            device_id=device_id,
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            use_orig_params=use_orig_params,
             api="FullyShardedDataParallel",
         )
+        state = _build_state(module, args)
         object.__setattr__(self, "_fsdp_state", state)
         _register_prefix_hooks(self, WRAPPED)
         if not use_orig_params:
@@ -159,7 +160,6 @@ def _use_flat_params(state: _FSDPState) -> None:
     """Unregister original parameters (kept reachable as plain attributes for forward) and
     register each unit's flat parameter on its module."""
     for handle in state.handles:
-        handle.expose_orig_grads = False
         for param in handle.params:
             setattr(param, FLAT_MODE, True)
         for module, name, param in _registrations(handle):

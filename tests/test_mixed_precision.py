@@ -59,7 +59,7 @@ def dtypes_inside_and_after(buffer_dtype: str) -> dict:
     return {
         "inside": [m.seen for m in scaled],
         "ids": model.ids_dtype,
-        "grads": {p.grad.dtype for p in model.parameters()},
+        "grads": {p.grad.dtype for p in model.parameters() if p.numel()},  # an empty slice has no .grad
         "params": {p.dtype for p in model.parameters()},
         "state_dict": {
             k: v.dtype for k, v in model.state_dict().items() if "scale" in k or "gain" in k or "bias_" in k
@@ -143,8 +143,8 @@ def override_and_low_grads() -> dict:
     return {
         "first": model.first.seen["weight"],
         "inner": model.inner[0].seen["weight"],
-        "inner_grads": {p.grad.dtype for p in model.inner.parameters()},
-        "first_grads": {p.grad.dtype for p in model.first.parameters()},
+        "inner_grads": {p.grad.dtype for p in model.inner.parameters() if p.numel()},
+        "first_grads": {p.grad.dtype for p in model.first.parameters() if p.numel()},
     }
 
 

@@ -1,0 +1,389 @@
+"""A unit's gradients: the gradient buffer's lifecycle (`GradState`, checked transitions), the
+divide factors, the reduce-scatter / all-reduce, and `PendingReduce`.
+
+Every function takes the handle first; the per-unit record is `UnitGrads` (``handle.grads``).
+
+[Note: gradients land in the flat buffer]
+Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
+- FLAT: NCCL and other backends reduce one flat tensor. Before a unit's backward we point each
+  trainable original parameter's ``.grad`` at a view of one zeroed, padded, unsharded gradient
+  buffer; autograd accumulates in place into it, and it is exactly the reduce-scatter input: no
+  gather-into-flat copy. A gradient autograd created some other way (the user replaced ``.grad``) is
+  copied in before the reduction.
+- AUTOGRAD: gloo (our point-to-point exchange) sends any list of pieces. ``.grad`` is left to
+  autograd, which allocates each gradient when it is produced (no zero fill, no read-modify-write
+  accumulation), and post-backward hands the gradients themselves, plus a zero tail for the padding,
+  to `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during
+  its backward instead of being allocated whole at its start.
+Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend
+(nothing could be reduced before the end of backward, so there is no point holding a buffer through
+it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a collective
+reads is made on the compute stream before it is issued ([Note: streams without record_stream]),
+which is why only CPU tensors on gloo are sent in parts.
+
+[Note: the gradient lifecycle]
+``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
+``flat_param.grad`` (and, exposing original parameters, ``.grad`` views of it between steps):
+- NONE: no unsharded gradient.
+- FLAT / AUTOGRAD: the unit's backward is running; ``.grad`` of its original parameters are
+  unsharded (a buffer's views, or autograd's own tensors).
+- STAGED: inside ``no_sync``, the unit's backward is done; its gradient waits, apart from what earlier
+  micro-batches accumulated (``kept``), for the whole backward to succeed.
+- KEPT_FOR_NO_SYNC: between ``no_sync`` micro-batches: ``kept`` holds their sum; the next backward
+  adds to it (STAGED) or reduces it together with its own gradient (REDUCING).
+- REDUCING: the reduction was issued; its result is added to ``flat_param.grad`` when the whole
+  backward has succeeded (``commit``).
+Nothing of a backward reaches ``.grad`` or ``kept`` before that backward completes: a backward that
+raises midway is dropped whole by `abort` (reductions already issued are waited for, so every rank's
+collectives stay matched, and their results discarded), and training goes on exactly as if the
+failed step never ran. The price: inside ``no_sync`` a unit holds its ``kept`` sum and this
+micro-batch's gradient at once until the end of the backward, and a reduced shard waits (1/N of
+the unit) until then.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable import _collectives
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._state_machine import Transitions, check_transition
+
+__all__ = ["GradState", "PendingReduce", "UnitGrads", "divide_factors"]
+
+
+class GradState(enum.Enum):
+    """Where a unit's unsharded gradient is; see [Note: the gradient lifecycle]."""
+
+    NONE = enum.auto()
+    FLAT = enum.auto()
+    AUTOGRAD = enum.auto()
+    STAGED = enum.auto()
+    KEPT_FOR_NO_SYNC = enum.auto()
+    REDUCING = enum.auto()
+
+
+_G = GradState
+_GRAD_TRANSITIONS: Transitions = {
+    _G.NONE: frozenset({_G.FLAT, _G.AUTOGRAD}),
+    _G.KEPT_FOR_NO_SYNC: frozenset({_G.FLAT, _G.AUTOGRAD, _G.REDUCING}),
+    # to NONE / KEPT_FOR_NO_SYNC: `abort`
+    _G.FLAT: frozenset({_G.STAGED, _G.REDUCING, _G.NONE, _G.KEPT_FOR_NO_SYNC}),
+    _G.AUTOGRAD: frozenset({_G.STAGED, _G.REDUCING, _G.NONE, _G.KEPT_FOR_NO_SYNC}),
+    _G.STAGED: frozenset({_G.KEPT_FOR_NO_SYNC, _G.NONE}),
+    _G.REDUCING: frozenset({_G.NONE, _G.KEPT_FOR_NO_SYNC}),
+}
+_IN_BACKWARD = (GradState.FLAT, GradState.AUTOGRAD)
+
+
+@dataclass(eq=False)
+class UnitGrads:
+    """One handle's gradient record. ``expose_orig``: original parameters show ``.grad`` views of
+    the sharded gradient (False when a wrapper exposes flat parameters instead)."""
+
+    expose_orig: bool
+    state: GradState = GradState.NONE
+    buffer: Optional[torch.Tensor] = None  # FLAT: autograd's target; STAGED: this backward's gradient
+    kept: Optional[torch.Tensor] = None  # the sum of completed no_sync micro-batches
+    # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
+    exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
+
+
+def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
+    handle.grads = UnitGrads(expose_orig)
+
+
+def _set_state(handle: FlatParamHandle, new: GradState) -> None:
+    grads = handle.grads
+    check_transition("GradState", f"unit '{handle.unit_fqn or '<root>'}'", grads.state, new, _GRAD_TRANSITIONS)
+    grads.state = new
+
+
+def divide_factors(world: int, reduce_dtype: torch.dtype) -> tuple[int, int]:
+    """(pre, post): the gradient sum is divided by the number of ranks it averages over, once.
+
+    Before the sum in float16, whose range the sum of N gradients can overflow; after it otherwise,
+    so the result is rounded once (the same bits either way when N is a power of two)."""
+    if world <= 1:
+        return 1, 1
+    return (world, 1) if reduce_dtype == torch.float16 else (1, world)
+
+
+def takes_autograd_grads(handle: FlatParamHandle) -> bool:
+    """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
+    (see [Note: gradients land in the flat buffer])."""
+    return handle.layout.world_size > 1 and _collectives.point_to_point(handle.process_group, handle.device)
+
+
+# ---------------------------------------------------------------------------- between steps
+def stash_sharded_grads(handle: FlatParamHandle) -> None:
+    """Fold what the user left in the original parameters' ``.grad`` into ``flat_param.grad``.
+
+    Between steps ``.grad`` is a view of the sharded gradient; ``zero_grad(set_to_none=True)`` sets
+    it to None, and a user may assign a tensor of their own (torch then accumulates the next backward
+    into that tensor, so we copy it in). Clears the parameters' ``.grad`` afterwards."""
+    grads = handle.grads
+    if not grads.expose_orig:
+        return
+    current = [p.grad for p in handle.params]
+    ours = grads.exposed
+    if all(g is None for g in current):
+        handle.flat_param.grad = None
+    elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
+        flat_grad = handle.flat_param.grad
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(handle.flat_param)
+        views = handle.sharded_views_of(flat_grad)
+        with torch.no_grad():
+            for i, (grad, view) in enumerate(zip(current, views)):
+                mine = ours[i] if ours else None
+                if grad is None:
+                    view.zero_()
+                elif grad is not mine:
+                    view.copy_(grad.reshape(view.shape))
+        handle.flat_param.grad = flat_grad
+    for param in handle.params:
+        param.grad = None
+    grads.exposed = []
+
+
+def release_cleared_grads(handle: FlatParamHandle) -> None:
+    """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
+    (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
+    grads = handle.grads
+    if grads.exposed and all(p.grad is None for p in handle.params):
+        handle.flat_param.grad = None
+        grads.exposed = []
+
+
+def expose_sharded_grads(handle: FlatParamHandle) -> None:
+    """Show ``flat_param.grad`` as the original parameters' ``.grad`` (1-D views of their slices).
+
+    A parameter with no element on this rank gets None, as torch FSDP gives it: there is nothing of
+    it here to step. Only while sharded (a view's shape must match ``.data``'s)."""
+    grads = handle.grads
+    flat_grad = handle.flat_param.grad
+    if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.state in _IN_BACKWARD:
+        return
+    exposed: list[Optional[torch.Tensor]] = []
+    for param, view in zip(handle.params, handle.sharded_views_of(flat_grad)):
+        if param.requires_grad and view.numel() > 0:
+            assign_grad(param, view)
+            exposed.append(view)
+        else:
+            param.grad = None
+            exposed.append(None)
+    grads.exposed = exposed
+
+
+def assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when ``grad``'s dtype differs (``keep_low_precision_grads``).
+
+    Autograd only checks dtype/shape when ``.grad`` is assigned, so for a low-precision gradient we
+    point ``.data`` at the gradient for the assignment and then restore it."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    data = param.data
+    param.data = grad
+    param.grad = grad
+    param.data = data
+
+
+# ---------------------------------------------------------------------------- one backward
+def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
+    """Pre-backward of a trainable unit (parameters already unsharded): take the user's ``.grad``
+    edits into the sharded gradient, then let this backward's gradients land unsharded.
+
+    ``lazy``: autograd allocates each gradient as it is produced (AUTOGRAD) instead of a zeroed
+    buffer being held from now on (FLAT); see [Note: gradients land in the flat buffer]."""
+    grads = handle.grads
+    stash_sharded_grads(handle)
+    if lazy:
+        _set_state(handle, GradState.AUTOGRAD)
+        return
+    _set_state(handle, GradState.FLAT)
+    grads.buffer = _zeros(handle, handle.layout.padded_numel, handle.compute_dtype)
+    for param, view in zip(handle.params, handle.views_of(grads.buffer)):
+        if param.requires_grad:
+            param.grad = view
+
+
+def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=handle.device)
+
+
+def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]]:
+    """This backward's gradient of each original parameter (None: it got none), detached from the
+    parameters. In FLAT mode a gradient that is not the buffer's view is copied into the buffer."""
+    grads = handle.grads
+    out: list[Optional[torch.Tensor]] = []
+    views = handle.views_of(grads.buffer) if grads.buffer is not None else None
+    with torch.no_grad():
+        for i, param in enumerate(handle.params):
+            grad, param.grad = param.grad, None
+            if views is not None:
+                if grad is not None and grad is not views[i]:
+                    views[i].copy_(grad)
+                out.append(views[i])
+            else:
+                out.append(grad)
+    return out
+
+
+def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """This backward's gradient as one padded unsharded tensor (FLAT: the buffer itself)."""
+    grads = handle.grads
+    if grads.buffer is not None:
+        return grads.buffer
+    flat = _zeros(handle, handle.layout.padded_numel, handle.compute_dtype)
+    with torch.no_grad():
+        for view, grad in zip(handle.views_of(flat), parts):
+            if grad is not None:
+                view.copy_(grad)
+    return flat
+
+
+def stage_for_no_sync(handle: FlatParamHandle) -> None:
+    """Post-backward inside ``no_sync``: hold this backward's gradient until the backward succeeds."""
+    grads = handle.grads
+    parts = _take_backward_grads(handle)
+    grads.buffer = _flat_of(handle, parts)
+    _set_state(handle, GradState.STAGED)
+
+
+def start_reduce(handle: FlatParamHandle, stream: Optional[torch.cuda.Stream] = None) -> "PendingReduce":
+    """Post-backward: issue this backward's gradient reduction (plus the ``no_sync`` sum kept so far).
+
+    The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
+    grads = handle.grads
+    world = dist.get_world_size(handle.process_group) * handle.replicas
+    pre, post = divide_factors(world, handle.reduce_dtype)
+    if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
+        parts: list[Optional[torch.Tensor]] = []
+        flat: Optional[torch.Tensor] = grads.kept
+    else:
+        parts = _take_backward_grads(handle)
+        flat = None
+        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle):
+            flat = _flat_of(handle, parts)
+            if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
+                flat.add_(grads.kept)
+    _set_state(handle, GradState.REDUCING)
+    grads.buffer = None
+    group, rdtype = handle.process_group, handle.reduce_dtype
+    with torch.no_grad():
+        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
+            send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
+            padding = handle.layout.padded_numel - handle.layout.unpadded_numel
+            if padding:
+                send.append(_zeros(handle, padding, rdtype))
+        else:
+            one = flat if flat.dtype == rdtype and flat is not grads.kept else flat.to(rdtype, copy=True)
+            if pre > 1:
+                one.div_(pre)
+            send = [one]
+        if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
+            out = send[0]
+            shard_world = dist.get_world_size(group)
+            work = _collectives.issue(stream, lambda: _collectives.all_reduce(out, group) if shard_world > 1 else None)
+        else:
+            out = torch.empty(handle.layout.shard_numel, dtype=rdtype, device=handle.device)
+            full = send if len(send) > 1 else send[0]
+            work = _collectives.issue(stream, lambda: _collectives.reduce_scatter(out, full, group))
+    return PendingReduce(handle, work, out, send, handle.replicate_group, post)
+
+
+def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: int) -> torch.Tensor:
+    if grad is None:  # unused in this backward: zero, as for every other unit
+        return _zeros(handle, handle.layout.infos[i].numel, handle.reduce_dtype)
+    part = grad.reshape(-1).to(handle.reduce_dtype)
+    return part / pre if pre > 1 else part
+
+
+@dataclass(eq=False)
+class PendingReduce:
+    """A gradient reduction: `wait` finishes the collective (and divides); `commit` adds the result
+    into the sharded gradient once the backward has succeeded."""
+
+    handle: FlatParamHandle
+    work: _collectives.InFlight
+    out: torch.Tensor
+    send: list[torch.Tensor]  # kept alive until the collective completes
+    replicate_group: Optional[dist.ProcessGroup] = None
+    post_divide: int = 1
+    done: bool = False
+
+    def wait(self) -> None:
+        if self.done:
+            return
+        unit = self.handle.unit_fqn or "<root>"
+        kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
+        self.done = True
+        self.work.wait(f"the gradient {kind} of unit '{unit}'")
+        self.send = []
+        if self.post_divide > 1:
+            self.out.div_(self.post_divide)
+        if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
+            work = _collectives.all_reduce(self.out, self.replicate_group)
+            _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
+
+    def commit(self) -> None:
+        """Add the reduced shard into ``flat_param.grad``; the kept ``no_sync`` sum it included goes."""
+        handle = self.handle
+        handle.grads.kept = None
+        _set_state(handle, GradState.NONE)
+        _accumulate_sharded_grad(handle, self.out)
+
+
+def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> None:
+    """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
+
+    The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
+    offload it is copied to the host *blocking*: the optimizer steps on the CPU right after backward
+    and must never read a partially copied gradient (NO_SHARD made this race visible)."""
+    mp = handle.config.mixed_precision
+    dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else handle.dtype
+    grad = reduced.to(device=handle.shard_device, dtype=dtype, non_blocking=False)
+    flat_grad = handle.flat_param.grad
+    if flat_grad is None or flat_grad.dtype != grad.dtype:
+        assign_grad(handle.flat_param, grad)
+    else:
+        flat_grad.add_(grad)
+    expose_sharded_grads(handle)
+
+
+def commit_staged(handle: FlatParamHandle) -> None:
+    """End of a ``no_sync`` backward: add the staged gradient to the kept sum."""
+    grads = handle.grads
+    staged, grads.buffer = grads.buffer, None
+    assert staged is not None
+    if grads.kept is None:
+        grads.kept = staged
+    else:
+        grads.kept.add_(staged)
+    _set_state(handle, GradState.KEPT_FOR_NO_SYNC)
+
+
+def abort(handle: FlatParamHandle) -> None:
+    """Drop everything this backward produced for the unit (its reduction, if any, was waited for
+    by the caller); keep what completed micro-batches accumulated under ``no_sync``."""
+    grads = handle.grads
+    if grads.state in _IN_BACKWARD:
+        for param in handle.params:
+            param.grad = None
+    grads.buffer = None
+    back = GradState.KEPT_FOR_NO_SYNC if grads.kept is not None else GradState.NONE
+    if grads.state is not back:
+        _set_state(handle, back)
+
+
+def has_unreduced(handle: FlatParamHandle) -> bool:
+    """The unit holds gradients that no reduction has taken yet (its backward ran, or ``no_sync``)."""
+    return handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD, GradState.KEPT_FOR_NO_SYNC)

@@ -1,0 +1,25 @@
+"""Checked transitions, shared by the three lifecycles: `TrainingState` (a call's state),
+`HandleTrainingState` (a unit's parameters) and `GradState` (a unit's gradients)."""
+
+from __future__ import annotations
+
+import enum
+from typing import Any
+
+__all__ = ["StateTransitionError", "check_transition"]
+
+Transitions = dict[Any, frozenset[Any]]
+
+
+class StateTransitionError(RuntimeError):
+    """An illegal transition of a `TrainingState`, `HandleTrainingState` or `GradState`."""
+
+
+def check_transition(kind: str, where: str, current: enum.Enum, new: enum.Enum, allowed: Transitions) -> None:
+    """Raise `StateTransitionError` unless ``allowed[current]`` contains ``new``."""
+    if new not in allowed[current]:
+        raise StateTransitionError(
+            f"{kind} of {where} cannot go from {current.name} to {new.name} "
+            f"(allowed from {current.name}: {sorted(s.name for s in allowed[current]) or 'none'}). "
+            "This usually means modules ran in an order fully_shard does not support; see docs/errors.md"
+        )

@@ -1,0 +1,204 @@
+"""Recovery that loses nothing (issue 12 §2): after a forward or backward that raises (an exception
+or a ``BaseException`` such as ``KeyboardInterrupt``) on every rank, training goes on *bit for bit*
+like a run that never saw the failed step: nothing of it (gradients reduced, in flight, or kept
+under ``no_sync``) reappears, and ``no_sync`` micro-batches completed before it keep their sums.
+Every check compares the local shards with ``torch.equal`` against a run without the failure."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard, no_sync, register_fsdp_forward_method
+
+
+class Injected(Exception):
+    pass
+
+
+class Net(nn.Module):
+    """Three Linear units and a root parameter, so the root unit takes part in every backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.mid = nn.Linear(7, 7)
+        self.out = nn.Linear(7, 3)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.mid(torch.tanh(self.inp(x))))) * self.scale
+
+    def generate(self, x: torch.Tensor) -> torch.Tensor:  # as HF generate(): calls self(...) inside
+        with torch.no_grad():
+            return self(self(x)[:, :1].expand(-1, 5).contiguous())
+
+
+class _RaiseInBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, exc: Any) -> torch.Tensor:
+        ctx.exc = exc
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> Any:
+        raise ctx.exc("injected backward failure")
+
+
+def _batch(step: int, micro: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 * step + 10 * micro + dist.get_rank())
+    return torch.randn(4, 5, generator=g)
+
+
+def _install(model: Net, kind: str, on: dict[str, bool]) -> None:
+    """Failure points: a forward hook, the loss, an autograd function (after the later units have
+    reduced), each as an Exception or a KeyboardInterrupt."""
+    exc = KeyboardInterrupt if kind.endswith("interrupt") else Injected
+
+    def forward_hook(module: nn.Module, args: Any) -> None:
+        if on["on"] and kind.startswith("forward"):
+            raise exc("injected forward failure")
+
+    def output_hook(module: nn.Module, args: Any, out: torch.Tensor) -> Optional[torch.Tensor]:
+        if on["on"] and kind.startswith("backward"):
+            return _RaiseInBackward.apply(out, exc)  # type: ignore[no-any-return]
+        return None
+
+    model.mid.register_forward_pre_hook(forward_hook)
+    model.inp.register_forward_hook(output_hook)
+
+
+def _loss(model: Net, x: torch.Tensor, kind: str, on: dict[str, bool]) -> torch.Tensor:
+    out = model(x)
+    if on["on"] and kind == "loss":
+        raise Injected("injected loss failure")
+    return out.pow(2).mean()
+
+
+def _train(strategy: str, kind: Optional[str], mode: str, world_check: bool = False) -> list[torch.Tensor]:
+    """Three steps of two micro-batches; at step 1 a failing attempt is inserted (``mode``):
+    ``plain``: before the step's backward; ``no_sync``: between the no_sync micro-batch and the
+    synced one; ``synced``: as the synced micro-batch, which is then run again."""
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model, ModuleWrapPolicy({nn.Linear}), strategy=ShardingStrategy[strategy])
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    on = {"on": False}
+    if kind is not None:
+        _install(model, kind, on)
+
+    def attempt(x: torch.Tensor, sync: bool) -> None:
+        on["on"] = True
+        try:
+            if sync:
+                _loss(model, x, kind or "", on).backward()
+            else:
+                with no_sync(model):
+                    _loss(model, x, kind or "", on).backward()
+        except (Injected, KeyboardInterrupt):
+            pass
+        else:
+            raise AssertionError("the failure was not injected")
+        finally:
+            on["on"] = False
+
+    for step in range(3):
+        failing = kind is not None and step == 1
+        if mode == "plain":
+            if failing:
+                attempt(_batch(step, 9), sync=True)
+                opt.zero_grad()
+            _loss(model, _batch(step, 0), "", on).backward()
+        else:
+            with no_sync(model):
+                _loss(model, _batch(step, 0), "", on).backward()
+            if failing:
+                attempt(_batch(step, 9), sync=mode == "synced")
+            _loss(model, _batch(step, 1), "", on).backward()
+        opt.step()
+        opt.zero_grad()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+KINDS = ["forward", "forward_interrupt", "loss", "backward", "backward_interrupt"]
+
+
+def recovery_matrix(strategy: str, kinds: list[str], modes: list[str]) -> list[str]:
+    """Every (kind, mode) whose parameters differ from the run without a failure."""
+    bad = []
+    for mode in modes:
+        ref = _train(strategy, None, mode)
+        for kind in kinds:
+            got = _train(strategy, kind, mode)
+            if not all(torch.equal(a, b) for a, b in zip(got, ref)):
+                bad.append(f"{kind}/{mode}")
+    return bad
+
+
+def test_failed_step_leaves_no_trace_full_shard(dist_run) -> None:
+    for bad in dist_run(2, recovery_matrix, "FULL_SHARD", KINDS, ["plain", "no_sync", "synced"]):
+        assert bad == []
+
+
+def test_failed_step_leaves_no_trace_other_strategies(dist_run) -> None:
+    for strategy in ("SHARD_GRAD_OP", "NO_SHARD"):
+        for bad in dist_run(2, recovery_matrix, strategy, ["forward_interrupt", "backward"], ["plain", "no_sync"]):
+            assert bad == [], strategy
+
+
+def test_failed_step_leaves_no_trace_four_ranks(dist_run) -> None:
+    for bad in dist_run(4, recovery_matrix, "FULL_SHARD", ["backward", "backward_interrupt"], ["no_sync"]):
+        assert bad == []
+
+
+def generate_and_unit_first() -> dict[str, Any]:
+    """A registered method that calls self(...) inside (HF generate()), and a unit called by itself
+    before the root's first forward: no StateTransitionError, outputs as the plain model's, and
+    training afterwards equal to a model that did neither."""
+    torch.manual_seed(0)
+    plain = Net()
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model, ModuleWrapPolicy({nn.Linear}))
+    x = _batch(0, 0)
+    unit_out = model.mid(torch.ones(2, 7))
+    same_unit = torch.allclose(unit_out, plain.mid(torch.ones(2, 7)))
+    unit_out.sum().backward()  # a backward through the unit alone
+    for p in model.parameters():
+        p.grad = None
+    register_fsdp_forward_method(model, "generate")
+    gen = model.generate(x)
+    same_gen = torch.allclose(gen, plain.generate(x), atol=1e-6)
+    gen_interrupted = False
+    try:
+        with torch.no_grad():
+            orig = model.forward
+
+            def interrupted(*a: Any) -> Any:
+                raise KeyboardInterrupt
+
+            model.forward = interrupted  # type: ignore[method-assign]
+            model.generate(x)
+    except KeyboardInterrupt:
+        gen_interrupted = True
+    finally:
+        model.forward = orig  # type: ignore[method-assign]
+    torch.manual_seed(0)
+    ref = Net()
+    fully_shard(ref, ModuleWrapPolicy({nn.Linear}))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, ref)]
+    for step in range(2):
+        for m, opt in zip((model, ref), opts):
+            m(_batch(step, 0)).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    equal = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    return {"unit": same_unit, "gen": same_gen, "interrupted": gen_interrupted, "equal": equal}
+
+
+def test_registered_method_calling_self_and_unit_called_first(dist_run) -> None:
+    for r in dist_run(2, generate_and_unit_first):
+        assert r == {"unit": True, "gen": True, "interrupted": True, "equal": True}
