@@ -51,7 +51,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 
@@ -258,6 +258,7 @@ def stage_for_no_sync(handle: FlatParamHandle) -> None:
     _set_state(handle, GradState.STAGED)
 
 
+@_trace.method("reduce")
 def start_reduce(handle: FlatParamHandle, stream: Optional[torch.cuda.Stream] = None) -> "PendingReduce":
     """Post-backward: issue this backward's gradient reduction (plus the ``no_sync`` sum kept so far).
 
@@ -320,6 +321,7 @@ class PendingReduce:
     post_divide: int = 1
     done: bool = False
 
+    @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
         if self.done:
             return
