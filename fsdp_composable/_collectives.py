@@ -30,6 +30,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp_composable._rank_agreement import Op, RankMismatchError, agree
+
 __all__: list[str] = []
 
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -85,15 +87,33 @@ Message = tuple[Callable[..., Any], torch.Tensor, int]  # (dist.isend or dist.ir
 
 
 def _start(
-    group: dist.ProcessGroup, tag: int, messages: list[Message], then: Optional[Callable[[], None]] = None
+    group: dist.ProcessGroup,
+    tag: int,
+    messages: list[Message],
+    then: Optional[Callable[[], None]] = None,
+    numel: int = 0,
 ) -> Exchange:
+    """Post ``messages`` once the ranks agreed on the exchange (``numel``: its whole size, the same
+    on every rank; see [Note: collective headers])."""
     requests = []
     try:
+        dtype = messages[0][1].dtype if messages else None
+        agree(group, Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER, numel, dtype)
         for post, tensor, peer in messages:
             requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
-    except RuntimeError as e:  # gloo can notice a dead peer while posting a send
+    except RuntimeError as e:  # a disagreement, or gloo noticed a dead peer while posting a send
         return Exchange(requests, error=e)
     return Exchange(requests, then)
+
+
+def _checked(group: dist.ProcessGroup, op: Op, numel: int, dtype: torch.dtype, post: Callable[[], Any]) -> Optional[Waitable]:
+    """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
+    disagreement or a failure is raised at ``wait``, where the caller names the unit."""
+    try:
+        agree(group, op, numel, dtype)
+    except RuntimeError as e:
+        return Exchange([], error=e)
+    return post()  # type: ignore[no-any-return]
 
 
 def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
@@ -103,7 +123,7 @@ def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.
     messages: list[Message] = []
     for dst, src in pairs:
         messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
-    return _start(group, _ALL_GATHER_TAG, messages)
+    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel())
 
 
 def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
@@ -144,14 +164,16 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
         if size > 2:
             out.add_(extra.sum(0))
 
-    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine)
+    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work)."""
     if point_to_point(group, output.device):
         return _all_gather_exchange(output, shard, group)
-    return _all_gather(output, shard, group=group, async_op=True)  # type: ignore[no-any-return]
+    return _checked(
+        group, Op.ALL_GATHER, output.numel(), output.dtype, lambda: _all_gather(output, shard, group=group, async_op=True)
+    )
 
 
 def reduce_scatter(
@@ -166,7 +188,13 @@ def reduce_scatter(
     if point_to_point(group, output.device):
         return _reduce_scatter_exchange(output, parts, group)
     flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-    return _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
+    return _checked(
+        group,
+        Op.REDUCE_SCATTER,
+        flat.numel(),
+        flat.dtype,
+        lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+    )
 
 
 class CollectiveError(RuntimeError):
@@ -179,6 +207,8 @@ def wait(work: Optional[Waitable], what: str) -> None:
         return
     try:
         work.wait()
+    except RankMismatchError as e:
+        raise RankMismatchError(f"fully_shard: {what} was not run: {e}") from e
     except RuntimeError as e:
         raise CollectiveError(
             f"fully_shard: {what} did not complete: {e}. Another rank probably died, hung, or ran "
@@ -225,4 +255,10 @@ def issue(stream: Optional["torch.cuda.Stream"], collective: Callable[[], Option
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
     """Sum ``tensor`` over ranks in place (async)."""
-    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+    return _checked(
+        group,
+        Op.ALL_REDUCE,
+        tensor.numel(),
+        tensor.dtype,
+        lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
+    )

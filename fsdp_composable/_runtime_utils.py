@@ -39,6 +39,7 @@ from fsdp_composable._common_utils import (
     _iter_handles,
     _set_training_state,
 )
+from fsdp_composable import _rank_agreement
 from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._limiter_utils import _AllGatherLimiter
@@ -340,6 +341,7 @@ def _finish_step(root: _FSDPState) -> None:
 def _reset_after_failure(root: _FSDPState) -> None:
     """Forward or backward raised midway: drop partial gradients, reshard, and return every state and
     handle to IDLE so the next step starts clean (the sharded gradients of earlier steps are kept)."""
+    _rank_agreement.leave_step(g for h in _iter_handles(root) for g in (h.process_group, h.replicate_group))
     _finish_pending_reductions(root)
     for handle in _iter_handles(root):
         handle.discard_gradient_buffer()
