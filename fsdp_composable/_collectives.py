@@ -30,6 +30,7 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._rank_agreement import Op, RankMismatchError, agree
 
 __all__: list[str] = []
@@ -51,15 +52,25 @@ class Waitable(Protocol):
 @dataclass
 class Exchange:
     """Point-to-point requests in flight and what to do with the received data once they complete.
-    ``error``: posting them failed (a peer already gone); `wait` raises it, so it is reported like a
-    native collective's failure, naming the unit."""
+    ``error``: posting them failed (a peer already gone, or the ranks disagreed); `wait` raises it, so
+    it is reported like a native collective's failure, naming the unit. A refused collective waited
+    for after its step was left (the recovery discarding it) zeroes ``output`` instead, so a gradient
+    reduction of the failed step adds nothing (see [Note: collective headers])."""
 
     requests: Sequence[dist.Work]
     then: Optional[Callable[[], None]] = None
     error: Optional[RuntimeError] = None
+    output: Optional[torch.Tensor] = None
+    group: Optional[dist.ProcessGroup] = None
+    generation: int = 0
 
     def wait(self) -> bool:
         if self.error is not None:
+            refused = isinstance(self.error, RankMismatchError) and self.group is not None
+            if refused and _rank_agreement.settled(self.group, self.generation):  # type: ignore[arg-type]
+                if self.output is not None:
+                    self.output.zero_()
+                return True
             raise self.error
         for request in self.requests:
             request.wait()
@@ -92,6 +103,7 @@ def _start(
     messages: list[Message],
     then: Optional[Callable[[], None]] = None,
     numel: int = 0,
+    output: Optional[torch.Tensor] = None,
 ) -> Exchange:
     """Post ``messages`` once the ranks agreed on the exchange (``numel``: its whole size, the same
     on every rank; see [Note: collective headers])."""
@@ -102,17 +114,19 @@ def _start(
         for post, tensor, peer in messages:
             requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
     except RuntimeError as e:  # a disagreement, or gloo noticed a dead peer while posting a send
-        return Exchange(requests, error=e)
+        return Exchange(requests, error=e, output=output, group=group, generation=_rank_agreement.generation(group))
     return Exchange(requests, then)
 
 
-def _checked(group: dist.ProcessGroup, op: Op, numel: int, dtype: torch.dtype, post: Callable[[], Any]) -> Optional[Waitable]:
+def _checked(
+    group: dist.ProcessGroup, op: Op, output: torch.Tensor, numel: int, post: Callable[[], Any]
+) -> Optional[Waitable]:
     """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
     disagreement or a failure is raised at ``wait``, where the caller names the unit."""
     try:
-        agree(group, op, numel, dtype)
+        agree(group, op, numel, output.dtype)
     except RuntimeError as e:
-        return Exchange([], error=e)
+        return Exchange([], error=e, output=output, group=group, generation=_rank_agreement.generation(group))
     return post()  # type: ignore[no-any-return]
 
 
@@ -123,7 +137,7 @@ def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.
     messages: list[Message] = []
     for dst, src in pairs:
         messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
-    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel())
+    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel(), output=output)
 
 
 def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
@@ -164,7 +178,7 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
         if size > 2:
             out.add_(extra.sum(0))
 
-    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size)
+    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size, output=output)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
@@ -172,7 +186,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     if point_to_point(group, output.device):
         return _all_gather_exchange(output, shard, group)
     return _checked(
-        group, Op.ALL_GATHER, output.numel(), output.dtype, lambda: _all_gather(output, shard, group=group, async_op=True)
+        group, Op.ALL_GATHER, output, output.numel(), lambda: _all_gather(output, shard, group=group, async_op=True)
     )
 
 
@@ -191,8 +205,8 @@ def reduce_scatter(
     return _checked(
         group,
         Op.REDUCE_SCATTER,
+        output,
         flat.numel(),
-        flat.dtype,
         lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
     )
 
@@ -253,12 +267,14 @@ def issue(stream: Optional["torch.cuda.Stream"], collective: Callable[[], Option
     return InFlight(event=event)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
-    """Sum ``tensor`` over ranks in place (async)."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Optional[Waitable]:
+    """Reduce ``tensor`` over ranks in place (async; a sum unless ``op`` says otherwise)."""
     return _checked(
         group,
         Op.ALL_REDUCE,
+        tensor,
         tensor.numel(),
-        tensor.dtype,
-        lambda: dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
     )

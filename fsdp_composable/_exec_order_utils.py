@@ -110,6 +110,8 @@ class _ExecOrderData:
             work = _collectives.all_gather(everyone.view(-1), mine, group)
         _collectives.wait(work, "the execution-order check")
         step = len(self.pre_forward_order)
+        if bool((everyone != everyone[0]).any()):
+            _rank_agreement.saw_mismatch(group, "the ranks ran different units")
         if bool((everyone[:, 0] != everyone[0, 0]).any()):
             detail = "; ".join(f"rank {r}: {self._name(int(i))}" for r, i in enumerate(everyone[:, 0].tolist()))
             raise ExecutionOrderError(

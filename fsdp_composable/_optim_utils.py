@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_utils import (
@@ -217,6 +218,7 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
             groups[id(unit.handle.process_group)] = unit.handle.process_group
     for gid, mine in by_group.items():
         everyone: list[Any] = [None] * dist.get_world_size(groups[gid])
+        _rank_agreement.agree_before(groups[gid], _rank_agreement.Op.ALL_GATHER_OBJECT, len(mine), None, "check of the optimizer state")
         dist.all_gather_object(everyone, mine, group=groups[gid])
         for (i, sig), *others in zip(mine, *everyone):
             if any(o[1] != sig for o in others):
@@ -249,6 +251,7 @@ def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) 
     return out
 
 
+@_rank_agreement.entry_point("optim_state_dict()")
 def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """``optim``'s state keyed by original parameter FQN: ``{"state": {fqn: {key: value}},
     "param_groups": [{..., "params": [fqn, ...]}]}``.
@@ -390,6 +393,7 @@ def _import(unit: _Unit, saved_state: Mapping[str, Any], ids: dict[int, int], ou
                 out[pid][key] = flat[start:end].view(handle._sharded_views[k].shape).clone()
 
 
+@_rank_agreement.entry_point("optim_state_dict_to_load()")
 def optim_state_dict_to_load(
     module: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -413,6 +417,7 @@ def optim_state_dict_to_load(
     _check_groups(saved_groups, current)
     ids = {id(p): i for i, p in enumerate(params)}
     out: dict[int, dict[str, Any]] = {}
+    _rank_agreement.check_in(u.handle.process_group for u in _units_in(index, params))
     for unit in _units_in(index, params):
         _import(unit, saved_state, ids, out)
     for p in params:

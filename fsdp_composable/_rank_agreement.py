@@ -117,11 +117,16 @@ class _GroupRecord:
     epoch: int = 0
     left: bool = False  # this rank already left the current step (or every rank saw the mismatch)
     broken: Optional[str] = None
+    # the step's forward or backward already failed here: the collectives it still issues (a
+    # prefetch) fail at once instead of meeting a peer that moved on; cleared by the next step
+    abandoned: Optional[str] = None
+    generation: int = 0  # bumped when a step starts or is left: see `settled`
     pending: list[dist.Work] = field(default_factory=list)  # `Op.LEFT` sends in flight
 
 
 _records: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupRecord]" = weakref.WeakKeyDictionary()
 _entry: list[int] = []
+_override: list[int] = []  # a purpose given to `agree` itself
 
 
 def _record(group: dist.ProcessGroup) -> _GroupRecord:
@@ -141,13 +146,32 @@ def entry_point(name: str) -> Iterator[None]:
     """Collectives issued inside are labelled as ``name`` (one of `_PURPOSES`), which every rank must
     call: a rank elsewhere gets an error saying so."""
     _entry.append(_PURPOSES.index(name))
+    if _entry[-1] >= _FIRST_ENTRY_POINT:  # entry points run between steps
+        for record in _records.values():
+            record.abandoned = None
     try:
         yield
     finally:
         _entry.pop()
 
 
+def doing() -> str:
+    """What the collectives issued now are for (an entry point's name, "forward" or "backward"), to
+    name them in errors."""
+    return _PURPOSES[_purpose()]
+
+
+def check_in(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
+    """An entry point that may move no data still meets the other ranks (``Op.START``): called on
+    one rank only, it is an error on every rank instead of ranks silently holding different state."""
+    for group in {id(g): g for g in groups if checks(g)}.values():
+        assert group is not None
+        agree_before(group, Op.START, 0, None, "check-in of every rank")
+
+
 def _purpose() -> int:
+    if _override:
+        return _override[-1]
     if _entry:
         return _entry[-1]
     return 1 if torch._C._current_graph_task_id() != -1 else 0
@@ -159,7 +183,9 @@ def start_step(group: Optional[dist.ProcessGroup]) -> None:
         assert group is not None
         record = _record(group)
         record.step += 1
+        record.generation += 1
         record.left = False
+        record.abandoned = None
 
 
 def leave_step(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
@@ -167,6 +193,7 @@ def leave_step(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
     for group in {id(g): g for g in groups if checks(g)}.values():
         assert group is not None
         record = _record(group)
+        record.generation += 1
         if record.left or record.broken is not None:
             continue
         header = _header(group, record, Op.LEFT, 0, None)
@@ -179,6 +206,27 @@ def leave_step(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
             record.broken = f"a peer could not be told that this rank left step {record.step} ({e})"
         record.epoch += 1
         record.left = True
+        record.abandoned = None  # the step is over here; what follows belongs to the next
+
+
+def saw_mismatch(group: Optional[dist.ProcessGroup], reason: str) -> None:
+    """Every rank found the same disagreement (the first iteration's order check) and raises: none
+    needs to announce that it leaves the step, whichever way its error unwinds."""
+    if checks(group):
+        assert group is not None
+        record = _record(group)
+        record.left = True
+        record.abandoned = reason
+
+
+def generation(group: dist.ProcessGroup) -> int:
+    return _record(group).generation if checks(group) else 0
+
+
+def settled(group: dist.ProcessGroup, created: int) -> bool:
+    """Whether the step in which a collective was refused (``created``: `generation` then) is over on
+    this rank: its recovery ran or the next step began. Waiting for it then only discards it."""
+    return checks(group) and _record(group).generation != created
 
 
 def _dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -201,6 +249,20 @@ def _describe(h: dict[str, int]) -> str:
     return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{size} (step {h['step']})"
 
 
+def agree_before(
+    group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dtype], what: str, purpose: Optional[str] = None
+) -> None:
+    """`agree` before a blocking native collective: errors name it (``what``, e.g. "the all-to-all of
+    unit 'blocks.1'"), as `_collectives.wait` names the asynchronous ones."""
+    try:
+        with entry_point(purpose) if purpose is not None else contextlib.nullcontext():
+            agree(group, op, numel, dtype)
+    except RankMismatchError as e:
+        raise RankMismatchError(f"fully_shard: the {doing()} {what} was not run: {e}") from e
+    except RuntimeError as e:
+        raise RuntimeError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
+
+
 def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dtype]) -> None:
     """Block until every rank of ``group`` reached a collective and check it is the same one; raise
     `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on. No-op
@@ -212,6 +274,8 @@ def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dt
         raise RankMismatchError(
             f"this process group can no longer be used: {record.broken}. Restart the job (from a checkpoint)"
         )
+    if record.abandoned is not None and _purpose() < _FIRST_ENTRY_POINT:
+        raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned})")
     record.pending = [w for w in record.pending if not w.is_completed()]
     mine = _header(group, record, op, numel, dtype)
     me, size = dist.get_rank(group), dist.get_world_size(group)
@@ -267,11 +331,14 @@ def _verdict(group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int
             )
         record.epoch += 1
         record.left = True
+        record.abandoned = f"rank(s) {left} left it"
         raise RankMismatchError(
             f"rank(s) {left} raised an exception in this step and left it ({detail}). Every rank abandons "
             "the step; the next one can run. See the failing rank's log for its exception"
         )
     record.left = True  # every rank saw the same headers: none announces leaving
+    if _purpose() < _FIRST_ENTRY_POINT:
+        record.abandoned = "the ranks reached different collectives"
     record.step = max(h["step"] for h in everyone.values())
     hint = _entry_hint({h["purpose"] for h in everyone.values()})
     raise RankMismatchError(

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable.api import (
@@ -180,6 +180,7 @@ def _post_state_dict_hook(
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
 
 
+@_rank_agreement.entry_point("load_state_dict()")
 def _pre_load_state_dict_hook(
     state: _FSDPState,
     handle: FlatParamHandle,
@@ -211,9 +212,11 @@ def _root_post_state_dict_hook(
         _replicate_buffers(state, state_dict, prefix)
 
 
+@_rank_agreement.entry_point("load_state_dict()")
 def _root_pre_load_hook(
     state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any
 ) -> None:
+    _rank_agreement.check_in(h.process_group for s in state.all_states or [state] for h in s.handles)
     # Buffers (and parameters of unsharded units) arrive as replicated DTensors: load their local value.
     for key, value in list(state_dict.items()):
         if key.startswith(prefix) and isinstance(value, DTensor) and _is_replicated(value):
@@ -230,11 +233,11 @@ def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = N
         return shard.clone()
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
     work = _collectives.all_gather(full, shard, handle.process_group)
-    if work is not None:
-        work.wait()
+    _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full
 
 
+@_rank_agreement.entry_point("state_dict()")
 def _full_post_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
 ) -> None:
@@ -325,6 +328,7 @@ def _all_to_all(
     # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
     send_flat = torch.cat(send) if send else like.new_empty(0)
     recv = like.new_empty(sum(out_splits))
+    _rank_agreement.agree_before(handle.process_group, _rank_agreement.Op.ALL_TO_ALL, handle.layout.padded_numel, like.dtype, f"all-to-all of unit '{handle.unit_fqn or '<root>'}'")
     dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
     return recv
 
@@ -446,6 +450,7 @@ def _local_chunk(value: torch.Tensor, info: ParamInfo, layout: FlatLayout) -> to
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT
+@_rank_agreement.entry_point("state_dict()")
 def _sharded_post_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str
 ) -> None:

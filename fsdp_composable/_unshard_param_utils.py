@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -111,6 +112,7 @@ def unshard_params(
 summon_full_params = unshard_params
 
 
+@_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(
     handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool
 ) -> Optional[torch.Tensor]:
