@@ -216,7 +216,9 @@ def _fingerprint(name: str, handle: "Optional[FlatParamHandle]") -> tuple[int, i
     return numel, int.from_bytes(digest, "little")
 
 
-def _describe(name: str, handle: "Optional[FlatParamHandle]") -> tuple[str, int, list[tuple[str, tuple[int, ...], str]]]:
+def _describe(
+    name: str, handle: "Optional[FlatParamHandle]"
+) -> tuple[str, int, list[tuple[str, tuple[int, ...], str]]]:
     numel = sum(h.layout.padded_numel for h in handle.siblings) if handle is not None else 0
     return name, numel, _param_list(name, handle)
 

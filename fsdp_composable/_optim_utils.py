@@ -31,6 +31,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._rank_agreement import Op
 from fsdp_composable._state_dict_utils import (
     _as_dtensor,
     _chunk_shape,
@@ -218,7 +219,7 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
             groups[id(unit.handle.process_group)] = unit.handle.process_group
     for gid, mine in by_group.items():
         everyone: list[Any] = [None] * dist.get_world_size(groups[gid])
-        _rank_agreement.agree_before(groups[gid], _rank_agreement.Op.ALL_GATHER_OBJECT, len(mine), None, "check of the optimizer state")
+        _rank_agreement.agree_before(groups[gid], Op.ALL_GATHER_OBJECT, len(mine), None, "optimizer state check")
         dist.all_gather_object(everyone, mine, group=groups[gid])
         for (i, sig), *others in zip(mine, *everyone):
             if any(o[1] != sig for o in others):

@@ -35,7 +35,7 @@ import contextlib
 import enum
 import weakref
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,7 +121,7 @@ class _GroupRecord:
     # prefetch) fail at once instead of meeting a peer that moved on; cleared by the next step
     abandoned: Optional[str] = None
     generation: int = 0  # bumped when a step starts or is left: see `settled`
-    pending: list[dist.Work] = field(default_factory=list)  # `Op.LEFT` sends in flight
+    pending: list[Any] = field(default_factory=list)  # `Op.LEFT` sends in flight
 
 
 _records: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupRecord]" = weakref.WeakKeyDictionary()
@@ -235,8 +235,19 @@ def _dtype_code(dtype: Optional[torch.dtype]) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else 99
 
 
-def _header(group: dist.ProcessGroup, record: _GroupRecord, op: Op, numel: int, dtype: Optional[torch.dtype]) -> torch.Tensor:
-    values = (_MAGIC, int(op), _purpose(), record.epoch, record.step, numel, _dtype_code(dtype), dist.get_world_size(group))
+def _header(
+    group: dist.ProcessGroup, record: _GroupRecord, op: Op, numel: int, dtype: Optional[torch.dtype]
+) -> torch.Tensor:
+    values = (
+        _MAGIC,
+        int(op),
+        _purpose(),
+        record.epoch,
+        record.step,
+        numel,
+        _dtype_code(dtype),
+        dist.get_world_size(group),
+    )
     return torch.tensor(values, dtype=torch.int64)
 
 
@@ -245,7 +256,11 @@ def _describe(h: dict[str, int]) -> str:
         return f"left step {h['step']} (it raised an exception there)"
     purpose = _PURPOSES[h["purpose"]] if 0 <= h["purpose"] < len(_PURPOSES) else f"<purpose {h['purpose']}>"
     dtype = _DTYPES[h["dtype"]] if 0 <= h["dtype"] < len(_DTYPES) else None
-    size = "" if h["op"] in (Op.START, Op.ALL_GATHER_OBJECT) else f" of {h['numel']:,} {str(dtype).replace('torch.', '')} elements"
+    size = (
+        ""
+        if h["op"] in (Op.START, Op.ALL_GATHER_OBJECT)
+        else f" of {h['numel']:,} {str(dtype).replace('torch.', '')} elements"
+    )
     return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{size} (step {h['step']})"
 
 
@@ -293,8 +308,9 @@ def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dt
                     continue
                 theirs[peer] = header
                 del posted[peer]
-        for work in sends:
-            work.wait()
+        for send in sends:
+            if send is not None:
+                send.wait()
     except RuntimeError as e:
         record.broken = f"a collective did not complete ({e})"
         hint = _entry_hint({_purpose()})
@@ -302,7 +318,7 @@ def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dt
     _verdict(group, record, dict(zip(_FIELDS, mine.tolist())), theirs)
 
 
-def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, dist.Work]:
+def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
     buffer = torch.empty(len(_FIELDS), dtype=torch.int64)
     return buffer, dist.irecv(buffer, dist.get_global_rank(group, peer), group, _HEADER_TAG)
 
@@ -311,14 +327,19 @@ def _entry_hint(purposes: set[int]) -> str:
     entries = sorted(_PURPOSES[p] for p in purposes if _FIRST_ENTRY_POINT <= p < len(_PURPOSES))
     if not entries:
         return ""
-    return f"; {' and '.join(entries)} {'is a collective' if len(entries) == 1 else 'are collectives'}: it must be called on every rank"
+    verb = "is a collective" if len(entries) == 1 else "are collectives"
+    return f"; {' and '.join(entries)} {verb}: it must be called on every rank"
 
 
-def _verdict(group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int], theirs: dict[int, dict[str, int]]) -> None:
+def _verdict(
+    group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int], theirs: dict[int, dict[str, int]]
+) -> None:
     me = dist.get_rank(group)
     everyone = {**theirs, me: mine}
     left = sorted(r for r, h in theirs.items() if h["op"] == Op.LEFT)
-    if not left and all(all(h[k] == mine[k] for k in _COMPARED) and h["epoch"] == mine["epoch"] for h in theirs.values()):
+    if not left and all(
+        all(h[k] == mine[k] for k in _COMPARED) and h["epoch"] == mine["epoch"] for h in theirs.values()
+    ):
         return
     detail = "; ".join(f"rank {r}: {_describe(everyone[r])}" for r in sorted(everyone))
     if left:

@@ -29,6 +29,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import (
     TrainingState,
     UnitConfig,
@@ -39,7 +40,6 @@ from fsdp_composable._common_utils import (
     _iter_handles,
     _set_training_state,
 )
-from fsdp_composable import _rank_agreement
 from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._limiter_utils import _AllGatherLimiter

@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable._rank_agreement import Op
 from fsdp_composable.api import (
     FullStateDictConfig,
     LocalStateDictConfig,
@@ -328,7 +329,8 @@ def _all_to_all(
     # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
     send_flat = torch.cat(send) if send else like.new_empty(0)
     recv = like.new_empty(sum(out_splits))
-    _rank_agreement.agree_before(handle.process_group, _rank_agreement.Op.ALL_TO_ALL, handle.layout.padded_numel, like.dtype, f"all-to-all of unit '{handle.unit_fqn or '<root>'}'")
+    group, numel = handle.process_group, handle.layout.padded_numel
+    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
     dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
     return recv
 
