@@ -30,7 +30,8 @@ from typing import Any, Callable, Optional, Protocol, Sequence
 import torch
 import torch.distributed as dist
 
-from fsdp_composable import _trace
+from fsdp_composable import _rank_agreement, _trace
+from fsdp_composable._rank_agreement import Op, RankMismatchError, agree
 
 __all__: list[str] = []
 
@@ -51,15 +52,25 @@ class Waitable(Protocol):
 @dataclass
 class Exchange:
     """Point-to-point requests in flight and what to do with the received data once they complete.
-    ``error``: posting them failed (a peer already gone); `wait` raises it, so it is reported like a
-    native collective's failure, naming the unit."""
+    ``error``: posting them failed (a peer already gone, or the ranks disagreed); `wait` raises it, so
+    it is reported like a native collective's failure, naming the unit. A refused collective waited
+    for after its step was left (the recovery discarding it) zeroes ``output`` instead, so a gradient
+    reduction of the failed step adds nothing (see [Note: collective headers])."""
 
     requests: Sequence[dist.Work]
     then: Optional[Callable[[], None]] = None
     error: Optional[RuntimeError] = None
+    output: Optional[torch.Tensor] = None
+    group: Optional[dist.ProcessGroup] = None
+    generation: int = 0
 
     def wait(self) -> bool:
         if self.error is not None:
+            refused = isinstance(self.error, RankMismatchError) and self.group is not None
+            if refused and _rank_agreement.settled(self.group, self.generation):  # type: ignore[arg-type]
+                if self.output is not None:
+                    self.output.zero_()
+                return True
             raise self.error
         for request in self.requests:
             request.wait()
@@ -87,15 +98,36 @@ Message = tuple[Callable[..., Any], torch.Tensor, int]  # (dist.isend or dist.ir
 
 
 def _start(
-    group: dist.ProcessGroup, tag: int, messages: list[Message], then: Optional[Callable[[], None]] = None
+    group: dist.ProcessGroup,
+    tag: int,
+    messages: list[Message],
+    then: Optional[Callable[[], None]] = None,
+    numel: int = 0,
+    output: Optional[torch.Tensor] = None,
 ) -> Exchange:
+    """Post ``messages`` once the ranks agreed on the exchange (``numel``: its whole size, the same
+    on every rank; see [Note: collective headers])."""
     requests = []
     try:
+        dtype = messages[0][1].dtype if messages else None
+        agree(group, Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER, numel, dtype)
         for post, tensor, peer in messages:
             requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
-    except RuntimeError as e:  # gloo can notice a dead peer while posting a send
-        return Exchange(requests, error=e)
+    except RuntimeError as e:  # a disagreement, or gloo noticed a dead peer while posting a send
+        return Exchange(requests, error=e, output=output, group=group, generation=_rank_agreement.generation(group))
     return Exchange(requests, then)
+
+
+def _checked(
+    group: dist.ProcessGroup, op: Op, output: torch.Tensor, numel: int, post: Callable[[], Any]
+) -> Optional[Waitable]:
+    """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
+    disagreement or a failure is raised at ``wait``, where the caller names the unit."""
+    try:
+        agree(group, op, numel, output.dtype)
+    except RuntimeError as e:
+        return Exchange([], error=e, output=output, group=group, generation=_rank_agreement.generation(group))
+    return post()  # type: ignore[no-any-return]
 
 
 def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
@@ -105,7 +137,7 @@ def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.
     messages: list[Message] = []
     for dst, src in pairs:
         messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
-    return _start(group, _ALL_GATHER_TAG, messages)
+    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel(), output=output)
 
 
 def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
@@ -146,7 +178,7 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
         if size > 2:
             out.add_(extra.sum(0))
 
-    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine)
+    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size, output=output)
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
@@ -154,7 +186,9 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
         if point_to_point(group, output.device):
             return _all_gather_exchange(output, shard, group)
-        return _all_gather(output, shard, group=group, async_op=True)  # type: ignore[no-any-return]
+        return _checked(
+            group, Op.ALL_GATHER, output, output.numel(), lambda: _all_gather(output, shard, group=group, async_op=True)
+        )
 
 
 def reduce_scatter(
@@ -170,7 +204,13 @@ def reduce_scatter(
         if point_to_point(group, output.device):
             return _reduce_scatter_exchange(output, parts, group)
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
-        return _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True)  # type: ignore[no-any-return]
+        return _checked(
+            group,
+            Op.REDUCE_SCATTER,
+            output,
+            flat.numel(),
+            lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+        )
 
 
 class CollectiveError(RuntimeError):
@@ -184,6 +224,8 @@ def wait(work: Optional[Waitable], what: str) -> None:
     try:
         with _trace.span("wait", None):  # inside the span of the unit that waits
             work.wait()
+    except RankMismatchError as e:
+        raise RankMismatchError(f"fully_shard: {what} was not run: {e}") from e
     except RuntimeError as e:
         raise CollectiveError(
             f"fully_shard: {what} did not complete: {e}. Another rank probably died, hung, or ran "
@@ -228,7 +270,15 @@ def issue(stream: Optional["torch.cuda.Stream"], collective: Callable[[], Option
     return InFlight(event=event)
 
 
-def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
-    """Sum ``tensor`` over ranks in place (async)."""
+def all_reduce(
+    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+) -> Optional[Waitable]:
+    """Reduce ``tensor`` over ranks in place (async; a sum unless ``op`` says otherwise)."""
     with _trace.span("all_reduce", None, tensor):
-        return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=True)
+        return _checked(
+            group,
+            Op.ALL_REDUCE,
+            tensor,
+            tensor.numel(),
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+        )

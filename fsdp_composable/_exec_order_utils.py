@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import hashlib
 import warnings
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _rank_agreement
 
 if TYPE_CHECKING:
     from fsdp_composable._flat_param import FlatParamHandle
@@ -35,10 +36,14 @@ class _ExecOrderData:
     def __init__(self, group: Optional[dist.ProcessGroup] = None, unit_names: Optional[list[str]] = None) -> None:
         # [Note: execution order validation]
         # In the first iteration, before each unit's first all-gather, every rank contributes the
-        # index of the unit it is about to run to one tiny all-gather (and -1 at the end of forward).
-        # Because every rank makes the same number of these calls until they disagree, a rank that
-        # runs another unit, or skips one, is caught by an error on every rank instead of pairing the
-        # wrong all-gathers (garbage) or waiting forever (hang).
+        # index of the unit it is about to run, and a fingerprint of what that unit will send (its
+        # FQN, each parameter's FQN, shape and dtype, its padded numel), to one tiny all-gather (and
+        # -1 at the end of forward). Because every rank makes the same number of these calls until
+        # they disagree, a rank that runs another unit, skips one, or built a unit differently (another
+        # policy, a layer of another width) is caught by an error on every rank, naming the unit and
+        # the ranks, instead of pairing the wrong all-gathers (garbage, or a gloo abort) or waiting
+        # forever (hang). Later iterations rely on the per-collective headers of [Note: collective
+        # headers] (gloo).
         self.group = group
         self.unit_names = unit_names or []
         self._index: dict[int, int] = {}
@@ -68,7 +73,7 @@ class _ExecOrderData:
     def record_pre_forward(self, handle: "FlatParamHandle") -> None:
         if self.is_first_iter:
             if id(handle) not in self._pre_forward_index:
-                self._validate(self._index.get(id(handle), -2))
+                self._validate(self._index.get(id(handle), -2), handle)
                 self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
                 self.pre_forward_order.append(handle)
             if not self._forward_ended:  # the first forward's every call, repeats included
@@ -80,6 +85,7 @@ class _ExecOrderData:
     def start_forward(self) -> None:
         """Root pre-forward: positions count from the start of each forward."""
         self._current_forward = []
+        _rank_agreement.start_step(self.group)
 
     def end_forward(self) -> None:
         """Root post-forward: in the first iteration, check every rank ran the same number of units."""
@@ -92,20 +98,36 @@ class _ExecOrderData:
             return "<end of forward>"
         return repr(self.unit_names[index]) if 0 <= index < len(self.unit_names) else f"<unit #{index}>"
 
-    def _validate(self, index: int) -> None:
+    def _validate(self, index: int, handle: "Optional[FlatParamHandle]" = None) -> None:
         group = self.group
         if group is None or dist.get_world_size(group) == 1:
             return
-        mine = torch.tensor([index], dtype=torch.int64)
-        everyone = torch.empty(dist.get_world_size(group), dtype=torch.int64)
-        _collectives.wait(_collectives.all_gather(everyone, mine, group), "the execution-order check")
+        numel, fingerprint = _fingerprint(self._name(index), handle)
+        mine = torch.tensor([index, numel, fingerprint], dtype=torch.int64)
+        everyone = torch.empty((dist.get_world_size(group), 3), dtype=torch.int64)
+        with _rank_agreement.entry_point("the execution-order check"):
+            work = _collectives.all_gather(everyone.view(-1), mine, group)
+        _collectives.wait(work, "the execution-order check")
+        step = len(self.pre_forward_order)
         if bool((everyone != everyone[0]).any()):
-            step = len(self.pre_forward_order)
-            detail = "; ".join(f"rank {r}: {self._name(int(i))}" for r, i in enumerate(everyone.tolist()))
+            _rank_agreement.saw_mismatch(group, "the ranks ran different units")
+        if bool((everyone[:, 0] != everyone[0, 0]).any()):
+            detail = "; ".join(f"rank {r}: {self._name(int(i))}" for r, i in enumerate(everyone[:, 0].tolist()))
             raise ExecutionOrderError(
                 f"fully_shard: ranks disagree on the unit to run at position {step} of the forward in "
                 f"iteration {self.iteration} ({detail}). Every rank must run the same modules in the same "
                 "order; look for data-dependent branches or modules skipped on some ranks"
+            )
+        if bool((everyone != everyone[0]).any()):
+            # every rank is here: one more collective gathers what each would send, for the message
+            described: list[Any] = [None] * dist.get_world_size(group)
+            dist.all_gather_object(described, _describe(self._name(index), handle), group=group)
+            ranks = [r for r in range(len(described)) if described[r] != described[0]]
+            raise ExecutionOrderError(
+                f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "
+                f"in iteration {self.iteration}; rank(s) {ranks} differ from rank 0): {_first_difference(described)}. "
+                "Every rank must build the same model and apply the same policy (same units, same parameter "
+                "shapes and dtypes)"
             )
 
     def _warn_if_order_changed(self, handle: "FlatParamHandle") -> None:
@@ -169,3 +191,54 @@ class _ExecOrderData:
         self.last_prefetch_log, self.prefetch_log = self.prefetch_log, []
         if self.pre_backward_order:  # keep the last order that had a backward (eval steps have none)
             self.last_pre_backward_order, self.pre_backward_order = self.pre_backward_order, []
+
+
+def _param_list(name: str, handle: "Optional[FlatParamHandle]") -> list[tuple[str, tuple[int, ...], str]]:
+    """(FQN, shape, dtype) of every parameter the unit will gather (its sibling handles included)."""
+    if handle is None:
+        return []
+    out = []
+    for h in handle.siblings:
+        prefix = f"{h.unit_fqn}." if h.unit_fqn else ""
+        for info in h.layout.infos:
+            out.append((prefix + info.fqn, tuple(info.shape), str(h.dtype).replace("torch.", "")))
+    return out
+
+
+def _fingerprint(name: str, handle: "Optional[FlatParamHandle]") -> tuple[int, int]:
+    """(padded numel, a hash of the unit's name and parameters), equal on ranks that built it alike.
+    hashlib, not hash(): Python salts string hashes per process."""
+    if handle is None:
+        return 0, 0
+    numel = sum(h.layout.padded_numel for h in handle.siblings)
+    digest = hashlib.blake2b(repr((name, numel, _param_list(name, handle))).encode(), digest_size=7).digest()
+    return numel, int.from_bytes(digest, "little")
+
+
+def _describe(
+    name: str, handle: "Optional[FlatParamHandle]"
+) -> tuple[str, int, list[tuple[str, tuple[int, ...], str]]]:
+    numel = sum(h.layout.padded_numel for h in handle.siblings) if handle is not None else 0
+    return name, numel, _param_list(name, handle)
+
+
+def _first_difference(described: list[Any]) -> str:
+    """Each rank's unit name, padded numel and the first parameter where the ranks differ."""
+    lists = [d[2] for d in described]
+    position = next(
+        (i for i in range(max(map(len, lists))) if len({repr(p[i]) if i < len(p) else "-" for p in lists}) > 1),
+        None,
+    )
+
+    def one(rank: int) -> str:
+        name, numel, params = described[rank]
+        text = f"rank {rank}: unit {name} of {numel:,} elements"
+        if position is not None:
+            text += f", parameter {position}: " + (
+                f"{params[position][0]} {list(params[position][1])} {params[position][2]}"
+                if position < len(params)
+                else "<none>"
+            )
+        return text
+
+    return "; ".join(one(r) for r in range(len(described)))

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _reduce_utils
+from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
 from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
 
@@ -85,6 +85,7 @@ def no_sync(module: nn.Module) -> Iterator[None]:
             s.sync_gradients = prev
 
 
+@_rank_agreement.entry_point("clip_grad_norm_()")
 def clip_grad_norm_(
     module: nn.Module, max_norm: Union[float, int], norm_type: Union[float, int, str] = 2.0
 ) -> torch.Tensor:
@@ -102,9 +103,9 @@ def clip_grad_norm_(
     local_replicated = _norm_term(replicated, norm_type, device)
     if math.isinf(norm_type):
         total = torch.maximum(local_sharded, local_replicated)
-        dist.all_reduce(total, op=dist.ReduceOp.MAX, group=group)
+        _collectives.wait(_collectives.all_reduce(total, group, dist.ReduceOp.MAX), "the clip_grad_norm_() all-reduce")
     else:
-        dist.all_reduce(local_sharded, group=group)
+        _collectives.wait(_collectives.all_reduce(local_sharded, group), "the clip_grad_norm_() all-reduce")
         total = (local_sharded + local_replicated) ** (1.0 / norm_type)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():

@@ -14,9 +14,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig, UnitConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
+from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
     ModuleWrapPolicy,
     Policy,
@@ -444,6 +446,7 @@ def _broadcast_from_rank0(state: _FSDPState, tensors: list[torch.Tensor]) -> Non
         for group in groups:  # shard group first, then across replicas: every rank gets rank 0's
             src = dist.get_global_rank(group, 0)
             for t in tensors:
+                _rank_agreement.agree_before(group, Op.BROADCAST, t.numel(), t.dtype, "broadcast", "sync_module_states")
                 dist.broadcast(t, src=src, group=group)
 
 

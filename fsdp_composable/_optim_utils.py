@@ -28,9 +28,11 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
+from fsdp_composable._rank_agreement import Op
 from fsdp_composable._state_dict_utils import (
     _as_dtensor,
     _chunk_shape,
@@ -260,6 +262,7 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
     for ranks in sorted(by_group):
         mine = [_record(units[i], collected[i]) for i in by_group[ranks]]
         everyone: list[Any] = [None] * len(ranks)
+        _rank_agreement.agree_before(groups[ranks], Op.ALL_GATHER_OBJECT, len(mine), None, "optimizer state check")
         dist.all_gather_object(everyone, mine, group=groups[ranks])
         if any(len(theirs) != len(mine) for theirs in everyone):
             raise RuntimeError(
@@ -331,6 +334,7 @@ def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) 
     return {fqn: entry for fqn, entry in zip(unit.fqns, entries) if entry is not None}
 
 
+@_rank_agreement.entry_point("optim_state_dict()")
 def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
     """``optim``'s state keyed by original parameter FQN: ``{"state": {fqn: {key: value}},
     "param_groups": [{..., "params": [fqn, ...]}]}``.
@@ -485,6 +489,7 @@ def _flat_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> dict[s
     return out
 
 
+@_rank_agreement.entry_point("optim_state_dict_to_load()")
 def optim_state_dict_to_load(
     module: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Mapping[str, Any]
 ) -> dict[str, Any]:
@@ -509,6 +514,7 @@ def optim_state_dict_to_load(
     _install_optimizer_hooks(optim)
     ids = {id(p): i for i, p in enumerate(params)}
     out: dict[int, Any] = {}
+    _rank_agreement.check_in(u.handle.process_group for u in _units_in(index, params))
     # Original parameters keep the global form: optim.load_state_dict's hook takes their slices.
     for p in params:
         fqns = [index.orig[id(p)][0].fqns[index.orig[id(p)][1]]] if id(p) in index.orig else []

@@ -41,8 +41,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from fsdp_composable import _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
-from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating
 from fsdp_composable._common_utils import (
     TrainingState,
@@ -397,6 +397,8 @@ def _end_step(ctx: RootContext) -> None:
 
 def _abort_step(ctx: RootContext) -> None:
     """Close a step that stopped midway; see [Note: a step that stops midway]."""
+    # tell the peers first: one still inside a collective of this step raises instead of waiting
+    _rank_agreement.leave_step(g for h in ctx.handles for g in (h.process_group, h.replicate_group))
     error: Optional[BaseException] = None
     reductions = ctx.pending_reductions + ctx.finished_reductions
     ctx.pending_reductions, ctx.finished_reductions = [], []

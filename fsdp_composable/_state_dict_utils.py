@@ -42,9 +42,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable._rank_agreement import Op
 from fsdp_composable.api import (
     FullStateDictConfig,
     LocalStateDictConfig,
@@ -275,6 +276,7 @@ def _open(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     _OPEN[handle] = opened
 
 
+@_rank_agreement.entry_point("state_dict()")
 def _pre_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
@@ -325,6 +327,7 @@ def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str
                 state_dict[key] = _copy_out(state, value)
 
 
+@_rank_agreement.entry_point("load_state_dict()")
 def _pre_load_state_dict_hook(
     state: _FSDPState,
     handle: FlatParamHandle,
@@ -405,6 +408,7 @@ def _match_placements(
         state_dict[prefix + attr] = _as_dtensor(chunk.to(handle.dtype), info, layout, target.device_mesh)
 
 
+@_rank_agreement.entry_point("load_state_dict()")
 def _post_load_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, incompatible_keys: Any
 ) -> None:
@@ -508,6 +512,7 @@ def _root_post_state_dict_hook(
         _replicate_buffers(state, state_dict, prefix)
 
 
+@_rank_agreement.entry_point("load_state_dict()")
 def _root_pre_load_hook(
     state: _FSDPState,
     module: nn.Module,
@@ -519,6 +524,7 @@ def _root_pre_load_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
+    _rank_agreement.check_in(h.process_group for s in state.all_states or [state] for h in s.handles)
     if state.state_dict_type is StateDictType.FULL_STATE_DICT:
         _check_not_rank0_only_load(state)
     if state.state_dict_type is StateDictType.SHARDED_STATE_DICT:
@@ -559,8 +565,7 @@ def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = N
         return shard.clone()
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
     work = _collectives.all_gather(full, shard, handle.process_group)
-    if work is not None:
-        work.wait()
+    _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full
 
 
@@ -608,6 +613,8 @@ def _all_to_all(
     # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
     send_flat = torch.cat(send) if send else like.new_empty(0)
     recv = like.new_empty(sum(out_splits))
+    group, numel = handle.process_group, handle.layout.padded_numel
+    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
     dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
     return recv
 

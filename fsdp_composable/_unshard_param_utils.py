@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _reduce_utils
+from fsdp_composable import _rank_agreement, _reduce_utils
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -151,6 +151,7 @@ class _Summoned:
     grad_views: list[Optional[torch.Tensor]] = field(default_factory=list)
 
 
+@_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
     _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     full = _gather_full_flat(handle)

@@ -1,9 +1,12 @@
-"""A 2-rank job in which rank 1 dies in the middle of its second step (run by test_reliability)."""
+"""A 2-rank job in which rank 1 dies in the middle of its second step (run by test_reliability).
+
+``dead_rank_job.py state_dict``: rank 1 is SIGKILLed inside ``state_dict()`` instead."""
 
 from __future__ import annotations
 
 import datetime
 import os
+import signal
 import sys
 
 import torch
@@ -27,6 +30,17 @@ def main() -> None:
         if rank == 1 and step["n"] == 1:
             os._exit(3)
 
+    if sys.argv[1:] == ["state_dict"]:
+        gpt_loss(model, gpt_batch(0, 2)).backward()
+
+        def kill(*args: object) -> None:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+        model.blocks[1].register_state_dict_pre_hook(kill)
+        model.state_dict()
+        print("finished without noticing", flush=True)
+        return
     model.blocks[1].register_forward_pre_hook(die, prepend=True)
     for n in range(3):
         step["n"] = n

@@ -6,7 +6,8 @@ picklable `ModelSpec` here; every rank (and the reference inside it) builds the 
 from it with the spec's seed. The spec prints in a failure report, and `build_model(spec)` rebuilds
 the failing model in a plain Python session.
 
-The number of examples per world size comes from ``FSDP_PROPERTY_EXAMPLES`` (see docs/soak.md).
+The number of examples per world size comes from ``FSDP_PROPERTY_EXAMPLES`` (see docs/soak.md);
+the fault soak (`test_random_faults_*`) from ``FSDP_FAULT_EXAMPLES``.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
 from torch import nn
 
@@ -34,6 +35,7 @@ from fsdp_composable import (
 )
 
 EXAMPLES = int(os.environ.get("FSDP_PROPERTY_EXAMPLES", "6"))
+FAULT_EXAMPLES = int(os.environ.get("FSDP_FAULT_EXAMPLES", "4"))
 # "0" skips shrinking: a soak then reports the first failing spec as drawn, without the minutes that
 # shrinking spends restarting the worker pool after each failing candidate.
 SHRINK = os.environ.get("FSDP_PROPERTY_SHRINK", "1") != "0"
@@ -107,6 +109,7 @@ class Container(nn.Module):
     def __init__(self, width: int, spec: ContainerSpec) -> None:
         super().__init__()
         self.residual = spec.residual
+        self.skip: Optional[nn.Module] = None  # a fault: this rank's forward leaves out that child
         self.calls: list[int] = []
         for i, child in enumerate(spec.children):
             self.add_module(f"c{i}", _build_node(width, child))
@@ -114,6 +117,8 @@ class Container(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for child, calls in zip(self.children(), self.calls):
+            if child is self.skip:
+                continue
             for _ in range(calls):
                 x = x + torch.tanh(child(x)) if self.residual else child(x)
         return x
@@ -384,3 +389,152 @@ def test_policies_pick_the_intended_units(policy: str, units: dict[str, str]) ->
     spec = ModelSpec(0, 3, "float32", body, None, False, policy, 5, "FULL_SHARD", 2)
     plan = estimate_memory(build_model(spec), policy=build_policy(spec), world_size=2).plan
     assert {u.fqn: u.strategy.name for u in plan.units} == units
+
+
+# ---------------------------------------------------------------------------- fault soak
+# [Note: fault soak]
+# A random model (as above) at 2 or 4 ranks trains for a few steps; in one step after the first a
+# fault strikes: one rank raises alone ("raise_alone"), every rank raises, each at its own random
+# point ("all_raise"), or one rank's forward leaves out a unit ("diverge", a data-dependent branch).
+# Every rank catches what it gets and trains on. The properties: nothing aborts or hangs (the pool
+# gets every rank's result), every rank gets an error in the faulted step and in no other, and the
+# final model equals the unsharded one trained on every step but the faulted one. Faults strike in
+# forward (a unit's forward pre-hook, or the loss); the exact comparison is skipped for a run whose
+# error surfaced in backward (a "diverge" found by the backward's first collective) until recovery
+# from a failed backward drops that step's reduced gradients (issue 12 section 2). SIGKILL is tested
+# by tests/dead_rank_job.py (forward and state_dict()), not here: a killed rank takes a pool worker.
+FAULT_KINDS = ("raise_alone", "all_raise", "diverge")
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    kind: str
+    step: int  # the faulted step, >= 1 (after the first iteration's checks)
+    rank: int  # the rank that raises alone or diverges (mod the world size)
+    points: tuple[int, ...]  # per rank: the leaf (pre-order) whose forward pre-hook raises (-1: in the loss)
+
+
+class InjectedFault(Exception):
+    """The exception a fault raises (not a RuntimeError, so it is never mistaken for ours)."""
+
+
+@st.composite
+def fault_specs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> tuple[ModelSpec, FaultSpec, int]:
+    spec = draw(model_specs())
+    spec = ModelSpec(**{**spec.__dict__, "steps": 3})
+    world = draw(st.sampled_from([2, 2, 4]))
+    n_leaves = len(_leaf_specs(spec.body))
+    assume(n_leaves > 0)  # a fault needs a leaf to strike in
+    fault = FaultSpec(
+        kind=draw(st.sampled_from(FAULT_KINDS)),
+        step=draw(st.integers(1, spec.steps - 1)),
+        rank=draw(st.integers(0, world - 1)),
+        # -1 (the loss, outside fully_shard's hooks) is left out: see docs/soak.md, "Known limits"
+        points=tuple(draw(st.integers(0, n_leaves - 1)) for _ in range(world)),
+    )
+    return spec, fault, world
+
+
+def _unit_children(model: nn.Module) -> list[tuple[Container, nn.Module]]:
+    """(parent, child) for every child of a Container that owns a unit of its own."""
+    from fsdp_composable._common_utils import _get_fsdp_state
+
+    out = []
+    for parent in model.modules():
+        if isinstance(parent, Container):
+            for child in parent.children():
+                state = _get_fsdp_state(child)
+                if state is not None and state.module is child and any(h.module is child for h in state.handles):
+                    out.append((parent, child))
+    return out
+
+
+def train_with_fault(spec: ModelSpec, fault: FaultSpec) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = build_model(spec)
+    model = fully_shard(copy.deepcopy(ref), build_policy(spec), strategy=ShardingStrategy[spec.strategy])
+    opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    leaves = [m for m in model.modules() if isinstance(m, Leaf)]
+    armed = {"now": False}
+    mine = fault.points[rank]
+    raises = fault.kind == "all_raise" or (fault.kind == "raise_alone" and rank == fault.rank)
+
+    def hook(module: nn.Module, args: Any) -> None:
+        if armed["now"]:
+            armed["now"] = False
+            raise InjectedFault(f"fault on rank {rank}")
+
+    if raises and mine >= 0:
+        leaves[mine].register_forward_pre_hook(hook)
+    skippable = _unit_children(model)
+    per = GLOBAL_BATCH // world
+    errors: dict[int, str] = {}
+    in_backward: list[int] = []
+    for step in range(spec.steps):
+        x, y = _batch(spec, step)
+        faulted = step == fault.step
+        if step != fault.step:
+            F.mse_loss(ref(x), y).backward()
+            opt_ref.step()
+            opt_ref.zero_grad()
+        armed["now"] = faulted and raises and mine >= 0
+        if faulted and fault.kind == "diverge" and rank == fault.rank and skippable:
+            parent, child = skippable[mine % len(skippable)]
+            parent.skip = child
+        try:
+            loss = F.mse_loss(model(x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per])
+            if faulted and raises and mine < 0:
+                raise InjectedFault(f"fault in the loss on rank {rank}")
+        except Exception as e:  # noqa: BLE001 - the fault, or our error about another rank's
+            errors[step] = f"{type(e).__name__}: {e}"
+            opt.zero_grad()
+            continue
+        finally:
+            for parent, _ in skippable:
+                parent.skip = None
+        try:
+            loss.backward()
+        except Exception as e:  # noqa: BLE001
+            errors[step] = f"{type(e).__name__}: {e}"
+            in_backward.append(step)
+            opt.zero_grad()
+            continue
+        opt.step()
+        opt.zero_grad()
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    return {
+        "errors": errors,
+        "in_backward": in_backward,
+        "diverged": fault.kind == "diverge" and bool(skippable),
+        "value_diff": max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd if sd[k].numel()),
+    }
+
+
+def _check_fault(results: list[dict[str, Any]], fault: FaultSpec) -> None:
+    if fault.kind == "diverge" and not results[0]["diverged"]:
+        return  # no unit to leave out: nothing happened (checked to be error-free below)
+    for rank, r in enumerate(results):
+        assert list(r["errors"]) == [fault.step], (rank, "errors in other steps, or none", r["errors"])
+        for message in r["errors"].values():
+            assert "InjectedFault" in message or "fully_shard" in message, (rank, message)
+    if not any(r["in_backward"] for r in results):
+        for rank, r in enumerate(results):
+            assert r["value_diff"] <= TOL, (rank, "the faulted step left a trace", r["value_diff"])
+
+
+_FAULT_SETTINGS = settings(
+    max_examples=FAULT_EXAMPLES,
+    deadline=None,
+    derandomize=True,
+    database=None,
+    phases=(Phase.explicit, Phase.reuse, Phase.generate),  # no shrinking: each failure restarts a pool
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+
+
+@_FAULT_SETTINGS
+@given(drawn=fault_specs())
+def test_random_faults(dist_run: Callable[..., list[Any]], drawn: tuple[ModelSpec, FaultSpec, int]) -> None:
+    spec, fault, world = drawn
+    _check_fault(dist_run(world, train_with_fault, spec, fault, timeout=120), fault)

@@ -90,7 +90,7 @@ def test_order_change_after_first_iteration_warns_once(dist_run) -> None:
     )
 
 
-def test_dead_rank_is_reported_by_the_survivor() -> None:
+def _run_dead_rank_job(*args: str) -> tuple[list[subprocess.Popen], list[tuple[str, str]], float]:
     port = free_port()
     procs = []
     for rank in range(2):
@@ -98,7 +98,7 @@ def test_dead_rank_is_reported_by_the_survivor() -> None:
         env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), env.get("PYTHONPATH", "")])
         procs.append(
             subprocess.Popen(
-                [sys.executable, os.path.join(TESTS, "dead_rank_job.py")],
+                [sys.executable, os.path.join(TESTS, "dead_rank_job.py"), *args],
                 env=env,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
@@ -107,11 +107,28 @@ def test_dead_rank_is_reported_by_the_survivor() -> None:
         )
     start = time.monotonic()
     outputs = [p.communicate(timeout=120) for p in procs]
-    elapsed = time.monotonic() - start
+    return procs, outputs, time.monotonic() - start
+
+
+def test_dead_rank_is_reported_by_the_survivor() -> None:
+    procs, outputs, elapsed = _run_dead_rank_job()
     assert procs[1].returncode == 3
     assert procs[0].returncode not in (0, None), outputs[0]
     assert "finished without noticing" not in outputs[0][0]
     assert "fully_shard: the all-gather of unit 'blocks.1' did not complete" in outputs[0][1], outputs[0][1][-2000:]
+    assert elapsed < 90
+
+
+def test_rank_killed_during_state_dict_is_named_by_the_survivor() -> None:
+    """A rank SIGKILLed inside state_dict(): the survivor's error names state_dict() and the unit, within
+    the process group timeout (15 s in the job)."""
+    procs, outputs, elapsed = _run_dead_rank_job("state_dict")
+    assert procs[1].returncode == -9
+    assert procs[0].returncode not in (0, None), outputs[0]
+    assert "finished without noticing" not in outputs[0][0]
+    assert "fully_shard: the state_dict() all-gather of unit 'blocks.1' did not complete" in outputs[0][1], outputs[0][
+        1
+    ][-2000:]
     assert elapsed < 90
 
 
