@@ -744,7 +744,9 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
         for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
-    return {**state_dict, "state": state}
+    # The same order on every rank: a parameter with no state here (its slice is empty, so it got no
+    # gradient) was added above, and torch's API gathers DTensor values in this dict's order.
+    return {**state_dict, "state": dict(sorted(state.items(), key=lambda kv: (str(type(kv[0])), kv[0])))}
 
 
 def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:

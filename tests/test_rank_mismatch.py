@@ -143,12 +143,7 @@ def _raise_alone(where: str) -> dict[str, Any]:
     return {"errors": errors, "diff": _max_diff(model, _reference({1}, 4))}
 
 
-_RECOVERY = "the recovery re-adds the failed step's reduced gradients later (issue 12 section 2, gradient lifecycle)"
-
-
-@pytest.mark.parametrize(
-    "where", ["forward", pytest.param("backward", marks=pytest.mark.xfail(strict=True, reason=_RECOVERY))]
-)
+@pytest.mark.parametrize("where", ["forward", "backward"])
 def test_rank_raising_alone_after_first_iteration(pool: DistPool, where: str) -> None:
     """Every rank gets an error in the failed step, then all train on as if it never happened."""
     r0, r1 = pool.run(_raise_alone, where, timeout=60)
@@ -181,11 +176,11 @@ def test_state_dict_on_one_rank_then_training(pool: DistPool) -> None:
         r["message"] = re.sub(r"\(step (\d+)\)", lambda m: f"(step {int(m[1]) - base})", r["message"])
     tc.assertExpectedInline(
         r0["message"],
-        """RankMismatchError: fully_shard: the state_dict() all-gather of unit 'blocks.0' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 3,216 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the state_dict() all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r1["message"],
-        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 3,216 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     assert r0["diff"] < 1e-6 and r1["diff"] < 1e-6, (r0, r1)
 
