@@ -738,7 +738,27 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
         for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
-    return {**state_dict, "state": state}
+    return {**state_dict, "state": _in_rank_invariant_order(state, handles, numbers)}
+
+
+def _in_rank_invariant_order(
+    state: dict[Any, Any], handles: list[FlatParamHandle], numbers: dict[int, int]
+) -> dict[Any, Any]:
+    """``state`` in an order that is the same on every rank: our parameters unit by unit in build
+    order, then the rest by number. ``optim.state`` is ordered by when each parameter first got
+    state, which differs between ranks (a parameter with an empty local shard has no gradient on
+    one rank's first step); torch's ``get_optimizer_state_dict(full_state_dict=True)`` gathers the
+    DTensors in dict order, so a rank-dependent order posts mismatched all-gathers: a gloo abort, or
+    silently swapped values where two sizes agree."""
+    ordered: dict[Any, Any] = {}
+    for handle in handles:
+        for p in [handle.flat_param, *handle.params]:
+            number = numbers.get(id(p))
+            if number is not None and number in state and number not in ordered:
+                ordered[number] = state[number]
+    for number in sorted((k for k in state if k not in ordered), key=lambda k: (0, k, "") if isinstance(k, int) else (1, 0, str(k))):
+        ordered[number] = state[number]
+    return ordered
 
 
 def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:
