@@ -20,6 +20,7 @@ from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
+from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable.fully_shard import _build_state
@@ -74,6 +75,7 @@ class FullyShardedDataParallel(nn.Module):
             use_orig_params=use_orig_params,
             api="FullyShardedDataParallel",
         )
+        _register_torch_api_hooks(self)  # torch's get_state_dict on the wrapper: sharded by default, as fully_shard
         state = _build_state(module, args)
         object.__setattr__(self, "_fsdp_state", state)
         _register_prefix_hooks(self, WRAPPED)
@@ -97,6 +99,14 @@ class FullyShardedDataParallel(nn.Module):
 
     def __getitem__(self, index: int) -> Any:
         return self._fsdp_wrapped_module.__getitem__(index)  # type: ignore[operator]
+
+    def _fqn_modifiers(self) -> dict[str, str]:
+        """For torch's ``torch.distributed.checkpoint.state_dict``: its walk of the module tree drops
+        ``_fsdp_wrapped_module.`` from FQNs, as our state dicts and ``named_parameters()`` do (torch's
+        API recognises only torch's own FSDP class by type). Maps each top-level name to the child
+        that holds it."""
+        inner = self._fsdp_wrapped_module
+        return {name: WRAPPED for name in (*inner._modules, *inner._parameters, *inner._buffers)}
 
     def named_parameters(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
@@ -181,5 +191,15 @@ def _register_flat_mode_hooks(wrapper: nn.Module, state: _FSDPState) -> None:
     """State dicts always speak original FQNs: switch to original parameters around save and load."""
     wrapper.register_state_dict_pre_hook(lambda *args: _use_orig_params(state))
     wrapper._register_state_dict_hook(lambda *args: _use_flat_params(state))
+    wrapper._register_load_state_dict_pre_hook(lambda sd, *args: _drop_own_flat_params(state, sd))
     wrapper._register_load_state_dict_pre_hook(lambda *args: _use_orig_params(state))
     wrapper.register_load_state_dict_post_hook(lambda *args: _use_flat_params(state))
+
+
+def _drop_own_flat_params(state: _FSDPState, state_dict: dict[str, Any]) -> None:
+    """torch's ``set_model_state_dict(..., full_state_dict=True)`` adds every registered parameter,
+    here our flat parameters themselves, to the full state dict it loads; they are not state-dict
+    keys (the original parameters are), so drop entries that are one of our live flat parameters."""
+    flat = {id(h.flat_param) for h in state.handles}
+    for key in [k for k, v in state_dict.items() if id(v) in flat]:
+        del state_dict[key]
