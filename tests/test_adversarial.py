@@ -4,7 +4,6 @@ exact against a run that never saw the checkpoint round trip / failure, or again
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import pytest
@@ -20,7 +19,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_state_dict,
     set_state_dict,
 )
-from torch.distributed.tensor import DTensor
 
 from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, fully_shard
 
