@@ -65,7 +65,7 @@ class OpStats:
 
 def wire_factor(kind: str, group_size: int) -> float:
     """Bytes one rank sends per payload byte with ring algorithms."""
-    if kind == "send":
+    if kind in ("send", "header"):
         return 1.0
     if group_size <= 1:
         return 0.0
@@ -92,6 +92,24 @@ def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
         if isinstance(x, dist.ProcessGroup):
             return dist.get_world_size(x)
     return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _is_agreement_header(args: tuple[Any, ...]) -> bool:
+    """A send of fsdp_composable's rank-agreement header (a few int64s opening with its magic number,
+    see [Note: collective headers] in fsdp_composable/_rank_agreement.py): counted as kind "header", apart
+    from the payload, so the payload stays comparable with theory and with other implementations."""
+    from fsdp_composable._rank_agreement import _MAGIC
+
+    first = args[0] if args else None
+    if isinstance(first, (list, tuple)) and first:
+        first = first[0]
+    return (
+        isinstance(first, torch.Tensor)
+        and first.dtype == torch.int64
+        and first.dim() == 1
+        and 0 < first.numel() <= 16
+        and int(first[0]) == _MAGIC
+    )
 
 
 class _Tally:
@@ -143,7 +161,8 @@ class CommCounter(_Tally):
         def counted(*args: Any, **kwargs: Any) -> Any:
             depth = getattr(self._tls, "depth", 0)
             if depth == 0 and self.enabled:
-                self.record(name, kind, payload_bytes(args, kwargs), _group_size(args, kwargs))
+                what = "header" if kind == "send" and _is_agreement_header(args) else kind
+                self.record(name if what == kind else "header", what, payload_bytes(args, kwargs), _group_size(args, kwargs))
             self._tls.depth = depth + 1
             try:
                 return original(*args, **kwargs)
@@ -211,6 +230,8 @@ class DispatchCommCounter(_Tally):
         if kind is None:
             return
         payload = payload_bytes(args, kwargs)
+        if kind == "send" and _is_agreement_header(args):
+            kind, name = "header", "header"
         if namespace != "c10d" and kind == "all_gather":
             # functional all-gather takes (input, group_size, group_name) and returns the output
             group_size = next((a for a in args if isinstance(a, int)), self.world_size)
