@@ -90,11 +90,11 @@ def _restore_views(states: list[_FSDPState]) -> None:
     for state in states:
         for handle in state.handles:
             views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-            if all(p.data_ptr() == v.data_ptr() for p, v in zip(handle.params, views)):
+            if all(_same_data(p, v) for p, v in zip(handle.params, views)):
                 continue
             changed = False
             for param, info, view in zip(handle.params, handle.layout.infos, views):
-                if param.data_ptr() == view.data_ptr() and param.dtype == view.dtype and param.shape == view.shape:
+                if _same_data(param, view) and param.dtype == view.dtype and param.shape == view.shape:
                     continue
                 changed = True
                 if first is None:
@@ -103,6 +103,16 @@ def _restore_views(states: list[_FSDPState]) -> None:
                 handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
         _raise_cast(*first, "parameter", restored=True)
+
+
+def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``param.data`` is still ``view``. Every empty tensor has data pointer 0, so for a
+    parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
+    ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
+    forward while the others raise, and the ranks' collectives no longer match."""
+    if param.data_ptr() != view.data_ptr():
+        return False
+    return view.numel() > 0 or param.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
 
 
 def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:

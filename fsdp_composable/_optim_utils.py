@@ -611,6 +611,15 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
     if _holds_sharded_params(optim):
         _install_optimizer_hooks(optim)
         _take_back_state_loaded_early(optim)
+        for handle in _handles_holding(_optimizer_params(optim)):
+            if handle.is_unsharded:  # its first step would create state of the full shapes
+                del _checked[optim]
+                raise RuntimeError(
+                    f"optimizer.step() was called while the parameters of unit '{handle.unit_fqn or '<root>'}' are "
+                    "unsharded (between a forward and its backward, or inside unshard_params), so it would create "
+                    "optimizer state of the full shapes. Step after backward; to get a state-dict template from a "
+                    "fresh optimizer (init_optim_state, torch's get_state_dict), call it before the forward"
+                )
     for group in optim.param_groups:
         for param in group["params"]:
             if not getattr(param, FSDP_FLATTENED, False):

@@ -408,6 +408,9 @@ def _abort_step(ctx: RootContext) -> None:
         except Exception as e:  # a peer died: still reset everything, then report it
             error = error or e
     for handle in ctx.handles:
+        # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
+        # check) must not bring the cleared gradients back as .grad below.
+        grads.release_cleared_grads(handle)
         grads.abort(handle)
         try:
             handle.reshard()  # waits for an all-gather in flight

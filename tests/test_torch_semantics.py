@@ -327,8 +327,9 @@ def unshard_low_precision_grads() -> dict[str, Any]:
     model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
     x, y = _batch()
     F.mse_loss(model(x).float(), y).backward()
-    # a parameter with an empty slice on this rank has no gradient here (None, as in torch FSDP)
+    # a parameter with no element on this rank has no local gradient (None, as torch FSDP)
     local = {n: p.grad.clone() for n, p in model.named_parameters() if p.numel() > 0}
+    empty = [n for n, p in model.named_parameters() if p.numel() == 0]
     with unshard_params(model, with_grads=True):
         dtypes = {str(p.grad.dtype) for p in model.parameters()}
         shapes_ok = all(p.grad.shape == p.shape for p in model.parameters())
@@ -336,7 +337,8 @@ def unshard_low_precision_grads() -> dict[str, Any]:
     return {
         "dtypes": sorted(dtypes),
         "shapes_ok": shapes_ok,
-        "unchanged": all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], local[n]) for n in local),
+        "unchanged": all(after[n].dtype == torch.bfloat16 and torch.equal(after[n], local[n]) for n in local)
+        and all(after[n] is None for n in empty),
     }
 
 
