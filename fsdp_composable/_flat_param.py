@@ -34,6 +34,7 @@ from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._root_context import UnitStep
 from fsdp_composable._state_machine import Transitions, check_transition
+from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
 from fsdp_composable.api import ShardingStrategy
 
 if TYPE_CHECKING:
@@ -78,6 +79,9 @@ class ParamInfo:
     numel: int
     offset: int
     holders: tuple[tuple[nn.Module, str, str], ...]
+    # a tensor-parallel DTensor parameter's layout: ``shape``/``numel`` are then its local tensor's
+    # (see [Note: tensor-parallel parameters])
+    tp: Optional[TPSpec] = None
 
 
 @dataclass(frozen=True)
@@ -113,8 +117,11 @@ def _build_layout(
     infos = []
     offset = 0
     for param, param_holders in zip(params, holders):
-        infos.append(ParamInfo(param_holders[0][2], param.shape, param.numel(), offset, tuple(param_holders)))
-        offset += param.numel()
+        local = local_of(param)
+        infos.append(
+            ParamInfo(param_holders[0][2], local.shape, local.numel(), offset, tuple(param_holders), spec_of(param))
+        )
+        offset += local.numel()
     padded = max(math.ceil(offset / world_size) * world_size, world_size)
     return FlatLayout(tuple(infos), offset, padded, padded // world_size, rank, world_size)
 
@@ -163,6 +170,7 @@ class FlatParamHandle:
         self.reduce_dtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or self.compute_dtype
         self.flat_param = self._flatten_and_shard()
         self.requires_grad = any(p.requires_grad for p in params)
+        self.tensor_parallel = any(info.tp is not None for info in self.layout.infos)
         # The all-gather writes straight into the padded buffer the original parameters view, unless
         # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
         self._needs_buffer = sharded or self.compute_dtype != self.dtype or self.shard_device != device
@@ -185,7 +193,7 @@ class FlatParamHandle:
     def _flatten_and_shard(self) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
-            pieces = [p.detach().reshape(-1).to(self.device) for p in self.params]
+            pieces = [local_of(p).detach().reshape(-1).to(self.device) for p in self.params]
             pad = layout.padded_numel - layout.unpadded_numel
             pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
             flat = torch.cat(pieces)
@@ -251,7 +259,7 @@ class FlatParamHandle:
     # ---------------------------------------------------------------- views
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
         for param, view in zip(self.params, views):
-            param.data = view
+            point_at(param, view)
 
     def use_sharded_views(self) -> None:
         self._point_params_at(self._sharded_views)

@@ -16,14 +16,17 @@ import contextlib
 import functools
 import math
 import warnings
-from typing import Iterator, Union
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import Shard
 
-from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
+from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
 
 __all__ = ["clip_grad_norm_", "no_sync"]
@@ -96,17 +99,8 @@ def clip_grad_norm_(
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
     group = states[0].process_group
-    sharded, replicated = _grads_by_placement(module, states)
-    device = states[0].device
-    grads = sharded + replicated
-    local_sharded = _norm_term(sharded, norm_type, device)
-    local_replicated = _norm_term(replicated, norm_type, device)
-    if math.isinf(norm_type):
-        total = torch.maximum(local_sharded, local_replicated)
-        _collectives.wait(_collectives.all_reduce(total, group, dist.ReduceOp.MAX), "the clip_grad_norm_() all-reduce")
-    else:
-        _collectives.wait(_collectives.all_reduce(local_sharded, group), "the clip_grad_norm_() all-reduce")
-        total = (local_sharded + local_replicated) ** (1.0 / norm_type)
+    grads, pieces = _grads_by_placement(module, states)
+    total = pieces.norm(norm_type, torch.float32, states[0].device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
     with torch.no_grad():
         for grad in grads:
@@ -143,10 +137,82 @@ def _check_clip_args(module: nn.Module, max_norm: Union[float, int], norm_type: 
     return float(norm_type)
 
 
-def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """Flat sharded gradients (summed over ranks) and gradients every rank holds whole (counted once)."""
-    sharded: list[torch.Tensor] = []
-    replicated: list[torch.Tensor] = []
+def _ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
+    return tuple(dist.get_process_group_ranks(group)) if group is not None else ()
+
+
+@dataclass
+class NormPieces:
+    """Gradient pieces by the groups they are summed over (see [Note: clipping a 2-D model]): a
+    data-parallel shard group, a tensor-parallel group, both, or none (every rank holds it whole).
+    Keys are the groups' ranks, so every rank reduces in the same order."""
+
+    pieces: dict[tuple[tuple[int, ...], tuple[int, ...]], list[torch.Tensor]] = field(default_factory=dict)
+    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Optional[dist.ProcessGroup], ...]] = field(
+        default_factory=dict
+    )
+
+    def expect(self, dp: Optional[dist.ProcessGroup], tp: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+        """Register a kind of piece (so every rank reduces it, with or without gradients); its list."""
+        key = (_ranks(dp), _ranks(tp))
+        self.groups.setdefault(key, (dp, tp))
+        return self.pieces.setdefault(key, [])
+
+    def norm(self, norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The norm over every rank's pieces, each element counted once; the same on every rank."""
+        inf = math.isinf(norm_type)
+        total = torch.zeros((), dtype=dtype, device=device)
+        for key in sorted(self.pieces):
+            term = _norm_term(self.pieces[key], norm_type, dtype, device)
+            for group in self.groups[key]:
+                if group is not None and dist.get_world_size(group) > 1:
+                    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                    _collectives.wait(_collectives.all_reduce(term, group, op), "the clip_grad_norm_() all-reduce")
+            total = torch.maximum(total, term) if inf else total + term
+        return total if inf else total ** (1.0 / norm_type)
+
+    def add_unit(
+        self, handle: FlatParamHandle, grad: Optional[torch.Tensor], params: Optional[set[int]] = None
+    ) -> None:
+        """A unit's flat gradient shard (or, with ``params``, the slices of those original parameters)."""
+        dp = handle.process_group if handle.layout.world_size > 1 else None
+        if not handle.tensor_parallel and params is None:
+            target = self.expect(dp, None)
+            if grad is not None:
+                target.append(grad)
+            return
+        slices = handle.sharded_views_of(grad) if grad is not None else [None] * len(handle.params)
+        for param, info, piece in zip(handle.params, handle.layout.infos, slices):
+            if params is not None and id(param) not in params:
+                continue
+            target = self.expect(dp, tp_group_of(info.tp))
+            if params is not None:
+                piece = _tensor_parallel.local_of(param.grad) if param.grad is not None else None
+            if piece is not None:
+                target.append(piece)
+
+    def add_whole(self, grad: torch.Tensor) -> None:
+        """A gradient fully_shard does not manage: counted once (over its tensor-parallel group if sharded)."""
+        self.expect(None, tp_group_of(_tensor_parallel.spec_of(grad))).append(_tensor_parallel.local_of(grad))
+
+
+def tp_group_of(spec: Optional[_tensor_parallel.TPSpec]) -> Optional[dist.ProcessGroup]:
+    """The group a tensor-parallel piece is summed over (None: replicated across it, or not TP)."""
+    if spec is None or not any(isinstance(p, Shard) for p in spec.placements):
+        return None
+    return spec.mesh.get_group()
+
+
+# [Note: clipping a 2-D model]
+# The global norm counts every element of the model once. A flat gradient shard is summed over the
+# data-parallel group; a tensor-parallel parameter's slice of it holds that tensor-parallel rank's
+# piece, so it is also summed over the tensor-parallel group, while a replicated parameter's slice is
+# the same on every tensor-parallel rank and is not. Each unit's flat gradient is therefore cut into
+# its parameters' slices by placement; the max norm needs no such care but goes the same way.
+def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[list[torch.Tensor], NormPieces]:
+    """Every gradient tensor to scale, and its pieces by how they are spread across ranks."""
+    grads: list[torch.Tensor] = []
+    pieces = NormPieces()
     managed: set[int] = set()
     for s in states:
         for handle in s.handles:
@@ -155,20 +221,23 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
             # a wrapper in flat mode registers the flat parameter itself: count it once, as a shard
             managed.update([id(p) for p in handle.params] + [id(handle.flat_param)])
             grad = handle.flat_param.grad
+            pieces.add_unit(handle, grad)
             if grad is not None:
-                (sharded if handle.layout.world_size > 1 else replicated).append(grad)
+                grads.append(grad)
     for p in module.parameters():
         if id(p) not in managed and p.grad is not None:
-            replicated.append(p.grad)
-    return sharded, replicated
+            grads.append(_tensor_parallel.local_of(p.grad))
+            pieces.add_whole(p.grad)
+    return grads, pieces
 
 
-def _norm_term(grads: list[torch.Tensor], norm_type: float, device: torch.device) -> torch.Tensor:
-    """sum(|g|^p) (or max |g| for inf) over ``grads``, in float32."""
+def _norm_term(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """sum(|g|^p) (or max |g| for inf) over ``grads``, in ``dtype``."""
     if not grads:
-        return torch.zeros((), dtype=torch.float32, device=device)
+        return torch.zeros((), dtype=dtype, device=device)
     if math.isinf(norm_type):
         return torch.stack(
-            [g.detach().abs().max().float() if g.numel() else g.new_zeros(()).float() for g in grads]
-        ).max()
-    return torch.stack([g.detach().float().norm(norm_type) ** norm_type for g in grads]).sum()
+            [g.detach().abs().max().to(dtype) if g.numel() else g.new_zeros((), dtype=dtype) for g in grads]
+        ).max().to(device)
+    terms = [torch.linalg.vector_norm(g.detach().to(dtype), norm_type) ** norm_type for g in grads]
+    return torch.stack(terms).sum().to(device)

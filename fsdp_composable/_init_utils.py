@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _rank_agreement
+from fsdp_composable import _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig, UnitConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
@@ -398,9 +398,11 @@ def _init_param_handles_from_module(
         _materialize_meta_module(unit_module, sub.fqn, param_init_fn, state.device, api)
         _retie_and_refresh(sub)
         if sync_module_states:
-            _broadcast_from_rank0(state, [p.detach() for p in sub.params])
+            _broadcast_from_rank0(state, [_tensor_parallel.local_of(p).detach() for p in sub.params])
         _check_unit_params(sub)
         config = _unit_config(state.config, sub.overrides)
+        fqns = [_join_fqn(sub.fqn, holders[0][2]) for holders in sub.holders]
+        _tensor_parallel.check_supported(sub.fqn, sub.params, fqns, config.strategy is ShardingStrategy.HYBRID_SHARD)
         handles[unit_module] = [
             FlatParamHandle(
                 unit_module,
@@ -481,6 +483,10 @@ def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:
     if base.strategy is ShardingStrategy.NO_SHARD:  # world size 1 forces NO_SHARD everywhere
         strategy = ShardingStrategy.NO_SHARD
     return UnitConfig(strategy, overrides.get("mixed_precision", base.mixed_precision), base.offload_params)
+
+
+def _join_fqn(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def _check_unit_params(sub: SubmoduleState) -> None:

@@ -25,6 +25,7 @@ from torch.nn.modules import module as _module_hooks
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
+from fsdp_composable._tensor_parallel import local_of
 
 __all__ = ["check_model_unchanged"]
 
@@ -94,11 +95,12 @@ def _restore_views(states: list[_FSDPState]) -> None:
                 continue
             changed = False
             for param, info, view in zip(handle.params, handle.layout.infos, views):
-                if _same_data(param, view) and param.dtype == view.dtype and param.shape == view.shape:
+                data = local_of(param)
+                if _same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
                     continue
                 changed = True
                 if first is None:
-                    first = (handle, _fqn(handle, info.fqn), param.data)
+                    first = (handle, _fqn(handle, info.fqn), data)
             if changed:
                 handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
@@ -110,9 +112,10 @@ def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
     parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
     ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
     forward while the others raise, and the ranks' collectives no longer match."""
-    if param.data_ptr() != view.data_ptr():
+    data = local_of(param)
+    if data.data_ptr() != view.data_ptr():
         return False
-    return view.numel() > 0 or param.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+    return view.numel() > 0 or data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
 
 
 def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:

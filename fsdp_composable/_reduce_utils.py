@@ -54,6 +54,7 @@ from torch import nn
 from fsdp_composable import _collectives, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
+from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
 
 __all__ = ["GradState", "PendingReduce", "UnitGrads", "divide_factors"]
 
@@ -146,7 +147,7 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                 if grad is None:
                     view.zero_()
                 elif grad is not mine:
-                    view.copy_(grad.reshape(view.shape))
+                    view.copy_(local_of(grad).reshape(view.shape))
         handle.flat_param.grad = flat_grad
     for param in handle.params:
         param.grad = None
@@ -172,10 +173,12 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.state in _IN_BACKWARD:
         return
     exposed: list[Optional[torch.Tensor]] = []
-    for param, view in zip(handle.params, handle.sharded_views_of(flat_grad)):
+    views = handle.sharded_views_of(flat_grad)
+    for param, info, view in zip(handle.params, handle.layout.infos, views):
         if param.requires_grad and view.numel() > 0:
-            assign_grad(param, view)
-            exposed.append(view)
+            grad = as_param_grad(info.tp, view)
+            assign_grad(param, grad)
+            exposed.append(grad)
         else:
             param.grad = None
             exposed.append(None)
@@ -228,6 +231,8 @@ def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]
     with torch.no_grad():
         for i, param in enumerate(handle.params):
             grad, param.grad = param.grad, None
+            if grad is not None:
+                grad = as_local_grad(param, grad)
             if views is not None:
                 if grad is not None and grad is not views[i]:
                     views[i].copy_(grad)

@@ -338,7 +338,9 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
         untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
-        grads.begin_backward(handle, lazy=untriggered or grads.takes_autograd_grads(handle))
+        # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
+        lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
+        grads.begin_backward(handle, lazy=lazy)
 
 
 @_trace.hook("post_backward")

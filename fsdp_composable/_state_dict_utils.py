@@ -42,7 +42,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._rank_agreement import Op
@@ -236,7 +236,7 @@ def _open_full(handle: FlatParamHandle) -> _OpenUnit:
     _check_registered(handle)
     full = _gather_full_flat(handle)
     for param, info in zip(handle.params, handle.layout.infos):
-        param.data = full[info.offset : info.offset + info.numel].view(info.shape)
+        _tensor_parallel.point_at(param, full[info.offset : info.offset + info.numel].view(info.shape))
     return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
 
 
@@ -316,15 +316,36 @@ def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str
     drop = _drops_values(state)
     for key in [k for k in state_dict if k.startswith(prefix)]:
         value = state_dict[key]
-        if (
-            type(value) is torch.Tensor
-            and value.device == full.device
-            and value.untyped_storage().data_ptr() == storage
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not (
+            type(local) is torch.Tensor
+            and local.device == full.device
+            and local.untyped_storage().data_ptr() == storage
         ):
-            if drop:
-                del state_dict[key]
+            continue
+        if isinstance(value, DTensor):
+            # [Note: tensor-parallel parameters]: full over data parallelism, as the tensor-parallel
+            # model holds it; ``rank0_only`` wants the whole tensor in one process
+            config = _config(state)
+            if drop or (isinstance(config, FullStateDictConfig) and config.rank0_only):
+                whole = value.full_tensor()
+                if drop:
+                    del state_dict[key]
+                else:
+                    state_dict[key] = _copy_out(state, whole)
             else:
-                state_dict[key] = _copy_out(state, value)
+                state_dict[key] = DTensor.from_local(
+                    _copy_out(state, local),
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+        elif drop:
+            del state_dict[key]
+        else:
+            state_dict[key] = _copy_out(state, value)
 
 
 @_rank_agreement.entry_point("load_state_dict()")

@@ -17,16 +17,15 @@ parameters it is a collective: call it on every rank with the same parameters, a
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any, Callable, Optional, Union
 
 import torch
-import torch.distributed as dist
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
 
 from fsdp_composable._common_utils import FSDP_FLATTENED
 from fsdp_composable._flat_param import FlatParameter
+from fsdp_composable._grad_utils import NormPieces
 from fsdp_composable._optim_utils import _handles_holding
 
 __all__: list[str] = []
@@ -83,33 +82,17 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     ids = {id(p) for p in params}
     grads = [p.grad for p in params if p.grad is not None]
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    device = params[0].device
-    sharded: dict[tuple[int, ...], tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    pieces = NormPieces()
     counted: set[int] = set()
     for handle in _handles_holding(params):
-        if handle.layout.world_size == 1:
-            continue
-        ranks = tuple(dist.get_process_group_ranks(handle.process_group))
-        mine = sharded.setdefault(ranks, (handle.process_group, []))[1]
-        for p in [handle.flat_param, *handle.params]:
-            if id(p) in ids and id(p) not in counted:
-                counted.add(id(p))
-                if p.grad is not None:
-                    mine.append(p.grad)
-    once = [p.grad for p in params if id(p) not in counted and p.grad is not None]
-    total = _term(once, norm_type, dtype, device)
-    for ranks in sorted(sharded):  # the same order on every rank
-        group, group_grads = sharded[ranks]
-        term = _term(group_grads, norm_type, dtype, device)
-        dist.all_reduce(term, op=dist.ReduceOp.MAX if math.isinf(norm_type) else dist.ReduceOp.SUM, group=group)
-        total = torch.maximum(total, term) if math.isinf(norm_type) else total + term
-    return total if math.isinf(norm_type) else total ** (1.0 / norm_type)
-
-
-def _term(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """sum |g|^p over ``grads`` (max |g| for inf)."""
-    if math.isinf(norm_type):
-        values = [g.detach().abs().max().to(dtype) for g in grads if g.numel()]
-        return torch.stack(values).max().to(device) if values else torch.zeros((), dtype=dtype, device=device)
-    values = [torch.linalg.vector_norm(g.detach().to(dtype), norm_type) ** norm_type for g in grads]
-    return torch.stack(values).sum().to(device) if values else torch.zeros((), dtype=dtype, device=device)
+        if id(handle.flat_param) in ids:  # a flat-mode wrapper's parameter: its whole shard
+            counted.add(id(handle.flat_param))
+            pieces.add_unit(handle, handle.flat_param.grad)
+        else:
+            counted.update(id(p) for p in handle.params if id(p) in ids)
+            pieces.add_unit(handle, None, ids)
+    for p in params:
+        if id(p) not in counted and p.grad is not None:
+            counted.add(id(p))
+            pieces.add_whole(p.grad)
+    return pieces.norm(norm_type, dtype, params[0].device)

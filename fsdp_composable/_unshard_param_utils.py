@@ -22,6 +22,7 @@ from fsdp_composable._common_utils import (
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat, _join
+from fsdp_composable._tensor_parallel import as_param_grad, local_of, point_at
 from fsdp_composable.api import _check_bool
 
 __all__ = ["summon_full_params", "unshard_params"]
@@ -167,12 +168,12 @@ def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bo
     entry = _Summoned(handle, full, grad_full, with_grads)
     for param, info in zip(handle.params, handle.layout.infos):
         view = full[info.offset : info.offset + info.numel].view(info.shape)
-        param.data = view
+        point_at(param, view)
         entry.views.append(view)
         grad_view = None
         if grad_full is not None and param.requires_grad:
             grad_view = grad_full[info.offset : info.offset + info.numel].view(info.shape)
-        param.grad = grad_view
+        param.grad = as_param_grad(info.tp, grad_view) if grad_view is not None else None
         entry.grad_views.append(grad_view)
     return entry
 
@@ -224,14 +225,15 @@ def _collect_edits(entry: _Summoned) -> list[str]:
     for param, info, view, grad_view in zip(handle.params, handle.layout.infos, entry.views, entry.grad_views):
         fqn = _join(handle.unit_fqn, info.fqn)
         with torch.no_grad():
-            if not _is_view(param.data, view):
-                if param.shape != info.shape:
-                    problems.append(f"parameter '{fqn}' now has shape {tuple(param.shape)}, not {tuple(info.shape)}")
+            data = local_of(param)
+            if not _is_view(data, view):
+                if data.shape != info.shape:
+                    problems.append(f"parameter '{fqn}' now has shape {tuple(data.shape)}, not {tuple(info.shape)}")
                 else:
-                    view.copy_(param.data)
+                    view.copy_(data)
             if not entry.with_grads or not param.requires_grad:
                 continue
-            grad = param.grad
+            grad = local_of(param.grad) if param.grad is not None else None
             if grad_view is not None and grad is not None and _is_view(grad, grad_view):
                 continue
             if grad is not None and grad.shape != info.shape:

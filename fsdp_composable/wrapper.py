@@ -19,6 +19,7 @@ from torch import nn
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
@@ -28,6 +29,25 @@ from fsdp_composable.fully_shard import _build_state
 __all__ = ["FullyShardedDataParallel"]
 
 WRAPPED = "_fsdp_wrapped_module"
+
+
+def _group_or_mesh(process_group: Any, device_mesh: Any) -> Any:
+    """FSDP1's ``device_mesh`` is our ``process_group`` (which takes a DeviceMesh: 1-D, or 2-D
+    (replicate, shard) for HYBRID_SHARD); giving both is ambiguous."""
+    if device_mesh is None:
+        return process_group
+    if process_group is not None:
+        raise ValueError(
+            "FullyShardedDataParallel got both process_group and device_mesh; pass one (device_mesh=mesh['dp'] "
+            "for data parallelism over one mesh dimension, e.g. next to tensor parallelism on mesh['tp'])"
+        )
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not isinstance(device_mesh, DeviceMesh):
+        raise TypeError(
+            f"FullyShardedDataParallel argument 'device_mesh' must be a DeviceMesh, got {type(device_mesh).__name__}"
+        )
+    return device_mesh
 
 
 class FullyShardedDataParallel(nn.Module):
@@ -49,6 +69,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
+        device_mesh: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"FullyShardedDataParallel expects an nn.Module, got {type(module).__name__}")
@@ -56,6 +77,7 @@ class FullyShardedDataParallel(nn.Module):
             raise TypeError(
                 f"FullyShardedDataParallel argument 'use_orig_params' must be True or False, got {use_orig_params!r}"
             )
+        process_group = _group_or_mesh(process_group, device_mesh)
         super().__init__()
         self._fsdp_wrapped_module = module
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
@@ -114,6 +136,14 @@ class FullyShardedDataParallel(nn.Module):
         inner = f"{prefix}{'.' if prefix else ''}{WRAPPED}."
         for name, param in super().named_parameters(prefix, recurse, remove_duplicate):
             yield (prefix + ("." if prefix else "") + name[len(inner) :] if name.startswith(inner) else name), param
+
+    def clip_grad_norm_(self, max_norm: Union[float, int], norm_type: Union[float, int, str] = 2.0) -> torch.Tensor:
+        """FSDP1's method: see `fsdp_composable.clip_grad_norm_`."""
+        return clip_grad_norm_(self, max_norm, norm_type)
+
+    def no_sync(self) -> contextlib.AbstractContextManager[None]:
+        """FSDP1's method: see `fsdp_composable.no_sync`."""
+        return no_sync(self)
 
     def unshard_params(self, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
         """See `fsdp_composable.unshard_params`."""

@@ -1,0 +1,178 @@
+"""Tensor-parallel (`DTensor`) original parameters: flatten their local tensors, show them as
+`DTensor`s again.
+
+[Note: tensor-parallel parameters]
+``parallelize_module(block, mesh["tp"], plan)`` turns a block's parameters into ``DTensor``
+parameters whose ``_local_tensor`` is this rank's tensor-parallel piece. A unit sharded over the
+data-parallel group flattens those *local* tensors exactly like plain parameters ([Note: original
+parameters are views]): the flat parameter, its padding, the all-gather and the reduce-scatter only
+ever see local pieces, so gradients are reduced over the data-parallel group alone.
+
+The ``DTensor`` parameter objects are kept, as plain ones are, and repointed instead: a ``DTensor``
+is a wrapper whose data is its ``_local_tensor`` attribute (its own ``.data`` has no storage), so we
+assign ``_local_tensor`` where a plain parameter gets ``.data``. In forward and backward it is the
+local-shape view into the unsharded flat parameter, so tensor-parallel ops see the ``DTensor`` they
+were built for. Between steps it is the 1-D slice of this rank's shard (possibly empty), and
+``.grad`` is a ``DTensor`` over the same 1-D slice of the sharded gradient: optimizers only apply
+element-wise ops, which ``DTensor`` runs on the local tensors. A backward's gradient of a
+``DTensor`` parameter is first brought to the parameter's placements (a ``Partial`` gradient of a
+replicated parameter is summed over the tensor-parallel group) and then flattened like any other.
+
+State dicts turn the local pieces back into ``DTensor``s of the original shapes: FULL gives each
+parameter as the tensor-parallel model itself holds it (full over the data-parallel group), SHARDED
+a ``DTensor`` over the 2-D (data-parallel, tensor-parallel) mesh with both placements.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+
+__all__ = ["TPSpec"]
+
+
+@dataclass(frozen=True)
+class TPSpec:
+    """How a tensor-parallel parameter is laid out: its ``DTensor`` mesh and placements, and its
+    global shape and stride. The flat parameter holds its local tensor."""
+
+    mesh: DeviceMesh
+    placements: tuple[Placement, ...]
+    shape: torch.Size
+    stride: tuple[int, ...]
+
+
+def spec_of(param: torch.Tensor) -> Optional[TPSpec]:
+    """The tensor-parallel layout of ``param``, or None for a plain tensor."""
+    if not isinstance(param, DTensor):
+        return None
+    return TPSpec(param.device_mesh, tuple(param.placements), param.shape, tuple(param.stride()))
+
+
+def local_of(param: torch.Tensor) -> torch.Tensor:
+    """The tensor whose memory ``param`` uses: a ``DTensor``'s local tensor, else its ``.data``."""
+    if isinstance(param, DTensor):
+        return param._local_tensor
+    return param.data
+
+
+def point_at(param: torch.Tensor, view: torch.Tensor) -> None:
+    """Repoint ``param`` at ``view`` (see [Note: tensor-parallel parameters])."""
+    if isinstance(param, DTensor):
+        param._local_tensor = view
+    else:
+        param.data = view
+
+
+def as_local_grad(param: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """A backward's gradient of ``param`` as a plain tensor of its local shape. A ``DTensor`` gradient
+    is first brought to the parameter's placements (a collective over the tensor-parallel group when
+    it is ``Partial``)."""
+    if not isinstance(grad, DTensor):
+        return grad
+    assert isinstance(param, DTensor)
+    if tuple(grad.placements) != tuple(param.placements):
+        grad = grad.redistribute(param.device_mesh, param.placements)
+    return grad._local_tensor
+
+
+def as_param_grad(spec: Optional[TPSpec], local: torch.Tensor) -> torch.Tensor:
+    """A tensor to assign to ``.grad`` of a parameter laid out by ``spec`` whose memory is ``local``."""
+    if spec is None:
+        return local
+    return DTensor.from_local(local, spec.mesh, spec.placements, run_check=False, shape=spec.shape, stride=spec.stride)
+
+
+def check_supported(module_fqn: str, params: list[nn.Parameter], fqns: list[str], hybrid: bool) -> None:
+    """Tensor-parallel parameters need one mesh per unit and no replicate group."""
+    meshes = {id(p.device_mesh): (p.device_mesh, f) for p, f in zip(params, fqns) if isinstance(p, DTensor)}
+    if not meshes:
+        return
+    (mesh, first), *others = meshes.values()
+    if others:
+        raise ValueError(
+            f"unit '{module_fqn or '<root>'}' mixes DTensor parameters of different meshes ('{first}' and "
+            f"'{others[0][1]}'); parallelize the unit's modules over one tensor-parallel mesh"
+        )
+    if mesh.ndim != 1:
+        raise ValueError(
+            f"parameter '{first}' is a DTensor over a {mesh.ndim}-D mesh; fully_shard flattens tensor-parallel "
+            "parameters of a 1-D mesh (mesh['tp']) and shards them over process_group (mesh['dp'])"
+        )
+    if hybrid:
+        raise ValueError(
+            f"parameter '{first}' is tensor-parallel and the unit uses HYBRID_SHARD: a 3-D (replicate, shard, tp) "
+            "layout is not supported. Use FULL_SHARD or SHARD_GRAD_OP over mesh['dp'] with tensor parallelism"
+        )
+
+
+# ---------------------------------------------------------------------------- state dicts
+def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
+    """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
+    data-parallel group as its other dimension, else one built from the two groups."""
+    tp_mesh = spec.mesh
+    root = tp_mesh._get_root_mesh()
+    dp_ranks = sorted(dist.get_process_group_ranks(dp_group))
+    if root is not tp_mesh and root.ndim == 2:
+        names = root.mesh_dim_names
+        tp_name = tp_mesh.mesh_dim_names[0] if tp_mesh.mesh_dim_names else None
+        if names is not None and tp_name == names[1]:
+            other = sorted(root[names[0]].mesh.flatten().tolist())
+            if other == dp_ranks:
+                return root
+    return _mesh_from_groups(dp_group, tp_mesh)
+
+
+def _mesh_from_groups(dp_group: dist.ProcessGroup, tp_mesh: DeviceMesh) -> DeviceMesh:
+    """A 2-D mesh whose rows are tensor-parallel groups and columns data-parallel groups."""
+    world = dist.get_world_size()
+    coords = torch.tensor([dist.get_rank(dp_group), tp_mesh.get_local_rank(), dist.get_rank()], dtype=torch.int64)
+    every = [torch.zeros_like(coords) for _ in range(world)]
+    dist.all_gather(every, coords)
+    dp_size, tp_size = dist.get_world_size(dp_group), tp_mesh.size()
+    layout = torch.full((dp_size, tp_size), -1, dtype=torch.int64)
+    mine = set(dist.get_process_group_ranks(dp_group)) | set(tp_mesh.mesh.flatten().tolist())
+    for d, t, r in (c.tolist() for c in every):
+        if r in mine or layout[d, t] < 0:
+            layout[d, t] = r
+    return DeviceMesh.from_group(
+        [dp_group, tp_mesh.get_group()], tp_mesh.device_type, mesh=layout, mesh_dim_names=("dp", "tp")
+    )
+
+
+def dp_placement(spec: TPSpec) -> Placement:
+    """The data-parallel placement of a SHARDED value: rows of the tensor-parallel *local* tensor.
+
+    When tensor parallelism already splits dim 0, the data-parallel chunks are chunks of each
+    tensor-parallel chunk, which ``_StridedShard`` describes (a plain ``Shard(0)`` would mean chunks
+    of the whole)."""
+    tp_dim0 = [p for p in spec.placements if isinstance(p, Shard) and p.dim == 0]
+    if not tp_dim0:
+        return Shard(0)
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return _StridedShard(0, split_factor=spec.mesh.size())
+
+
+def local_part_of_full(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's tensor-parallel piece of a full (plain) tensor, by the `torch.chunk` rule DTensor uses."""
+    out = full
+    for i, placement in enumerate(spec.placements):
+        if isinstance(placement, Shard):
+            pieces = torch.chunk(out, spec.mesh.size(i), dim=placement.dim)
+            coord = spec.mesh.get_local_rank(i)
+            if coord < len(pieces):
+                out = pieces[coord]
+            else:
+                shape = list(out.shape)
+                shape[placement.dim] = 0
+                out = out.new_empty(shape)
+        elif not isinstance(placement, Replicate):
+            raise ValueError(f"cannot load a full tensor into a DTensor parameter placed {placement}")
+    return out
