@@ -91,19 +91,23 @@ def as_param_grad(spec: Optional[TPSpec], local: torch.Tensor) -> torch.Tensor:
 
 def check_supported(module_fqn: str, params: list[nn.Parameter], fqns: list[str], hybrid: bool) -> None:
     """Tensor-parallel parameters need one mesh per unit and no replicate group."""
-    meshes = {id(p.device_mesh): (p.device_mesh, f) for p, f in zip(params, fqns) if isinstance(p, DTensor)}
+    meshes: dict[int, tuple[DeviceMesh, str]] = {}
+    for p, f in zip(params, fqns):
+        if not isinstance(p, DTensor):
+            continue
+        if p.device_mesh.ndim != 1:
+            raise ValueError(
+                f"parameter '{f}' is a DTensor over a {p.device_mesh.ndim}-D mesh; fully_shard flattens "
+                "tensor-parallel parameters of a 1-D mesh (mesh['tp']) and shards them over process_group (mesh['dp'])"
+            )
+        meshes.setdefault(id(p.device_mesh), (p.device_mesh, f))
     if not meshes:
         return
-    (mesh, first), *others = meshes.values()
+    (_, first), *others = meshes.values()
     if others:
         raise ValueError(
             f"unit '{module_fqn or '<root>'}' mixes DTensor parameters of different meshes ('{first}' and "
             f"'{others[0][1]}'); parallelize the unit's modules over one tensor-parallel mesh"
-        )
-    if mesh.ndim != 1:
-        raise ValueError(
-            f"parameter '{first}' is a DTensor over a {mesh.ndim}-D mesh; fully_shard flattens tensor-parallel "
-            "parameters of a 1-D mesh (mesh['tp']) and shards them over process_group (mesh['dp'])"
         )
     if hybrid:
         raise ValueError(

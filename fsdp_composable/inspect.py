@@ -70,6 +70,10 @@ class UnitPlan:
     offload_params: bool
     tied_param_fqns: tuple[tuple[str, ...], ...] = ()
     param_shapes: tuple[tuple[int, ...], ...] = ()  # one per entry of ``param_fqns``
+    # tensor parallelism: the size of the parameters' tensor-parallel mesh (1: none). Numels and
+    # ``param_shapes`` are then per tensor-parallel rank; ``param_global_shapes`` are the DTensors'
+    tensor_parallel_size: int = 1
+    param_global_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def shard_bytes(self) -> int:
@@ -109,6 +113,11 @@ class ShardingPlan:
     def sharded_param_bytes(self) -> int:
         """Bytes of this rank's shards of all flat parameters."""
         return sum(u.shard_bytes for u in self.units)
+
+    @property
+    def tensor_parallel_size(self) -> int:
+        """The largest tensor-parallel mesh size of any unit (1: no tensor parallelism)."""
+        return max((u.tensor_parallel_size for u in self.units), default=1)
 
     def __str__(self) -> str:
         return _format_plan(self)
@@ -208,6 +217,12 @@ def _unit_plan(
         offload_params=config.offload_params,
         tied_param_fqns=tuple(group for group in groups if len(group) > 1),
         param_shapes=tuple(tuple(info.shape) for info, group in zip(layout.infos, groups) for _ in group),
+        tensor_parallel_size=max((info.tp.mesh.size() for info in layout.infos if info.tp is not None), default=1),
+        param_global_shapes=tuple(
+            tuple(info.tp.shape if info.tp is not None else info.shape)
+            for info, group in zip(layout.infos, groups)
+            for _ in group
+        ),
     )
 
 
@@ -630,6 +645,8 @@ def _format_plan(plan: ShardingPlan) -> str:
         ranks = f"world size {plan.world_size}"
     else:
         ranks = f"HYBRID_SHARD: shard group size {plan.world_size}, replicate group size {plan.replicate_world_size}"
+    if plan.tensor_parallel_size > 1:
+        ranks += f", tensor parallel size {plan.tensor_parallel_size} (numels are per tensor-parallel rank)"
     lines = [f"ShardingPlan: {units}, {ranks}, rank {plan.rank}"]
     lines += _table(headers, rows, footer, right={1, 2, 3, 4, 10})
     for u in plan.units:
@@ -647,9 +664,11 @@ def _format_params(plan: ShardingPlan) -> list[str]:
     rows = []
     for u in plan.units:
         first_of = {name: group[0] for group in u.tied_param_fqns for name in group[1:]}
-        for name, shape in zip(u.param_fqns, u.param_shapes):
+        global_shapes = u.param_global_shapes or u.param_shapes
+        for name, shape, whole in zip(u.param_fqns, u.param_shapes, global_shapes):
             numel = f"= {first_of[name]}" if name in first_of else f"{math.prod(shape):,}"
-            rows.append((u.fqn or ROOT_NAME, name, str(tuple(shape)), numel))
+            shown = str(tuple(shape)) if tuple(whole) == tuple(shape) else f"{tuple(shape)} of {tuple(whole)}"
+            rows.append((u.fqn or ROOT_NAME, name, shown, numel))
     distinct = sum(u.num_params for u in plan.units)
     footer = ("total", f"{distinct} parameters", "", f"{plan.numel:,}")
     return _table(("unit", "parameter", "shape", "numel"), rows, footer, right={3})

@@ -98,7 +98,7 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
 
 
 def _full_values(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
-    return {k: (v.full_tensor() if isinstance(v, DTensor) else v) for k, v in state_dict.items()}
+    return {k: _whole(v) for k, v in state_dict.items()}
 
 
 def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -185,3 +185,124 @@ def test_2d_wrapper_class_with_the_data_parallel_mesh(dist_run) -> None:
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-6)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6)
         assert r["weights_diff"] < 1e-6
+
+
+def _describe_2d() -> dict[str, Any]:
+    from fsdp_composable import describe, estimate_memory
+
+    mesh = _mesh()
+    plain = _plain()
+    model = _shard(_tp(copy.deepcopy(plain), mesh), mesh)
+    plan = describe(model, params=True)
+    block = next(u for u in plan.units if u.fqn == "blocks.0")
+    estimate = estimate_memory(_tp(copy.deepcopy(plain), mesh), policy=ModuleWrapPolicy({Block}), world_size=2)
+    return {
+        "text": str(plan),
+        "tp": plan.tensor_parallel_size,
+        "block_numel": block.numel,
+        "estimate_units": [(u.fqn, u.numel, u.shard_numel) for u in estimate.plan.units],
+        "plan_units": [(u.fqn, u.numel, u.shard_numel) for u in plan.units],
+    }
+
+
+def test_2d_describe_and_estimate_memory_count_per_tensor_parallel_rank(dist_run) -> None:
+    """describe() reports the tensor-parallel size and per-TP-rank numels with local and global
+    shapes; estimate_memory() of the parallelized (unsharded) model predicts the same plan."""
+    r = dist_run(4, _describe_2d)[0]
+    ln, up, down = 2 * D, H * D + H, D * H + D  # up: Colwise halves weight and bias; down: Rowwise halves weight
+    assert r["tp"] == 2
+    assert r["block_numel"] == ln + up // 2 + (D * H) // 2 + D
+    assert r["estimate_units"] == r["plan_units"]
+    assert "tensor parallel size 2 (numels are per tensor-parallel rank)" in r["text"]
+    assert "blocks.0.up.weight     (5, 6) of (10, 6)" in r["text"] or "(5, 6) of (10, 6)" in r["text"]
+    assert down == D * H + D
+
+
+def _mixed_precision_2d() -> dict[str, Any]:
+    from fsdp_composable import MixedPrecision, unshard_params
+
+    mesh = _mesh()
+    ref = _plain()  # float64: the compute dtype of the sharded float32 model below
+    model = _shard(
+        _tp(copy.deepcopy(ref).float(), mesh), mesh, mixed_precision=MixedPrecision(param_dtype=torch.float64)
+    )
+    batch = _batch(0)
+    ref_loss = _loss(ref, batch)
+    ref_loss.backward()
+    x, y = _local(batch, mesh)
+    loss = _loss(model, (x.float(), y.float()))
+    loss.backward()
+    total = loss.detach().double()
+    dist.all_reduce(total, group=mesh["dp"].get_group())
+    with unshard_params(model, with_grads=True):
+        grads = {n: _whole(p.grad) for n, p in model.named_parameters()}
+        values = {n: _whole(p.detach()) for n, p in model.named_parameters()}
+    ref_grads = {n: p.grad.float() for n, p in ref.named_parameters()}
+    return {
+        "loss": float(total) / 2,
+        "ref_loss": float(ref_loss),
+        "loss_dtype": loss.dtype,
+        "grad_diff": _max_diff(grads, ref_grads),
+        "grad_dtypes": {g.dtype for g in grads.values()},
+        "value_diff": _max_diff(values, {n: p.float() for n, p in ref.state_dict().items()}),
+    }
+
+
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if isinstance(t, DTensor) else t.clone()
+
+
+def test_2d_mixed_precision_computes_in_param_dtype(dist_run) -> None:
+    """MixedPrecision(param_dtype=float64) over float32 tensor-parallel parameters: the forward runs in
+    float64 (the loss equals the float64 plain model's) and the gradients come back in float32,
+    equal to the float64 gradients rounded."""
+    for r in dist_run(4, _mixed_precision_2d):
+        assert r["loss_dtype"] == torch.float64
+        assert r["loss"] == pytest.approx(r["ref_loss"], rel=1e-6)
+        assert r["grad_dtypes"] == {torch.float32}
+        assert r["grad_diff"] < 1e-6
+        assert r["value_diff"] == 0.0
+
+
+def _no_shard_2d() -> dict[str, Any]:
+    return _train_2d(strategy=ShardingStrategy.NO_SHARD)
+
+
+def test_2d_no_shard_matches_the_unsharded_model(dist_run) -> None:
+    """NO_SHARD over mesh["dp"] with tensor-parallel blocks: gradients all-reduced over dp only."""
+    for r in dist_run(4, _no_shard_2d):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12, abs=1e-12)
+        assert r["weights_diff"] < 1e-10
+
+
+def _refused(case: str) -> str:
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = _mesh()
+    model = _tp(_plain(), mesh)
+    try:
+        if case == "hybrid":
+            fully_shard(
+                model,
+                policy=ModuleWrapPolicy({Block}),
+                strategy=ShardingStrategy.HYBRID_SHARD,
+                process_group=(mesh["dp"].get_group(), mesh["tp"].get_group()),
+            )
+        else:
+            block = model.blocks[0]
+            weight = distribute_tensor(block.ln.weight.detach(), mesh, [Replicate(), Replicate()])
+            block.ln.weight = nn.Parameter(weight)
+            _shard(model, mesh)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_2d_refuses_what_it_cannot_shard(dist_run) -> None:
+    """HYBRID_SHARD with tensor parallelism (a 3-D layout) and DTensor parameters over a 2-D mesh are
+    clear errors naming the parameter, the same on every rank."""
+    hybrid = dist_run(4, _refused, "hybrid")
+    assert all(m == hybrid[0] for m in hybrid)
+    assert "parameter 'blocks.1.up.weight' is tensor-parallel and the unit uses HYBRID_SHARD" in hybrid[0]
+    two_d = dist_run(4, _refused, "2-D")
+    assert "parameter 'blocks.0.ln.weight' is a DTensor over a 2-D mesh" in two_d[0]
