@@ -27,6 +27,7 @@ from fsdp_composable import (
     StateDictType,
     clip_grad_norm_,
     fully_shard,
+    no_sync,
     state_dict_type,
 )
 
@@ -97,6 +98,10 @@ def _loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.T
     return torch.nn.functional.mse_loss(model(batch[0]), batch[1])
 
 
+def _raise(*args: Any) -> None:
+    raise RuntimeError("injected")
+
+
 def _full_values(state_dict: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: _whole(v) for k, v in state_dict.items()}
 
@@ -106,7 +111,13 @@ def _max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].double() - b[k].double()).abs().max()) for k in a)
 
 
-def _train_2d(clip: Optional[float] = None, wrapper: bool = False, strategy: Any = None) -> dict[str, Any]:
+def _train_2d(
+    clip: Optional[float] = None,
+    wrapper: bool = False,
+    strategy: Any = None,
+    accumulate: bool = False,
+    fail_at: Optional[int] = None,
+) -> dict[str, Any]:
     mesh = _mesh()
     ref = _plain()
     model: nn.Module = _tp(copy.deepcopy(ref), mesh)
@@ -124,8 +135,22 @@ def _train_2d(clip: Optional[float] = None, wrapper: bool = False, strategy: Any
         batch = _batch(step)
         loss_ref = _loss(ref, batch)
         loss_ref.backward()
-        loss = _loss(model, _local(batch, mesh))
-        loss.backward()
+        if fail_at == step:  # a step that fails in backward, on every rank, is dropped whole
+            hook = model.blocks[0].up.register_full_backward_hook(_raise)
+            with pytest.raises(RuntimeError, match="injected"):
+                _loss(model, _local(batch, mesh)).backward()
+            hook.remove()
+        x, y = _local(batch, mesh)
+        if accumulate:  # two micro-batches, the first without communication
+            with no_sync(model):
+                first = _loss(model, (x[:1], y[:1])) / 2
+                first.backward()
+            second = _loss(model, (x[1:], y[1:])) / 2
+            second.backward()
+            loss = (first + second).detach()
+        else:
+            loss = _loss(model, (x, y))
+            loss.backward()
         if clip is not None:
             ref_norms.append(float(torch.nn.utils.clip_grad_norm_(ref.parameters(), clip)))
             norm = model.clip_grad_norm_(clip) if wrapper else clip_grad_norm_(model, clip)
@@ -306,3 +331,14 @@ def test_2d_refuses_what_it_cannot_shard(dist_run) -> None:
     assert "parameter 'blocks.1.up.weight' is tensor-parallel and the unit uses HYBRID_SHARD" in hybrid[0]
     two_d = dist_run(4, _refused, "2-D")
     assert "parameter 'blocks.0.ln.weight' is a DTensor over a 2-D mesh" in two_d[0]
+
+
+@pytest.mark.parametrize("case", ["no_sync", "failed_step"])
+def test_2d_no_sync_accumulation_and_a_failed_step(dist_run, case: str) -> None:
+    """no_sync micro-batches, and a backward that raises midway (then training goes on), keep the
+    2-D model in step with the plain one. Upstream: test_fully_shard_training.py (gradient
+    accumulation) and our test_recovery.py, for tensor-parallel parameters."""
+    kwargs = {"accumulate": True} if case == "no_sync" else {"fail_at": 1}
+    for r in dist_run(4, _train_2d, **kwargs):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-10, abs=1e-12)
+        assert r["weights_diff"] < 1e-9
