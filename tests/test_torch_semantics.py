@@ -165,6 +165,63 @@ def test_sharded_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
     assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
 
 
+def full_key_missing_on_one_rank(case: str, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}))
+    before = model.state_dict()
+    torch.manual_seed(1)
+    sd = OddMLP().state_dict()  # another checkpoint: a partial load would be visible
+    if dist.get_rank() == world - 1:
+        if case == "missing":
+            del sd["l2.0.weight"]
+        else:
+            sd["l9.weight"] = sd["l1.weight"]
+    out: dict[str, Any] = {}
+    for strict in (True, False):
+        msg = _error(lambda: model.load_state_dict(sd, strict=strict))
+        out[f"ours_{strict}"] = [line.strip() for line in msg.splitlines() if "FULL_STATE_DICT" in line]
+        out[f"first_{strict}"] = msg.splitlines()[0]
+    after = model.state_dict()
+    out["unchanged_key"] = torch.equal(after["l2.0.weight"], before["l2.0.weight"])
+    out["others_loaded"] = torch.equal(after["l1.weight"], sd["l1.weight"])
+    out["after"] = after
+    return out
+
+
+@pytest.mark.parametrize("case", ["missing", "extra"])
+def test_full_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_full_state_dict_missing_unexpected_keys_cleaned
+    (strict key checks), across ranks: a FULL load where the last rank's dict lacks a key (or has an extra
+    one) is an error on every rank, strict or not, naming the key and the rank; the key is loaded on no rank,
+    so every rank holds the same model."""
+    rs = dist_run(2, full_key_missing_on_one_rank, case, 2)
+    key = "l2.0.weight" if case == "missing" else "l9.weight"
+    tc = expecttest.TestCase()
+    for r in rs:
+        for strict in (True, False):
+            assert r[f"first_{strict}"] == "RuntimeError: Error(s) in loading state_dict for OddMLP:", r
+            tc.assertEqual(
+                r[f"ours_{strict}"],
+                [
+                    f"FULL_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks "
+                    f"{[0] if case == 'extra' else [1]}; every rank must load the same keys (each rank writes its "
+                    "shard of every parameter from its own dict). It was loaded on no rank"
+                ],
+            )
+        assert r["unchanged_key"] == (case == "missing") and r["others_loaded"], r
+    assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+    if case == "missing":
+        tc.assertExpectedInline(
+            rs[0]["ours_True"][0],
+            """FULL_STATE_DICT: key 'l2.0.weight' is in the state dict on some ranks but not on ranks [1]; every rank must load the same keys (each rank writes its shard of every parameter from its own dict). It was loaded on no rank""",  # noqa: E501
+        )
+        return
+    tc.assertExpectedInline(
+        rs[0]["ours_True"][0],
+        """FULL_STATE_DICT: key 'l9.weight' is in the state dict on some ranks but not on ranks [0]; every rank must load the same keys (each rank writes its shard of every parameter from its own dict). It was loaded on no rank""",  # noqa: E501
+    )
+
+
 def rank0_only_load() -> str:
     torch.manual_seed(0)
     model = fully_shard(OddMLP())
