@@ -243,7 +243,7 @@ def test_reset_parameters_nested_inside_unshard_params_and_errors(dist_run) -> N
     (an error on every rank, nothing written back) and a reset during forward (a clear error)."""
     results = dist_run(2, reset_nested_inside_and_failing)
     tc = expecttest.TestCase()
-    for rank, r in enumerate(results):
+    for r in results:
         assert r["nested"] and r["inside_unshard_params"] and r["unchanged_after_failure"] and r["usable_after"], r
     tc.assertExpectedInline(results[1]["failed"], """ValueError: bad init on this rank""")
     tc.assertExpectedInline(
