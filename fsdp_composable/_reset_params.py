@@ -62,7 +62,7 @@ class _Target:
     states: list[_FSDPState] = field(default_factory=list)
 
 
-_TARGETS: "weakref.WeakKeyDictionary[nn.Module, _Target]" = weakref.WeakKeyDictionary()
+_TARGET = "_fsdp_reset_target"  # the module's `_Target`, kept on the module (a global map would keep it alive)
 _ACTIVE: list[nn.Module] = []  # modules whose reset runs now (a nested call runs directly)
 
 
@@ -75,10 +75,9 @@ def install_reset_hooks(state: _FSDPState) -> None:
     for fqn, module in state.module.named_modules():
         if not callable(getattr(module, "reset_parameters", None)) or not holders.intersection(module.modules()):
             continue
-        target = _TARGETS.get(module)
+        target = module.__dict__.get(_TARGET)
         if target is None:
-            current = module.__dict__.get("reset_parameters")
-            target = _TARGETS[module] = _Target(fqn, current)
+            target = module.__dict__[_TARGET] = _Target(fqn, module.__dict__.get("reset_parameters"))
             module.__dict__["reset_parameters"] = _make_wrapper(module)
         target.fqn = fqn  # an enclosing fully_shard call names it from further up
         if state not in target.states:
@@ -121,7 +120,7 @@ def _selected(module: nn.Module, target: _Target) -> list[tuple[_FSDPState, Flat
 
 def reset_module(module: nn.Module) -> Any:
     """Run ``module``'s own ``reset_parameters`` on full-shape parameters, identical on every rank."""
-    target = _TARGETS[module]
+    target: _Target = module.__dict__[_TARGET]
     if _ACTIVE:  # called from an enclosing module's reset_parameters: already full shapes
         return _call_original(module, target)
     selected = _selected(module, target)
