@@ -171,6 +171,9 @@ class FlatParamHandle:
         self.flat_param = self._flatten_and_shard()
         self.requires_grad = any(p.requires_grad for p in params)
         self.tensor_parallel = any(info.tp is not None for info in self.layout.infos)
+        # the model's tensor-parallel group (set by init; None: no tensor parallelism), across which
+        # every value that is not a tensor-parallel piece must agree
+        self.tp_group: Optional[dist.ProcessGroup] = None
         # The all-gather writes straight into the padded buffer the original parameters view, unless
         # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
         self._needs_buffer = sharded or self.compute_dtype != self.dtype or self.shard_device != device

@@ -394,11 +394,15 @@ def _init_param_handles_from_module(
     submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
     _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
+    tp_group = _tensor_parallel.model_tp_group(module)
     for unit_module, sub in reversed(list(submodule_states.items())):
         _materialize_meta_module(unit_module, sub.fqn, param_init_fn, state.device, api)
         _retie_and_refresh(sub)
         if sync_module_states:
             _broadcast_from_rank0(state, [_tensor_parallel.local_of(p).detach() for p in sub.params])
+            if tp_group is not None:  # what every tensor-parallel rank holds whole must agree across them too
+                whole = [p for p in sub.params if not _tensor_parallel.is_tp_sharded(_tensor_parallel.spec_of(p))]
+                _broadcast_over(tp_group, [_tensor_parallel.local_of(p).detach() for p in whole])
         _check_unit_params(sub)
         config = _unit_config(state.config, sub.overrides)
         fqns = [_join_fqn(sub.fqn, holders[0][2]) for holders in sub.holders]
@@ -420,8 +424,12 @@ def _init_param_handles_from_module(
     for group in handles.values():
         for handle in group:
             handle.siblings = group
+            handle.tp_group = tp_group
     if sync_module_states:
-        _broadcast_from_rank0(state, [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)])
+        buffers = [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)]
+        _broadcast_from_rank0(state, buffers)
+        if tp_group is not None:
+            _broadcast_over(tp_group, buffers)
     state.handles.extend(h for m in submodule_states for h in handles.get(m, []))  # root first, pre-order
     # initialisation may have replaced the ignored modules' parameter objects too
     state.ignored_params = {p for m in state.ignored_modules for p in m.parameters(recurse=False)}
@@ -443,13 +451,17 @@ def _retie_and_refresh(sub: SubmoduleState) -> None:
 
 def _broadcast_from_rank0(state: _FSDPState, tensors: list[torch.Tensor]) -> None:
     """``sync_module_states``: every rank starts from rank 0's values."""
-    groups = [g for g in (state.process_group, state.replicate_group) if g is not None]
+    for group in (state.process_group, state.replicate_group):
+        if group is not None:  # shard group first, then across replicas: every rank gets rank 0's
+            _broadcast_over(group, tensors)
+
+
+def _broadcast_over(group: dist.ProcessGroup, tensors: list[torch.Tensor]) -> None:
+    src = dist.get_global_rank(group, 0)
     with torch.no_grad():
-        for group in groups:  # shard group first, then across replicas: every rank gets rank 0's
-            src = dist.get_global_rank(group, 0)
-            for t in tensors:
-                _rank_agreement.agree_before(group, Op.BROADCAST, t.numel(), t.dtype, "broadcast", "sync_module_states")
-                dist.broadcast(t, src=src, group=group)
+        for t in tensors:
+            _rank_agreement.agree_before(group, Op.BROADCAST, t.numel(), t.dtype, "broadcast", "sync_module_states")
+            dist.broadcast(t, src=src, group=group)
 
 
 def _check_unit_overrides(

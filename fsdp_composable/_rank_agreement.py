@@ -82,6 +82,7 @@ _PURPOSES = (
     "unshard_params()",
     "clip_grad_norm_()",
     "sync_module_states",
+    "reset_parameters()",
 )
 _FIRST_ENTRY_POINT = 3
 

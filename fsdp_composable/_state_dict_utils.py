@@ -548,7 +548,7 @@ def _root_pre_load_hook(
     _rank_agreement.check_in(h.process_group for s in state.all_states or [state] for h in s.handles)
     if state.state_dict_type is StateDictType.FULL_STATE_DICT:
         _check_not_rank0_only_load(state)
-    if state.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+    if state.state_dict_type in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
         _compare_keys_across_ranks(state, state_dict, prefix, error_msgs)
     # Buffers (and parameters of unsharded units) arrive as replicated DTensors: load their local value.
     for key, value in list(state_dict.items()):
@@ -559,21 +559,46 @@ def _root_pre_load_hook(
 def _compare_keys_across_ranks(
     state: _FSDPState, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
 ) -> None:
-    """SHARDED loads are collective: a key some ranks have and others lack is an error on every rank."""
+    """SHARDED and FULL loads are collective: a key some ranks have and others lack is an error on every
+    rank. SHARDED: the pieces of a sharded parameter are exchanged, so a partial key is not written
+    back (`_write_back_sharded`). FULL: each rank writes its own shard from its own dict, so the key is
+    dropped here on every rank, and the ranks' shards (and replicas) stay of one piece."""
     mine = sorted(k for k in state_dict if k.startswith(prefix))
-    everyone: list[Any] = [None] * state.world_size
-    dist.all_gather_object(everyone, mine, group=state.process_group)
-    union = sorted(set().union(*everyone))
-    for key in union:
-        lacking = [r for r, keys in enumerate(everyone) if key not in set(keys)]
-        if lacking:
+    everyone = _keys_of_every_rank(state, mine)
+    full = state.state_dict_type is StateDictType.FULL_STATE_DICT
+    for key in sorted(set().union(*everyone.values())):
+        lacking = [r for r, keys in sorted(everyone.items()) if key not in keys]
+        if not lacking:
+            continue
+        if full:
+            state_dict.pop(key, None)
+            message = (
+                f"FULL_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks {lacking}; "
+                "every rank must load the same keys (each rank writes its shard of every parameter from its own "
+                "dict). It was loaded on no rank"
+            )
+        else:
             message = (
                 f"SHARDED_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks {lacking}; "
                 "every rank must load the same keys (the pieces of a sharded parameter are exchanged between "
                 "ranks). Nothing was loaded for it"
             )
-            if message not in error_msgs:
-                error_msgs.append(message)
+        if message not in error_msgs:
+            error_msgs.append(message)
+
+
+def _keys_of_every_rank(state: _FSDPState, mine: list[str]) -> dict[int, set[str]]:
+    """Global rank -> its keys, for every rank of the state's groups (HYBRID_SHARD: the shard group's
+    lists, then those of every replica)."""
+    group = state.process_group
+    shard: list[Any] = [None] * dist.get_world_size(group)
+    dist.all_gather_object(shard, (dist.get_rank(), mine), group=group)
+    lists = shard
+    if state.replicate_group is not None and dist.get_world_size(state.replicate_group) > 1:
+        replicas: list[Any] = [None] * dist.get_world_size(state.replicate_group)
+        dist.all_gather_object(replicas, shard, group=state.replicate_group)
+        lists = [entry for replica in replicas for entry in replica]
+    return {rank: set(keys) for rank, keys in lists}
 
 
 # ---------------------------------------------------------------------------- FULL_STATE_DICT

@@ -116,6 +116,21 @@ def check_supported(module_fqn: str, params: list[nn.Parameter], fqns: list[str]
         )
 
 
+def model_tp_group(module: nn.Module) -> Optional[dist.ProcessGroup]:
+    """The tensor-parallel group of a model whose blocks were parallelised (its first DTensor
+    parameter's 1-D mesh), or None. Everything not split by it is held whole by each of its ranks and
+    must agree across it: see `is_tp_sharded`."""
+    for param in module.parameters():
+        if isinstance(param, DTensor) and param.device_mesh.ndim == 1 and param.device_mesh.size() > 1:
+            return param.device_mesh.get_group()
+    return None
+
+
+def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
+    """Whether tensor-parallel ranks hold different pieces (else each holds the whole, the same)."""
+    return spec is not None and any(isinstance(p, Shard) for p in spec.placements)
+
+
 # ---------------------------------------------------------------------------- state dicts
 def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the

@@ -14,6 +14,7 @@ from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._optim_utils import _register_stale_optimizer_check
 from fsdp_composable._reduce_utils import init_grads
+from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
 from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
@@ -110,4 +111,5 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     _register_hooks(state)
     _register_state_dict_hooks(state)
     _register_stale_optimizer_check()
+    install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
     return state

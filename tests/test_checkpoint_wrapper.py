@@ -156,7 +156,7 @@ def test_fully_shard_after_activation_checkpointing(dist_run) -> None:
 
 
 def test_wrapper_named_parameters_match_state_dict() -> None:
-    """Upstream: test_checkpoint_wrapper.py (CheckpointWrapper.named_parameters() strips
+    """Upstream: test/distributed/fsdp/test_checkpoint_wrapper.py (CheckpointWrapper.named_parameters() strips
     ``_checkpoint_wrapped_module``): the wrapper's parameter and buffer FQNs are its state-dict keys."""
     inner = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2))
     wrapped = checkpoint_wrapper(nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)))

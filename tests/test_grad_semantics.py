@@ -97,7 +97,8 @@ def test_unused_unit_and_empty_shard_grads_are_none(dist_run) -> None:
 
 
 def no_sync_after_synced(strategy: str) -> float:
-    """Upstream test_fsdp_grad_acc: synced backward, then no_sync micro-batches, then synced: the
+    """Upstream test_fsdp_grad_acc.py::TestGradAcc::test_grad_acc: synced backward, then no_sync micro-batches,
+    then synced: the
     gradients are the sum of all of them, for every strategy."""
     ref, model = _pair(strategy)
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
@@ -124,8 +125,8 @@ def test_no_sync_after_synced_backward_every_strategy(dist_run) -> None:
 
 
 def grad_edits() -> dict[str, float]:
-    """Upstream test_fsdp_use_orig_params (writeback of gradients): ``.grad`` edited between
-    backward and step (in place, replaced, set to None) is what the optimizer steps, and the next
+    """Upstream test_fsdp_use_orig_params.py::TestFSDPUseOrigParamsWriteback::test_grad_writeback: ``.grad``
+    edited between backward and step (in place, replaced, set to None) is what the optimizer steps, and the next
     backward accumulates into it (or replaces None) exactly as on the plain model."""
     ref, model = _pair()
 
@@ -160,7 +161,8 @@ def test_grad_edits_between_backward_and_step(dist_run) -> None:
 
 
 def clip_cases() -> dict[str, Any]:
-    """Upstream test_fsdp_clip_grad_norm: the returned total norm equals the unsharded model's, is
+    """Upstream test_fsdp_clip_grad_norm.py::TestClipGradNorm::test_ddp_parity, ::test_low_precision_grads and
+    ::test_no_gradients: the returned total norm equals the unsharded model's, is
     the same on every rank, and the clipped gradients step like the reference's."""
     out: dict[str, Any] = {}
     x = _data(0)

@@ -347,7 +347,7 @@ def orders(path: str) -> dict[str, Any]:
 def test_optimizer_state_between_wrappings_with_per_rank_orders(dist_run, tmp_path) -> None:
     """Issue 13: converting optimizer state between different wrappings when ranks list the optimizer's
     parameters in different orders is correct, never a process abort (upstream: test_fsdp_optim_state.py,
-    test_shard_full_optim_state_dict_* and test_use_orig_params, which rekey between wrappings)."""
+    test_shard_full_optim_state_dict_nested and test_use_orig_params, which rekey between wrappings)."""
     for world in (2, 4):
         for r in dist_run(world, orders, str(tmp_path / str(world))):
             assert r["saved"] < 1e-6 and r["whole"] < 1e-6 and r["wrapper"] < 1e-6, (world, r)

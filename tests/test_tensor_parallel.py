@@ -342,3 +342,29 @@ def test_2d_no_sync_accumulation_and_a_failed_step(dist_run, case: str) -> None:
     for r in dist_run(4, _train_2d, **kwargs):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-10, abs=1e-12)
         assert r["weights_diff"] < 1e-9
+
+
+def _reset_2d() -> dict[str, Any]:
+    mesh = _mesh()
+    model = _shard(_tp(_plain(), mesh), mesh)
+    torch.manual_seed(1000 + dist.get_rank())  # different seeds: the ranks must still agree
+    model.apply(lambda m: m.reset_parameters() if isinstance(m, nn.Linear) else None)
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        values = _full_values(model.state_dict())
+    loss = _loss(model, _local(_batch(0), mesh))
+    loss.backward()
+    return {"values": values, "loss_finite": bool(torch.isfinite(loss))}
+
+
+def test_2d_reset_parameters_after_sharding(dist_run) -> None:
+    """reset_parameters() on tensor-parallel Linear modules after fully_shard: drawn on the full
+    (global-shape) DTensor, so within kaiming's bound for the real fan-in, and the same on every rank."""
+    results = dist_run(4, _reset_2d)
+    first = results[0]["values"]
+    for r in results:
+        assert r["loss_finite"]
+        assert [k for k in first if not torch.equal(r["values"][k], first[k])] == []
+    bound = 1 / D**0.5  # nn.Linear(D, H): weight and bias uniform in [-1/sqrt(fan_in), 1/sqrt(fan_in)]
+    assert float(first["blocks.0.up.weight"].abs().max()) <= bound
+    assert float(first["blocks.0.up.bias"].abs().max()) <= bound
+    assert not torch.equal(first["blocks.0.up.weight"], _plain().state_dict()["blocks.0.up.weight"])

@@ -80,7 +80,7 @@ def wrapper_inside_unit() -> dict[str, Any]:
 
 
 def test_checkpoint_wrapper_inside_unit_full_shapes(dist_run) -> None:
-    """Upstream: test_fsdp_state_dict.py::test_state_dict_with_manual_ac_wrapper and
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_state_dict_with_manual_ac_wrapper and
     test_fsdp_checkpoint.py (a checkpoint wrapper inside an FSDP unit saves full, unprefixed values)."""
     for r in dist_run(2, wrapper_inside_unit):
         assert r["full"] and r["sharded"] and r["loaded"], r
@@ -121,7 +121,8 @@ def shared_module(policy: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("policy", ["none", "linear", "seq"])
 def test_shared_module_under_two_fqns(dist_run, policy: str) -> None:
-    """Upstream: test_fsdp_state_dict.py::test_shared_module_and_shared_parameter (every key, full shape,
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_shared_module_and_shared_parameter
+    (every key, full shape,
     equal to the plain model's state_dict())."""
     for r in dist_run(2, shared_module, policy):
         assert all(r.values()), r
@@ -153,8 +154,8 @@ def sharded_key_missing_on_one_rank(case: str) -> dict[str, Any]:
 
 @pytest.mark.parametrize("case", ["missing", "extra"])
 def test_sharded_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
-    """Upstream: test_fsdp_state_dict.py::test_full_state_dict_missing_unexpected_keys_cleaned (strict key
-    checks), for SHARDED: a key some ranks lack is an error on every rank, even with strict=False, and never
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_full_state_dict_missing_unexpected_keys_cleaned
+    (strict key checks), for SHARDED: a key some ranks lack is an error on every rank, even with strict=False, and never
     zeros loaded silently."""
     rs = dist_run(2, sharded_key_missing_on_one_rank, case)
     key = "l2.0.weight" if case == "missing" else "l9.weight"
@@ -163,6 +164,63 @@ def test_sharded_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
         assert f"SHARDED_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks" in r["msg"]
         assert r["unchanged_key"] or case == "extra"  # a parameter loaded on only some ranks keeps its values
     assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+
+
+def full_key_missing_on_one_rank(case: str, world: int) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}))
+    before = model.state_dict()
+    torch.manual_seed(1)
+    sd = OddMLP().state_dict()  # another checkpoint: a partial load would be visible
+    if dist.get_rank() == world - 1:
+        if case == "missing":
+            del sd["l2.0.weight"]
+        else:
+            sd["l9.weight"] = sd["l1.weight"]
+    out: dict[str, Any] = {}
+    for strict in (True, False):
+        msg = _error(lambda strict=strict: model.load_state_dict(sd, strict=strict))
+        out[f"ours_{strict}"] = [line.strip() for line in msg.splitlines() if "FULL_STATE_DICT" in line]
+        out[f"first_{strict}"] = msg.splitlines()[0]
+    after = model.state_dict()
+    out["unchanged_key"] = torch.equal(after["l2.0.weight"], before["l2.0.weight"])
+    out["others_loaded"] = torch.equal(after["l1.weight"], sd["l1.weight"])
+    out["after"] = after
+    return out
+
+
+@pytest.mark.parametrize("case", ["missing", "extra"])
+def test_full_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_full_state_dict_missing_unexpected_keys_cleaned
+    (strict key checks), across ranks: a FULL load where the last rank's dict lacks a key (or has an extra
+    one) is an error on every rank, strict or not, naming the key and the rank; the key is loaded on no rank,
+    so every rank holds the same model."""
+    rs = dist_run(2, full_key_missing_on_one_rank, case, 2)
+    key = "l2.0.weight" if case == "missing" else "l9.weight"
+    tc = expecttest.TestCase()
+    for r in rs:
+        for strict in (True, False):
+            assert r[f"first_{strict}"] == "RuntimeError: Error(s) in loading state_dict for OddMLP:", r
+            tc.assertEqual(
+                r[f"ours_{strict}"],
+                [
+                    f"FULL_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks "
+                    f"{[0] if case == 'extra' else [1]}; every rank must load the same keys (each rank writes its "
+                    "shard of every parameter from its own dict). It was loaded on no rank"
+                ],
+            )
+        assert r["unchanged_key"] == (case == "missing") and r["others_loaded"], r
+    assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+    if case == "missing":
+        tc.assertExpectedInline(
+            rs[0]["ours_True"][0],
+            """FULL_STATE_DICT: key 'l2.0.weight' is in the state dict on some ranks but not on ranks [1]; every rank must load the same keys (each rank writes its shard of every parameter from its own dict). It was loaded on no rank""",  # noqa: E501
+        )
+        return
+    tc.assertExpectedInline(
+        rs[0]["ours_True"][0],
+        """FULL_STATE_DICT: key 'l9.weight' is in the state dict on some ranks but not on ranks [0]; every rank must load the same keys (each rank writes its shard of every parameter from its own dict). It was loaded on no rank""",  # noqa: E501
+    )
 
 
 def rank0_only_load() -> str:
@@ -175,7 +233,8 @@ def rank0_only_load() -> str:
 
 
 def test_rank0_only_full_state_dict_load_is_a_clear_error(dist_run) -> None:
-    """Upstream: test_fsdp_state_dict.py::test_state_dict_rank0_offload_save_load (torch loads a rank0_only
+    """Upstream: test_fsdp_state_dict.py::TestFSDPStateDict::test_state_dict_rank0_offload_save_load_flow (torch
+    loads a rank0_only
     checkpoint on every rank after broadcasting it itself); loading under rank0_only is an error on every rank."""
     msgs = dist_run(2, rank0_only_load)
     assert msgs[0] == msgs[1]
@@ -261,7 +320,8 @@ def fused_qkv_hooks(policy_name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("policy", ["root", "layers"])
 def test_submodule_state_dict_hooks_see_original_shapes(dist_run, world: int, policy: str) -> None:
-    """Upstream: test/distributed/_composable/fsdp/test_fully_shard_state_dict.py (state-dict hooks of the
+    """Upstream: test/distributed/_composable/fsdp/test_fully_shard_state_dict.py::TestFullyShardStateDictMultiProcess::
+    test_dp_state_dict_save_load (the closest: values are DTensors of the original shapes; here state-dict hooks of the
     model's own modules see DTensors of the original shapes; torchtitan splits a fused QKV weight this way)."""
     for r in dist_run(world, fused_qkv_hooks, policy):
         assert r["full"] and r["sharded"] and r["sharded_load"] and r["full_load"] and r["forward"], r
@@ -314,9 +374,9 @@ def unshard_writeback() -> dict[str, Any]:
 
 
 def test_unshard_params_writeback_and_grads(dist_run) -> None:
-    """Upstream: test_fsdp_unshard_params.py::test_unshard_params_writeback and
-    test_unshard_params_param_data (p.data = t and in-place writes persist), test_fsdp_summon_full_params.py::
-    test_with_grads_none_grads (None before any backward) and test_with_grads_core (full gradients)."""
+    """Upstream: test_fsdp_unshard_params.py::TestUnshardParams::test_unshard_params_writeback and
+    ::test_unshard_params_param_data (p.data = t and in-place writes persist), ::test_with_grads_none_grads (None
+    before any backward) and ::test_with_grads_core (full gradients)."""
     for r in dist_run(2, unshard_writeback):
         assert all(r.values()), r
 
@@ -343,8 +403,8 @@ def unshard_low_precision_grads() -> dict[str, Any]:
 
 
 def test_unshard_params_with_grads_keep_low_precision_grads(dist_run) -> None:
-    """Upstream: test_fsdp_summon_full_params.py::test_with_grads_core (with mixed precision): full-precision
-    full gradients inside, the low-precision sharded gradients unchanged after."""
+    """Upstream: test_fsdp_unshard_params.py::TestUnshardParams::test_with_grads_core (with mixed
+    precision): full-precision full gradients inside, the low-precision sharded gradients unchanged after."""
     for r in dist_run(2, unshard_low_precision_grads):
         assert r == {"dtypes": ["torch.float32"], "shapes_ok": True, "unchanged": True}, r
 
@@ -368,7 +428,8 @@ def unshard_submodule_flat_mode() -> dict[str, Any]:
 
 
 def test_unshard_params_on_submodule_of_flat_wrapper(dist_run) -> None:
-    """Upstream: test_fsdp_unshard_params.py::test_unshard_submodule (unsharding one nested unit exposes its
+    """Upstream: test_fsdp_unshard_params.py::TestUnshardParams::test_unshard_submodule (unsharding one nested unit
+    exposes its
     original parameters with full values; the rest stay sharded)."""
     for r in dist_run(2, unshard_submodule_flat_mode):
         assert r["flat_before"] == ["_flat_param"], r
@@ -465,8 +526,9 @@ def reset_inside_unshard_params() -> bool:
 
 
 def test_reset_parameters_after_sharding(dist_run) -> None:
-    """Upstream: test_fsdp_meta.py (reset_parameters on full parameters). Re-initialising after sharding is
-    supported inside ``unshard_params(writeback=True)``, seeded alike on every rank: exactly the plain reset."""
+    """Upstream: test_fsdp_meta.py::TestFSDPWithMetaDevice::test_simple_model_with_meta_device_reset_params
+    (reset_parameters on full parameters). Re-initialising after sharding is supported inside
+    ``unshard_params(writeback=True)``, seeded alike on every rank: exactly the plain reset."""
     assert dist_run(2, reset_inside_unshard_params) == [True, True]
 
 
@@ -543,7 +605,8 @@ def dataclass_inputs() -> dict[str, Any]:
 
 
 def test_mixed_precision_casts_dataclass_inputs(dist_run) -> None:
-    """Upstream: test/distributed/test_utils.py::test_apply_to_tensors (dataclasses, frozen too), which FSDP's
+    """Upstream: test/distributed/fsdp/test_utils.py::TestUtils::test_apply_to_tensors (dataclasses, frozen too),
+    which FSDP's
     MixedPrecision input casting uses: floating tensors inside dataclass inputs are cast, integers are not."""
     r = dist_run(1, dataclass_inputs)[0]
     assert r["Inputs"] == r["FrozenInputs"] == (torch.bfloat16, torch.float32), r
@@ -639,9 +702,9 @@ def meta_init(kind: str, policy_name: str) -> dict[str, Any]:
 @pytest.mark.parametrize("kind", ["fn", "default"])
 @pytest.mark.parametrize("policy", ["root", "linear"])
 def test_meta_init_per_module(dist_run, kind: str, policy: str) -> None:
-    """Upstream: test_fsdp_meta.py::test_simple_model_with_meta_device_reset_params (param_init_fn is called
-    per module, so ``to_empty(recurse=False); reset_parameters()`` works) and
-    test_simple_model_with_meta_device_default_init (a buffer-only meta module is materialised too)."""
+    """Upstream: test_fsdp_meta.py::TestFSDPWithMetaDevice::test_simple_model_with_meta_device_reset_params
+    (param_init_fn is called per module, so ``to_empty(recurse=False); reset_parameters()`` works) and
+    ::test_simple_model_with_meta_device_default_init (a buffer-only meta module is materialised too)."""
     for r in dist_run(2, meta_init, kind, policy):
         assert all(r.values()), r
 
