@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_composable import (
@@ -185,3 +185,153 @@ def test_2d_wrapper_class_with_the_data_parallel_mesh(dist_run) -> None:
         assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-6)
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-6)
         assert r["weights_diff"] < 1e-6
+
+
+# ---------------------------------------------------------------------------- 2-D state dicts (issue 14, section 2)
+# [Note: 2-D state-dict values] in fsdp_composable/_tensor_parallel.py. Upstream:
+# test/distributed/_composable/test_composability/test_2d_composability.py::TestNew2dParallelStateDict
+# (test_fsdp_2d_extension, test_2d_state_dict / test_fsdp_state_dict_with_activation_checkpoint ...) and
+# test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (2-D save, load at another mesh).
+SAVE_AT = 2  # steps before the checkpoint
+GLOBAL = PER_DP_RANK * 2
+
+
+def _mesh_of_shape(dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _dp_slice(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = GLOBAL // dp
+    return batch[0][dp_rank * n : (dp_rank + 1) * n], batch[1][dp_rank * n : (dp_rank + 1) * n]
+
+
+def _adamw(model: nn.Module, lr: float = 0.01) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp_rank: int, dp: int, dp_group: Any) -> float:
+    loss = _loss(model, _dp_slice(_batch(step), dp_rank, dp))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp_group)
+    return float(total) / dp
+
+
+def _ref_run(steps: range, model: Optional[Net] = None, optim: Any = None) -> tuple[Net, Any, list[float]]:
+    """The unsharded model trained on the global batches."""
+    model = model if model is not None else _plain()
+    optim = optim if optim is not None else _adamw(model)
+    losses = []
+    for step in steps:
+        loss = _loss(model, _batch(step))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return model, optim, losses
+
+
+def _built_2d(mesh: DeviceMesh, seed: int = 0, lr: float = 0.01) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _shard(_tp(_plain(seed), mesh), mesh)
+    return model, _adamw(model, lr)
+
+
+def _train_steps(model: nn.Module, optim: Any, mesh: DeviceMesh, steps: range) -> list[float]:
+    dp = mesh["dp"]
+    return [_step(model, optim, s, dp.get_local_rank(), dp.size(), dp.get_group()) for s in steps]
+
+
+def _ref_optim_state(ref: Net, ref_optim: Any) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in ref.named_parameters()}
+    return {names[id(p)]: s for p, s in ref_optim.state.items()}
+
+
+def _optim_diff(osd_state: dict[str, Any], ref_state: dict[str, dict[str, torch.Tensor]]) -> float:
+    assert set(osd_state) == set(ref_state), (sorted(osd_state), sorted(ref_state))
+    worst = 0.0
+    for fqn, s in ref_state.items():
+        for key, ref_value in s.items():
+            value = osd_state[fqn][key]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            assert value.shape == ref_value.shape, (fqn, key, value.shape, ref_value.shape)
+            worst = max(worst, float((value.double() - ref_value.double()).abs().max()))
+    return worst
+
+
+def _layout(sd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (type(v).__name__, tuple(v.shape), v.device_mesh.ndim, str(tuple(v.placements)))
+        if isinstance(v, DTensor)
+        else (type(v).__name__, tuple(v.shape))
+        for k, v in sd.items()
+    }
+
+
+def sharded_and_full_round_trips() -> dict[str, Any]:
+    mesh = _mesh()
+    ref, _, _ = _ref_run(range(SAVE_AT))
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    out: dict[str, Any] = {}
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    out["sharded_layout"] = _layout(sharded)
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full_dt = model.state_dict()
+    truth = _full_values(full_dt)  # the trained values (training parity is pinned above)
+    out["ref_diff"] = _max_diff(truth, ref.state_dict())
+    out["sharded_diff"] = _max_diff(_full_values(sharded), truth)
+    # the local tensors are exactly the 2-D chunks DTensor itself would give (so DCP writes the right offsets)
+    out["distributed_equal"] = all(
+        torch.equal(
+            v.to_local(), distribute_tensor(truth[k], v.device_mesh, v.placements, src_data_rank=None).to_local()
+        )
+        for k, v in sharded.items()
+        if isinstance(v, DTensor)
+    )
+    plain_full = {k: v.clone() for k, v in truth.items()}
+
+    def loaded(kind: StateDictType, sd: dict[str, Any]) -> float:
+        fresh, _ = _built_2d(mesh, seed=1)
+        with state_dict_type(fresh, kind):
+            result = fresh.load_state_dict(sd, strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        with state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+            return _max_diff(_full_values(fresh.state_dict()), truth)
+
+    mesh2 = next(v.device_mesh for v in sharded.values() if isinstance(v, DTensor) and v.device_mesh.ndim == 2)
+    other = {  # the same values, other placements (a checkpoint resharded by hand)
+        k: distribute_tensor(_full_values({k: v})[k], mesh2, [Replicate(), Shard(1 if v.dim() > 1 else 0)])
+        if isinstance(v, DTensor) and v.device_mesh.ndim == 2
+        else v
+        for k, v in sharded.items()
+    }
+    out["load"] = {
+        "sharded": loaded(StateDictType.SHARDED_STATE_DICT, sharded),
+        "sharded_other_placements": loaded(StateDictType.SHARDED_STATE_DICT, other),
+        "sharded_plain_full": loaded(StateDictType.SHARDED_STATE_DICT, plain_full),
+        "full_dtensors": loaded(StateDictType.FULL_STATE_DICT, full_dt),
+        "full_plain": loaded(StateDictType.FULL_STATE_DICT, plain_full),
+    }
+    return out
+
+
+def test_2d_sharded_state_dict_and_loads(dist_run) -> None:
+    """SHARDED gives each tensor-parallel parameter as a DTensor of the global shape over the (dp, tp)
+    mesh with both placements, whose ``full_tensor()`` is the unsharded model's value; it loads back,
+    as do the same values in other placements, plain full tensors, and FULL's DTensors."""
+    results = dist_run(4, sharded_and_full_round_trips)
+    layout = results[0]["sharded_layout"]
+    assert layout["blocks.0.up.weight"] == ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert layout["blocks.0.up.bias"] == ("DTensor", (H,), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert layout["blocks.0.down.weight"] == ("DTensor", (D, H), 2, "(Shard(dim=0), Shard(dim=1))")
+    assert layout["blocks.0.down.bias"] == ("DTensor", (D,), 2, "(Shard(dim=0), Replicate())")
+    assert layout["blocks.0.ln.weight"] == ("DTensor", (D,), 1, "(Shard(dim=0),)")
+    assert layout["inp.weight"] == ("DTensor", (D, 3), 1, "(Shard(dim=0),)")
+    for r in results:
+        assert r["ref_diff"] < 1e-12
+        assert r["sharded_diff"] == 0.0
+        assert r["distributed_equal"]
+        assert r["load"] == {k: 0.0 for k in r["load"]}, r["load"]
