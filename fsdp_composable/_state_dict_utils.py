@@ -131,7 +131,19 @@ def _drops_values(state: _FSDPState) -> bool:
         state.state_dict_type is StateDictType.FULL_STATE_DICT
         and isinstance(config, FullStateDictConfig)
         and config.rank0_only
-        and state.rank != 0
+        and (state.rank != 0 or not _first_tensor_parallel_rank(state))
+    )
+
+
+def _first_tensor_parallel_rank(state: _FSDPState) -> bool:
+    """With tensor parallelism, "rank 0" is rank 0 of both the data-parallel and the tensor-parallel
+    group (its tensor-parallel peers are data-parallel rank 0 too, and would keep a copy)."""
+    return all(
+        info.tp.mesh.get_local_rank() == 0
+        for s in state.all_states or [state]
+        for handle in s.handles
+        for info in handle.layout.infos
+        if info.tp is not None
     )
 
 

@@ -21,12 +21,16 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_composable import (
+    FullStateDictConfig,
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
     clip_grad_norm_,
     fully_shard,
+    init_optim_state,
+    optim_state_dict,
+    optim_state_dict_to_load,
     state_dict_type,
 )
 
@@ -335,3 +339,77 @@ def test_2d_sharded_state_dict_and_loads(dist_run) -> None:
         assert r["sharded_diff"] == 0.0
         assert r["distributed_equal"]
         assert r["load"] == {k: 0.0 for k in r["load"]}, r["load"]
+
+
+def optimizer_state_round_trips() -> dict[str, Any]:
+    mesh = _mesh()
+    ref, ref_optim, _ = _ref_run(range(SAVE_AT))
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    ref_state = _ref_optim_state(ref, ref_optim)
+    out: dict[str, Any] = {}
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = optim_state_dict(model, optim)
+    full = optim_state_dict(model, optim)  # FULL: as the model's FULL state dict gives the parameters
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        rank0 = optim_state_dict(model, optim)
+    hooked = optim.state_dict()  # torch's own call: the same global form, numbered
+    out["sharded_layout"] = {k: _layout(v) for k, v in sharded["state"].items()}
+    out["full_layout"] = {k: _layout(v) for k, v in full["state"].items()}
+    out["rank0_layout"] = {k: _layout(v) for k, v in rank0.get("state", {}).items()}
+    names = [n for n, _ in model.named_parameters()]
+    out["hooked_equal"] = all(
+        torch.equal(v.to_local(), sharded["state"][names[i]][key].to_local())
+        for i, s in hooked["state"].items()
+        for key, v in s.items()
+        if isinstance(v, DTensor)
+    )
+    out["ref_diff"] = {
+        "sharded": _optim_diff(sharded["state"], ref_state),
+        "full": _optim_diff(full["state"], ref_state),
+        "hooked": _optim_diff({names[i]: s for i, s in hooked["state"].items()}, ref_state),
+    }
+    if dist.get_rank() == 0:
+        out["ref_diff"]["rank0"] = _optim_diff(rank0["state"], ref_state)
+    # each form loads into a fresh model and optimizer that then train exactly like the uninterrupted run
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        weights = model.state_dict()
+    continued = _train_steps(model, optim, mesh, range(SAVE_AT, SAVE_AT + 2))
+    resumed = {}
+    for name, osd, kind in (
+        ("sharded", sharded, StateDictType.SHARDED_STATE_DICT),
+        ("full", full, StateDictType.FULL_STATE_DICT),
+        ("hooked", hooked, None),
+    ):
+        fresh, fresh_optim = _built_2d(mesh, seed=1, lr=1.0)
+        fresh.load_state_dict(weights)
+        if kind is None:
+            init_optim_state(fresh_optim)
+            fresh_optim.load_state_dict(osd)
+        else:
+            with state_dict_type(fresh, kind):
+                fresh_optim.load_state_dict(optim_state_dict_to_load(fresh, fresh_optim, osd))
+        resumed[name] = _train_steps(fresh, fresh_optim, mesh, range(SAVE_AT, SAVE_AT + 2)) == continued
+    out["resumed"] = resumed
+    return out
+
+
+def test_2d_optimizer_state_dicts(dist_run) -> None:
+    """AdamW state of tensor-parallel parameters: SHARDED (ours and ``optim.state_dict()``) as 2-D
+    DTensors of the global shape, FULL as the model's FULL state dict (DTensor full over dp; plain
+    with rank0_only), all equal to the unsharded optimizer's, and each loads back and trains on
+    exactly like the uninterrupted run."""
+    results = dist_run(4, optimizer_state_round_trips)
+    r0 = results[0]
+    up, down_b = r0["sharded_layout"]["blocks.0.up.weight"], r0["sharded_layout"]["blocks.1.down.bias"]
+    assert up["exp_avg"] == ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert down_b["exp_avg_sq"] == ("DTensor", (D,), 2, "(Shard(dim=0), Replicate())")
+    assert up["step"] == ("Tensor", ())
+    assert r0["full_layout"]["blocks.0.down.weight"]["exp_avg"] == ("DTensor", (D, H), 1, "(Shard(dim=1),)")
+    assert r0["full_layout"]["inp.weight"]["exp_avg"] == ("Tensor", (D, 3))
+    assert r0["rank0_layout"]["blocks.0.down.weight"]["exp_avg"] == ("Tensor", (D, H))
+    assert results[1]["rank0_layout"] == {}
+    for r in results:
+        assert max(r["ref_diff"].values()) < 1e-12, r["ref_diff"]
+        assert r["hooked_equal"]
+        assert r["resumed"] == {"sharded": True, "full": True, "hooked": True}
