@@ -208,9 +208,7 @@ def sharded_placements(spec: TPSpec, dp_replicated: bool) -> tuple[Placement, ..
     return (Replicate() if dp_replicated else dp_placement(spec), *spec.placements)
 
 
-def as_sharded_value(
-    local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool
-) -> DTensor:
+def as_sharded_value(local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool) -> DTensor:
     """The 2-D SHARDED ``DTensor`` whose local tensor is ``local`` (see [Note: 2-D state-dict values])."""
     return DTensor.from_local(
         local,

@@ -15,7 +15,9 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -413,3 +415,78 @@ def test_2d_optimizer_state_dicts(dist_run) -> None:
         assert max(r["ref_diff"].values()) < 1e-12, r["ref_diff"]
         assert r["hooked_equal"]
         assert r["resumed"] == {"sharded": True, "full": True, "hooked": True}
+
+
+# ---------------------------------------------------------------------------- torch's API + DCP across mesh sizes
+FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _resume_target(dp: int, tp: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, int, int]:
+    """A fresh model at the (dp, tp) mesh (other weights and learning rate: the checkpoint must win);
+    ``tp == 0``: no tensor parallelism, fully_shard over the whole world."""
+    if tp == 0:
+        model = fully_shard(_plain(1), policy=ModuleWrapPolicy({Block}))
+        return model, _adamw(model, lr=1.0), None, dist.get_rank(), dist.get_world_size()
+    mesh = _mesh_of_shape(dp, tp)
+    model, optim = _built_2d(mesh, seed=1, lr=1.0)
+    return model, optim, mesh["dp"].get_group(), mesh["dp"].get_local_rank(), dp
+
+
+def save_2d_with_torch_api(path: str) -> dict[str, Any]:
+    mesh = _mesh()
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full_model, full_optim = get_state_dict(model, optim, options=FULL_OPTIONS)
+    out: dict[str, Any] = {
+        "model_layout": _layout(model_sd),
+        "optim_layout": _layout(optim_sd["state"]["blocks.0.up.weight"]),
+        "full_model": full_model,
+        "full_optim": full_optim.get("state", {}),
+    }
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        out["truth"] = _full_values(model.state_dict())
+    out["continued"] = _train_steps(model, optim, mesh, range(SAVE_AT, SAVE_AT + 2))
+    return out
+
+
+def resume_2d_with_torch_api(path: str, dp: int, tp: int) -> list[float]:
+    model, optim, group, dp_rank, dp_size = _resume_target(dp, tp)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert [g["lr"] for g in optim.param_groups] == [0.01]
+    return [_step(model, optim, s, dp_rank, dp_size, group) for s in range(SAVE_AT, SAVE_AT + 2)]
+
+
+def test_2d_torch_api_dcp_save_and_resume_at_other_meshes(dist_run, tmp_path) -> None:
+    """``get_state_dict`` + ``dcp.save`` at (dp=2, tp=2); ``set_state_dict`` + ``dcp.load`` at (2, 2),
+    (1, 2) on 2 ranks, (4, 1) and without tensor parallelism on 4 ranks: the resumed run trains like
+    the uninterrupted one, AdamW state included. ``full_state_dict=True, cpu_offload=True`` gives plain
+    full tensors on rank 0 equal to the unsharded model's. Upstream: test/distributed/checkpoint/e2e/
+    test_e2e_save_and_load.py::TestE2ESaveAndLoad (2-D) and test_2d_composability.py."""
+    path = str(tmp_path / "dcp")
+    saved = dist_run(4, save_2d_with_torch_api, path)
+    r0 = saved[0]
+    strided = ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert r0["model_layout"]["blocks.1.up.weight"] == strided
+    assert r0["optim_layout"]["exp_avg"] == strided
+    # the uninterrupted unsharded run
+    ref, ref_optim, _ = _ref_run(range(SAVE_AT))
+    # full_state_dict=True, cpu_offload=True: plain tensors on rank 0 only, the unsharded model's values
+    assert {type(v) for v in r0["full_model"].values()} == {torch.Tensor}
+    assert _max_diff(r0["full_model"], r0["truth"]) == 0.0
+    assert _max_diff(r0["full_model"], ref.state_dict()) < 1e-12
+    assert all(not r["full_model"] and not r["full_optim"] for r in saved[1:])
+    assert {type(v) for s in r0["full_optim"].values() for v in s.values()} == {torch.Tensor}
+    assert _optim_diff(r0["full_optim"], _ref_optim_state(ref, ref_optim)) < 1e-12
+    _, _, ref_continued = _ref_run(range(SAVE_AT, SAVE_AT + 2), ref, ref_optim)
+    continued = r0["continued"]
+    assert continued == pytest.approx(ref_continued, rel=1e-12, abs=1e-12)
+    assert dist_run(4, resume_2d_with_torch_api, path, 2, 2)[0] == continued  # same mesh: bit for bit
+    for world, dp, tp in ((2, 1, 2), (4, 4, 1), (4, 4, 0)):
+        resumed = dist_run(world, resume_2d_with_torch_api, path, dp, tp)
+        for r in resumed:
+            assert r == pytest.approx(continued, rel=1e-12, abs=1e-12), (dp, tp, r, continued)
