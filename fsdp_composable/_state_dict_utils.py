@@ -879,8 +879,10 @@ def _local_pre_load_hook(
         flat = handle.flat_param.detach().clone()
     for info, sharded_view in zip(layout.infos, handle._sharded_views):
         start, end = layout.shard_range(info)
+        # a tensor-parallel parameter is, between steps, a DTensor over its 1-D slice: give the same
+        value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
         for _, _, fqn in info.holders:
-            state_dict[prefix + fqn] = flat[start:end].view(sharded_view.shape)
+            state_dict[prefix + fqn] = value
 
 
 def _describe_record(record: Any) -> str:

@@ -298,6 +298,8 @@ def sharded_and_full_round_trips() -> dict[str, Any]:
         if isinstance(v, DTensor)
     )
     plain_full = {k: v.clone() for k, v in truth.items()}
+    with state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()  # flat shards of tensor-parallel local tensors: the same mesh only
 
     def loaded(kind: StateDictType, sd: dict[str, Any]) -> float:
         fresh, _ = _built_2d(mesh, seed=1)
@@ -320,6 +322,7 @@ def sharded_and_full_round_trips() -> dict[str, Any]:
         "sharded_plain_full": loaded(StateDictType.SHARDED_STATE_DICT, plain_full),
         "full_dtensors": loaded(StateDictType.FULL_STATE_DICT, full_dt),
         "full_plain": loaded(StateDictType.FULL_STATE_DICT, plain_full),
+        "local": loaded(StateDictType.LOCAL_STATE_DICT, local),
     }
     return out
 
@@ -327,7 +330,7 @@ def sharded_and_full_round_trips() -> dict[str, Any]:
 def test_2d_sharded_state_dict_and_loads(dist_run) -> None:
     """SHARDED gives each tensor-parallel parameter as a DTensor of the global shape over the (dp, tp)
     mesh with both placements, whose ``full_tensor()`` is the unsharded model's value; it loads back,
-    as do the same values in other placements, plain full tensors, and FULL's DTensors."""
+    as do the same values in other placements, plain full tensors, FULL's DTensors and LOCAL's shards."""
     results = dist_run(4, sharded_and_full_round_trips)
     layout = results[0]["sharded_layout"]
     assert layout["blocks.0.up.weight"] == ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
