@@ -28,13 +28,12 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from fsdp_composable import _rank_agreement
+from fsdp_composable import _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._state_dict_utils import (
-    _as_dtensor,
     _chunk_shape,
     _chunks_to_flat,
     _clean_module_fqns,
@@ -45,6 +44,8 @@ from fsdp_composable._state_dict_utils import (
     _join,
     _local_chunk,
     _mesh_of,
+    _saved_shape,
+    _sharded_value,
 )
 from fsdp_composable.api import FullStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
 
@@ -208,6 +209,8 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
         out.has_state[k] = True
         start, end = layout.shard_range(info)
         for key, value in state.items():
+            if info.tp is not None and isinstance(value, DTensor):
+                value = value.to_local()  # the optimizer's DTensor over the 1-D slice, like the parameter
             if key != STEP and isinstance(value, torch.Tensor) and value.shape == view.shape:
                 flat = out.flats.get((key, value.dtype))
                 if flat is None:
@@ -320,13 +323,24 @@ def _export_entries(
         if mesh is not None:
             for info, entry, chunk in zip(layout.infos, out, _flat_to_chunks(handle, flat)):
                 if entry is not None:
-                    entry[key] = _as_dtensor(chunk.cpu() if config.offload_to_cpu else chunk, info, layout, mesh)
+                    entry[key] = _sharded_value(handle, info, chunk.cpu() if config.offload_to_cpu else chunk, mesh)
             continue
         full = _gather_full_flat(handle, flat) if layout.world_size > 1 else flat
         for info, entry in zip(layout.infos, out):
             if entry is not None:
-                entry[key] = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
+                value = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
+                entry[key] = value if info.tp is None else _full_tp_value(info.tp, value, config)
     return out
+
+
+def _full_tp_value(spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: StateDictConfig) -> torch.Tensor:
+    """FULL: a tensor-parallel parameter's state as the model's FULL state dict gives the parameter (a
+    DTensor full over dp; with ``rank0_only`` the plain global tensor, gathered on every rank)."""
+    value = _tensor_parallel.as_param_grad(spec, local)
+    assert isinstance(value, DTensor)
+    if isinstance(config, FullStateDictConfig) and config.rank0_only:
+        return value.full_tensor()
+    return value
 
 
 def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) -> dict[str, dict[str, Any]]:
@@ -423,12 +437,14 @@ def _split_saved(unit: _Unit, saved_state: Mapping[str, Any]) -> tuple[list[Any]
             continue
         scalars.append({})
         for key, value in state.items():
-            if key != STEP and isinstance(value, torch.Tensor) and value.shape == info.shape:
+            if info.tp is not None and isinstance(value, DTensor) and not _in_global_form(unit.handle.params[k], value):
+                scalars[k][key] = value  # already this rank's slice, as the optimizer keeps it
+            elif key != STEP and isinstance(value, torch.Tensor) and value.shape == _saved_shape(info):
                 groups.setdefault((key, value.dtype), []).append((k, value))
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
                 raise ValueError(
                     f"optimizer state {key!r} of parameter '{fqn}' in the checkpoint has shape "
-                    f"{tuple(value.shape)}, the parameter has shape {tuple(info.shape)}"
+                    f"{tuple(value.shape)}, the parameter has shape {tuple(_saved_shape(info))}"
                 )
             else:
                 scalars[k][key] = value
@@ -444,7 +460,8 @@ def _to_flat_shard(unit: _Unit, dtype: torch.dtype, members: list[tuple[int, tor
             for info in layout.infos
         ]
         for k, value in members:
-            chunks[k] = _local_chunk(value, layout.infos[k], layout).to(dtype=dtype, device=handle.device)
+            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
+            chunks[k] = chunk.to(dtype=dtype, device=handle.device)
         return _chunks_to_flat(handle, chunks)
     flat = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.device)
     lo = layout.rank * layout.shard_numel
@@ -452,7 +469,8 @@ def _to_flat_shard(unit: _Unit, dtype: torch.dtype, members: list[tuple[int, tor
         info = layout.infos[k]
         start, end = layout.shard_range(info)
         begin = lo + start - info.offset
-        flat[start:end] = _full_value(value).reshape(-1)[begin : begin + end - start]
+        whole = _full_value(value) if info.tp is None else _tensor_parallel.tp_local_of(value, info.tp)
+        flat[start:end] = whole.reshape(-1)[begin : begin + end - start]
     return flat
 
 
@@ -472,7 +490,9 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             start, end = layout.shard_range(layout.infos[k])
             entry = out[k]
             assert entry is not None
-            entry[key] = flat[start:end].view(handle._sharded_views[k].shape).clone()
+            local = flat[start:end].view(handle._sharded_views[k].shape).clone()
+            # a tensor-parallel parameter's state is a DTensor over its 1-D slice, as the optimizer makes it
+            entry[key] = _tensor_parallel.as_param_grad(layout.infos[k].tp, local)
     return out
 
 
@@ -802,12 +822,25 @@ def _holds_sharded_params(optim: torch.optim.Optimizer) -> bool:
     return any(getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter for p in _optimizer_params(optim))
 
 
+def _in_global_form(param: torch.Tensor, value: Any) -> bool:
+    """A DTensor state value that is not what the optimizer itself keeps: a tensor-parallel parameter's
+    own state is a DTensor laid out like the parameter over its 1-D slice."""
+    if not isinstance(value, DTensor):
+        return False
+    return not (
+        isinstance(param, DTensor)
+        and value.device_mesh == param.device_mesh
+        and value.placements == param.placements
+        and value.to_local().shape == param.to_local().shape
+    )
+
+
 def _take_back_state_loaded_early(optim: torch.optim.Optimizer) -> None:
     """``optim.load_state_dict`` of a state dict in global form (DTensors) on an optimizer that had
     not stepped yet ran before its hooks existed: convert the state now, on its first step."""
     params = _optimizer_params(optim)
     mine = [p for p in params if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter]
-    if not any(isinstance(v, DTensor) for p in mine for v in optim.state.get(p, {}).values()):
+    if not any(_in_global_form(p, v) for p in mine for v in optim.state.get(p, {}).values()):
         return
     numbers = _numbering(optim)
     groups = [{"params": [numbers[id(p)] for p in g["params"]]} for g in optim.param_groups]

@@ -131,7 +131,19 @@ def _drops_values(state: _FSDPState) -> bool:
         state.state_dict_type is StateDictType.FULL_STATE_DICT
         and isinstance(config, FullStateDictConfig)
         and config.rank0_only
-        and state.rank != 0
+        and (state.rank != 0 or not _first_tensor_parallel_rank(state))
+    )
+
+
+def _first_tensor_parallel_rank(state: _FSDPState) -> bool:
+    """With tensor parallelism, "rank 0" is rank 0 of both the data-parallel and the tensor-parallel
+    group (its tensor-parallel peers are data-parallel rank 0 too, and would keep a copy)."""
+    return all(
+        info.tp.mesh.get_local_rank() == 0
+        for s in state.all_states or [state]
+        for handle in s.handles
+        for info in handle.layout.infos
+        if info.tp is not None
     )
 
 
@@ -249,7 +261,7 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
     opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
     for param, info, chunk in zip(handle.params, layout.infos, chunks):
         local = _to_output(state, chunk) if for_save else chunk
-        dparam = nn.Parameter(_as_dtensor(local, info, layout, mesh), requires_grad=param.requires_grad)
+        dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
         opened.dparams.append(dparam)
         for module, attr, _ in info.holders:
             opened.swaps.append((module, attr, param, dparam))
@@ -408,16 +420,20 @@ def _match_placements(
     *args: Any,
 ) -> None:
     """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
-    ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk."""
+    ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk.
+    Under FULL, a tensor-parallel parameter's value becomes a DTensor laid out like the parameter."""
     opened = _OPEN.get(handle)
-    if opened is None or opened.kind is not StateDictType.SHARDED_STATE_DICT:
+    if opened is None:
         return
     layout = handle.layout
+    if opened.kind is StateDictType.FULL_STATE_DICT:
+        _match_tp_placements(handle, attrs, state_dict, prefix)
+        return
     for attr, k in attrs:
         info, target = layout.infos[k], opened.dparams[k].data
         assert isinstance(target, DTensor)
         value = state_dict.get(prefix + attr)
-        if not isinstance(value, torch.Tensor) or value.shape != info.shape:
+        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
             continue  # absent, or nn.Module reports the size mismatch
         if (
             isinstance(value, DTensor)
@@ -425,8 +441,23 @@ def _match_placements(
             and value.placements == target.placements
         ):
             continue
-        chunk = _local_chunk(value, info, layout).view(_chunk_shape(info, layout, layout.rank))
-        state_dict[prefix + attr] = _as_dtensor(chunk.to(handle.dtype), info, layout, target.device_mesh)
+        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+
+
+def _match_tp_placements(
+    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """FULL load: a tensor-parallel parameter takes a plain full tensor (e.g. from the unsharded model)
+    or a DTensor of any layout; give it the parameter's own layout (see [Note: 2-D state-dict values])."""
+    for attr, k in attrs:
+        spec = handle.layout.infos[k].tp
+        value = state_dict.get(prefix + attr)
+        if spec is None or not isinstance(value, torch.Tensor) or value.shape != spec.shape:
+            continue
+        if not _tensor_parallel.is_tp_value(value, spec):
+            local = _tensor_parallel.tp_local_of(value, spec).to(handle.dtype)
+            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(spec, local)
 
 
 @_rank_agreement.entry_point("load_state_dict()")
@@ -466,12 +497,15 @@ def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
                 continue
             with torch.no_grad():
                 if opened.full is not None:
-                    value = current.full_tensor() if isinstance(current, DTensor) else current
+                    if info.tp is not None:
+                        value = _tensor_parallel.tp_local_of(current.detach(), info.tp)
+                    else:
+                        value = current.full_tensor() if isinstance(current, DTensor) else current
                     opened.full[info.offset : info.offset + info.numel].copy_(value.detach().reshape(-1))
                 else:
                     target = expected.data
                     assert isinstance(target, DTensor)
-                    chunk = _local_chunk(current.detach(), info, layout)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.process_group)
                     target.to_local().copy_(chunk.view(target.to_local().shape))
             module._parameters[attr] = expected
 
@@ -755,6 +789,20 @@ def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: 
     return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
 
 
+def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``info``'s SHARDED value whose local tensor is ``chunk``: over ``mesh`` (the unit's process
+    group), or for a tensor-parallel parameter over the 2-D mesh (see [Note: 2-D state-dict values])."""
+    if info.tp is not None:
+        replicated = _is_replicated_info(info, handle.layout)
+        return _tensor_parallel.as_sharded_value(chunk, handle.process_group, info.tp, replicated)
+    return _as_dtensor(chunk, info, handle.layout, mesh)
+
+
+def _saved_shape(info: ParamInfo) -> torch.Size:
+    """The shape of ``info``'s value in a FULL or SHARDED state dict: the global shape."""
+    return info.tp.shape if info.tp is not None else info.shape
+
+
 def _stride(shape: torch.Size) -> tuple[int, ...]:
     stride, running = [], 1
     for size in reversed(shape):
@@ -767,9 +815,18 @@ def _is_replicated(value: DTensor) -> bool:
     return all(isinstance(p, Replicate) for p in value.placements)
 
 
-def _local_chunk(value: torch.Tensor, info: ParamInfo, layout: FlatLayout) -> torch.Tensor:
-    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement."""
-    if isinstance(value, DTensor):
+def _local_chunk(
+    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement.
+    A tensor-parallel parameter's value has the global shape; ``group`` is then the unit's process group."""
+    if info.tp is not None:
+        assert group is not None
+        replicated = _is_replicated_info(info, layout)
+        if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
+            return value.to_local().reshape(-1)
+        value = _tensor_parallel.tp_local_of(value, info.tp)
+    elif isinstance(value, DTensor):
         if (
             not _is_replicated_info(info, layout)
             and tuple(value.placements) == (Shard(0),)
@@ -847,8 +904,10 @@ def _local_pre_load_hook(
         flat = handle.flat_param.detach().clone()
     for info, sharded_view in zip(layout.infos, handle._sharded_views):
         start, end = layout.shard_range(info)
+        # a tensor-parallel parameter is, between steps, a DTensor over its 1-D slice: give the same
+        value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
         for _, _, fqn in info.holders:
-            state_dict[prefix + fqn] = flat[start:end].view(sharded_view.shape)
+            state_dict[prefix + fqn] = value
 
 
 def _describe_record(record: Any) -> str:

@@ -132,9 +132,23 @@ def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
 
 
 # ---------------------------------------------------------------------------- state dicts
+# (id(dp group), id(tp mesh)) -> (dp group, tp mesh, 2-D mesh): building one is a collective, so once
+_MESHES_2D: dict[tuple[int, int], tuple[dist.ProcessGroup, DeviceMesh, DeviceMesh]] = {}
+
+
 def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
-    data-parallel group as its other dimension, else one built from the two groups."""
+    data-parallel group as its other dimension, else one built from the two groups (once per pair)."""
+    key = (id(dp_group), id(spec.mesh))
+    cached = _MESHES_2D.get(key)
+    if cached is not None and cached[0] is dp_group and cached[1] is spec.mesh:
+        return cached[2]
+    mesh = _find_mesh_2d(dp_group, spec)
+    _MESHES_2D[key] = (dp_group, spec.mesh, mesh)
+    return mesh
+
+
+def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
     tp_mesh = spec.mesh
     root = tp_mesh._get_root_mesh()
     dp_ranks = sorted(dist.get_process_group_ranks(dp_group))
@@ -195,3 +209,70 @@ def local_part_of_full(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
         elif not isinstance(placement, Replicate):
             raise ValueError(f"cannot load a full tensor into a DTensor parameter placed {placement}")
     return out
+
+
+# [Note: 2-D state-dict values]
+# A SHARDED value of a tensor-parallel parameter is a ``DTensor`` of the *global* shape over the 2-D
+# (dp, tp) mesh with placements ``(dp_placement, *tp placements)``; its local tensor is this rank's
+# `torch.chunk` rows (over the data-parallel group) of the tensor-parallel local tensor, exactly what
+# `_state_dict_utils._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
+# tensor-parallel placement also splits dim 0, ``_StridedShard(0, split_factor=tp)`` says "rows of
+# each tensor-parallel chunk" (right-to-left sharding); DTensor's ``full_tensor()`` and DCP's chunk
+# offsets follow it, uneven sizes included. A FULL value is the parameter as the tensor-parallel model
+# holds it (full over dp). Loading accepts any of these, DTensors of any other mesh or placements, and
+# plain global tensors: each is first brought to this rank's tensor-parallel local tensor
+# (`tp_local_of`), then cut like a plain parameter.
+def sharded_placements(spec: TPSpec, dp_replicated: bool) -> tuple[Placement, ...]:
+    """The placements of a SHARDED value over `mesh_2d`: data-parallel first, then the TP ones."""
+    return (Replicate() if dp_replicated else dp_placement(spec), *spec.placements)
+
+
+def as_sharded_value(local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool) -> DTensor:
+    """The 2-D SHARDED ``DTensor`` whose local tensor is ``local`` (see [Note: 2-D state-dict values])."""
+    return DTensor.from_local(
+        local,
+        mesh_2d(dp_group, spec),
+        sharded_placements(spec, dp_replicated),
+        run_check=False,
+        shape=spec.shape,
+        stride=_contiguous_stride(spec.shape),
+    )
+
+
+def is_sharded_value(value: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool) -> bool:
+    """``value`` already has the layout `as_sharded_value` gives (its local tensor is this rank's chunk)."""
+    return (
+        isinstance(value, DTensor)
+        and value.shape == spec.shape
+        and value.device_mesh == mesh_2d(dp_group, spec)
+        and tuple(value.placements) == sharded_placements(spec, dp_replicated)
+    )
+
+
+def is_tp_value(value: torch.Tensor, spec: TPSpec) -> bool:
+    """``value`` is laid out like the tensor-parallel parameter itself (full over dp)."""
+    return (
+        isinstance(value, DTensor)
+        and value.shape == spec.shape
+        and value.device_mesh == spec.mesh
+        and tuple(value.placements) == spec.placements
+    )
+
+
+def tp_local_of(value: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+    """This rank's tensor-parallel local tensor (a plain tensor) of a value in global form: a
+    ``DTensor`` laid out like the parameter (no communication), a ``DTensor`` of any other mesh or
+    placements (gathered in full: a collective over its mesh), or a plain tensor of the global shape."""
+    if isinstance(value, DTensor):
+        if is_tp_value(value, spec):
+            return value.to_local()
+        value = value.full_tensor()
+    return local_part_of_full(value, spec)
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, running = [], 1
+    for size in reversed(shape):
+        stride.append(running)
+        running *= max(size, 1)
+    return tuple(reversed(stride))

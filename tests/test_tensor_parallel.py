@@ -15,19 +15,25 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from fsdp_composable import (
+    FullStateDictConfig,
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
     clip_grad_norm_,
     fully_shard,
+    init_optim_state,
     no_sync,
+    optim_state_dict,
+    optim_state_dict_to_load,
     state_dict_type,
 )
 
@@ -368,3 +374,304 @@ def test_2d_reset_parameters_after_sharding(dist_run) -> None:
     assert float(first["blocks.0.up.weight"].abs().max()) <= bound
     assert float(first["blocks.0.up.bias"].abs().max()) <= bound
     assert not torch.equal(first["blocks.0.up.weight"], _plain().state_dict()["blocks.0.up.weight"])
+
+# ---------------------------------------------------------------------------- 2-D state dicts (issue 14, section 2)
+# [Note: 2-D state-dict values] in fsdp_composable/_tensor_parallel.py. Upstream:
+# test/distributed/_composable/test_composability/test_2d_composability.py::TestNew2dParallelStateDict
+# (test_fsdp_2d_extension, test_2d_state_dict / test_fsdp_state_dict_with_activation_checkpoint ...) and
+# test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (2-D save, load at another mesh).
+SAVE_AT = 2  # steps before the checkpoint
+GLOBAL = PER_DP_RANK * 2
+
+
+def _mesh_of_shape(dp: int, tp: int) -> DeviceMesh:
+    return init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+
+
+def _dp_slice(batch: tuple[torch.Tensor, torch.Tensor], dp_rank: int, dp: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = GLOBAL // dp
+    return batch[0][dp_rank * n : (dp_rank + 1) * n], batch[1][dp_rank * n : (dp_rank + 1) * n]
+
+
+def _adamw(model: nn.Module, lr: float = 0.01) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int, dp_rank: int, dp: int, dp_group: Any) -> float:
+    loss = _loss(model, _dp_slice(_batch(step), dp_rank, dp))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=dp_group)
+    return float(total) / dp
+
+
+def _ref_run(steps: range, model: Optional[Net] = None, optim: Any = None) -> tuple[Net, Any, list[float]]:
+    """The unsharded model trained on the global batches."""
+    model = model if model is not None else _plain()
+    optim = optim if optim is not None else _adamw(model)
+    losses = []
+    for step in steps:
+        loss = _loss(model, _batch(step))
+        loss.backward()
+        optim.step()
+        optim.zero_grad()
+        losses.append(float(loss.detach()))
+    return model, optim, losses
+
+
+def _built_2d(mesh: DeviceMesh, seed: int = 0, lr: float = 0.01) -> tuple[nn.Module, torch.optim.Optimizer]:
+    model = _shard(_tp(_plain(seed), mesh), mesh)
+    return model, _adamw(model, lr)
+
+
+def _train_steps(model: nn.Module, optim: Any, mesh: DeviceMesh, steps: range) -> list[float]:
+    dp = mesh["dp"]
+    return [_step(model, optim, s, dp.get_local_rank(), dp.size(), dp.get_group()) for s in steps]
+
+
+def _ref_optim_state(ref: Net, ref_optim: Any) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in ref.named_parameters()}
+    return {names[id(p)]: s for p, s in ref_optim.state.items()}
+
+
+def _optim_diff(osd_state: dict[str, Any], ref_state: dict[str, dict[str, torch.Tensor]]) -> float:
+    assert set(osd_state) == set(ref_state), (sorted(osd_state), sorted(ref_state))
+    worst = 0.0
+    for fqn, s in ref_state.items():
+        for key, ref_value in s.items():
+            value = osd_state[fqn][key]
+            value = value.full_tensor() if isinstance(value, DTensor) else value
+            assert value.shape == ref_value.shape, (fqn, key, value.shape, ref_value.shape)
+            worst = max(worst, float((value.double() - ref_value.double()).abs().max()))
+    return worst
+
+
+def _layout(sd: dict[str, Any]) -> dict[str, Any]:
+    return {
+        k: (type(v).__name__, tuple(v.shape), v.device_mesh.ndim, str(tuple(v.placements)))
+        if isinstance(v, DTensor)
+        else (type(v).__name__, tuple(v.shape))
+        for k, v in sd.items()
+    }
+
+
+def sharded_and_full_round_trips() -> dict[str, Any]:
+    mesh = _mesh()
+    ref, _, _ = _ref_run(range(SAVE_AT))
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    out: dict[str, Any] = {}
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = model.state_dict()
+    out["sharded_layout"] = _layout(sharded)
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full_dt = model.state_dict()
+    truth = _full_values(full_dt)  # the trained values (training parity is pinned above)
+    out["ref_diff"] = _max_diff(truth, ref.state_dict())
+    out["sharded_diff"] = _max_diff(_full_values(sharded), truth)
+    # the local tensors are exactly the 2-D chunks DTensor itself would give (so DCP writes the right offsets)
+    out["distributed_equal"] = all(
+        torch.equal(
+            v.to_local(), distribute_tensor(truth[k], v.device_mesh, v.placements, src_data_rank=None).to_local()
+        )
+        for k, v in sharded.items()
+        if isinstance(v, DTensor)
+    )
+    plain_full = {k: v.clone() for k, v in truth.items()}
+    with state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        local = model.state_dict()  # flat shards of tensor-parallel local tensors: the same mesh only
+
+    def loaded(kind: StateDictType, sd: dict[str, Any]) -> float:
+        fresh, _ = _built_2d(mesh, seed=1)
+        with state_dict_type(fresh, kind):
+            result = fresh.load_state_dict(sd, strict=True)
+        assert not result.missing_keys and not result.unexpected_keys, result
+        with state_dict_type(fresh, StateDictType.FULL_STATE_DICT):
+            return _max_diff(_full_values(fresh.state_dict()), truth)
+
+    mesh2 = next(v.device_mesh for v in sharded.values() if isinstance(v, DTensor) and v.device_mesh.ndim == 2)
+    other = {  # the same values, other placements (a checkpoint resharded by hand)
+        k: distribute_tensor(_full_values({k: v})[k], mesh2, [Replicate(), Shard(1 if v.dim() > 1 else 0)])
+        if isinstance(v, DTensor) and v.device_mesh.ndim == 2
+        else v
+        for k, v in sharded.items()
+    }
+    out["load"] = {
+        "sharded": loaded(StateDictType.SHARDED_STATE_DICT, sharded),
+        "sharded_other_placements": loaded(StateDictType.SHARDED_STATE_DICT, other),
+        "sharded_plain_full": loaded(StateDictType.SHARDED_STATE_DICT, plain_full),
+        "full_dtensors": loaded(StateDictType.FULL_STATE_DICT, full_dt),
+        "full_plain": loaded(StateDictType.FULL_STATE_DICT, plain_full),
+        "local": loaded(StateDictType.LOCAL_STATE_DICT, local),
+    }
+    return out
+
+
+def test_2d_sharded_state_dict_and_loads(dist_run) -> None:
+    """SHARDED gives each tensor-parallel parameter as a DTensor of the global shape over the (dp, tp)
+    mesh with both placements, whose ``full_tensor()`` is the unsharded model's value; it loads back,
+    as do the same values in other placements, plain full tensors, FULL's DTensors and LOCAL's shards."""
+    results = dist_run(4, sharded_and_full_round_trips)
+    layout = results[0]["sharded_layout"]
+    assert layout["blocks.0.up.weight"] == ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert layout["blocks.0.up.bias"] == ("DTensor", (H,), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert layout["blocks.0.down.weight"] == ("DTensor", (D, H), 2, "(Shard(dim=0), Shard(dim=1))")
+    assert layout["blocks.0.down.bias"] == ("DTensor", (D,), 2, "(Shard(dim=0), Replicate())")
+    assert layout["blocks.0.ln.weight"] == ("DTensor", (D,), 1, "(Shard(dim=0),)")
+    assert layout["inp.weight"] == ("DTensor", (D, 3), 1, "(Shard(dim=0),)")
+    for r in results:
+        assert r["ref_diff"] < 1e-12
+        assert r["sharded_diff"] == 0.0
+        assert r["distributed_equal"]
+        assert r["load"] == {k: 0.0 for k in r["load"]}, r["load"]
+
+
+def optimizer_state_round_trips() -> dict[str, Any]:
+    mesh = _mesh()
+    ref, ref_optim, _ = _ref_run(range(SAVE_AT))
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    ref_state = _ref_optim_state(ref, ref_optim)
+    out: dict[str, Any] = {}
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sharded = optim_state_dict(model, optim)
+    full = optim_state_dict(model, optim)  # FULL: as the model's FULL state dict gives the parameters
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
+        rank0 = optim_state_dict(model, optim)
+    hooked = optim.state_dict()  # torch's own call: the same global form, numbered
+    out["sharded_layout"] = {k: _layout(v) for k, v in sharded["state"].items()}
+    out["full_layout"] = {k: _layout(v) for k, v in full["state"].items()}
+    out["rank0_layout"] = {k: _layout(v) for k, v in rank0.get("state", {}).items()}
+    names = [n for n, _ in model.named_parameters()]
+    out["hooked_equal"] = all(
+        torch.equal(v.to_local(), sharded["state"][names[i]][key].to_local())
+        for i, s in hooked["state"].items()
+        for key, v in s.items()
+        if isinstance(v, DTensor)
+    )
+    out["ref_diff"] = {
+        "sharded": _optim_diff(sharded["state"], ref_state),
+        "full": _optim_diff(full["state"], ref_state),
+        "hooked": _optim_diff({names[i]: s for i, s in hooked["state"].items()}, ref_state),
+    }
+    if dist.get_rank() == 0:
+        out["ref_diff"]["rank0"] = _optim_diff(rank0["state"], ref_state)
+    # each form loads into a fresh model and optimizer that then train exactly like the uninterrupted run
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        weights = model.state_dict()
+    continued = _train_steps(model, optim, mesh, range(SAVE_AT, SAVE_AT + 2))
+    resumed = {}
+    for name, osd, kind in (
+        ("sharded", sharded, StateDictType.SHARDED_STATE_DICT),
+        ("full", full, StateDictType.FULL_STATE_DICT),
+        ("hooked", hooked, None),
+    ):
+        fresh, fresh_optim = _built_2d(mesh, seed=1, lr=1.0)
+        fresh.load_state_dict(weights)
+        if kind is None:
+            init_optim_state(fresh_optim)
+            fresh_optim.load_state_dict(osd)
+        else:
+            with state_dict_type(fresh, kind):
+                fresh_optim.load_state_dict(optim_state_dict_to_load(fresh, fresh_optim, osd))
+        resumed[name] = _train_steps(fresh, fresh_optim, mesh, range(SAVE_AT, SAVE_AT + 2)) == continued
+    out["resumed"] = resumed
+    return out
+
+
+def test_2d_optimizer_state_dicts(dist_run) -> None:
+    """AdamW state of tensor-parallel parameters: SHARDED (ours and ``optim.state_dict()``) as 2-D
+    DTensors of the global shape, FULL as the model's FULL state dict (DTensor full over dp; plain
+    with rank0_only), all equal to the unsharded optimizer's, and each loads back and trains on
+    exactly like the uninterrupted run."""
+    results = dist_run(4, optimizer_state_round_trips)
+    r0 = results[0]
+    up, down_b = r0["sharded_layout"]["blocks.0.up.weight"], r0["sharded_layout"]["blocks.1.down.bias"]
+    assert up["exp_avg"] == ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert down_b["exp_avg_sq"] == ("DTensor", (D,), 2, "(Shard(dim=0), Replicate())")
+    assert up["step"] == ("Tensor", ())
+    assert r0["full_layout"]["blocks.0.down.weight"]["exp_avg"] == ("DTensor", (D, H), 1, "(Shard(dim=1),)")
+    assert r0["full_layout"]["inp.weight"]["exp_avg"] == ("Tensor", (D, 3))
+    assert r0["rank0_layout"]["blocks.0.down.weight"]["exp_avg"] == ("Tensor", (D, H))
+    assert results[1]["rank0_layout"] == {}
+    for r in results:
+        assert max(r["ref_diff"].values()) < 1e-12, r["ref_diff"]
+        assert r["hooked_equal"]
+        assert r["resumed"] == {"sharded": True, "full": True, "hooked": True}
+
+
+# ---------------------------------------------------------------------------- torch's API + DCP across mesh sizes
+FULL_OPTIONS = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+def _resume_target(dp: int, tp: int) -> tuple[nn.Module, torch.optim.Optimizer, Any, int, int]:
+    """A fresh model at the (dp, tp) mesh (other weights and learning rate: the checkpoint must win);
+    ``tp == 0``: no tensor parallelism, fully_shard over the whole world."""
+    if tp == 0:
+        model = fully_shard(_plain(1), policy=ModuleWrapPolicy({Block}))
+        return model, _adamw(model, lr=1.0), None, dist.get_rank(), dist.get_world_size()
+    mesh = _mesh_of_shape(dp, tp)
+    model, optim = _built_2d(mesh, seed=1, lr=1.0)
+    return model, optim, mesh["dp"].get_group(), mesh["dp"].get_local_rank(), dp
+
+
+def save_2d_with_torch_api(path: str) -> dict[str, Any]:
+    mesh = _mesh()
+    model, optim = _built_2d(mesh)
+    _train_steps(model, optim, mesh, range(SAVE_AT))
+    model_sd, optim_sd = get_state_dict(model, optim)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=path)
+    full_model, full_optim = get_state_dict(model, optim, options=FULL_OPTIONS)
+    out: dict[str, Any] = {
+        "model_layout": _layout(model_sd),
+        "optim_layout": _layout(optim_sd["state"]["blocks.0.up.weight"]),
+        "full_model": full_model,
+        "full_optim": full_optim.get("state", {}),
+    }
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        out["truth"] = _full_values(model.state_dict())
+    out["continued"] = _train_steps(model, optim, mesh, range(SAVE_AT, SAVE_AT + 2))
+    return out
+
+
+def resume_2d_with_torch_api(path: str, dp: int, tp: int) -> list[float]:
+    model, optim, group, dp_rank, dp_size = _resume_target(dp, tp)
+    model_sd, optim_sd = get_state_dict(model, optim)
+    state = {"model": model_sd, "optim": optim_sd}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, optim, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    assert [g["lr"] for g in optim.param_groups] == [0.01]
+    return [_step(model, optim, s, dp_rank, dp_size, group) for s in range(SAVE_AT, SAVE_AT + 2)]
+
+
+def test_2d_torch_api_dcp_save_and_resume_at_other_meshes(dist_run, tmp_path) -> None:
+    """``get_state_dict`` + ``dcp.save`` at (dp=2, tp=2); ``set_state_dict`` + ``dcp.load`` at (2, 2),
+    (1, 2) on 2 ranks, (4, 1) and without tensor parallelism on 4 ranks: the resumed run trains like
+    the uninterrupted one, AdamW state included. ``full_state_dict=True, cpu_offload=True`` gives plain
+    full tensors on rank 0 equal to the unsharded model's. Upstream: test/distributed/checkpoint/e2e/
+    test_e2e_save_and_load.py::TestE2ESaveAndLoad (2-D) and test_2d_composability.py."""
+    path = str(tmp_path / "dcp")
+    saved = dist_run(4, save_2d_with_torch_api, path)
+    r0 = saved[0]
+    strided = ("DTensor", (H, D), 2, "(_StridedShard(dim=0, sf=2), Shard(dim=0))")
+    assert r0["model_layout"]["blocks.1.up.weight"] == strided
+    assert r0["optim_layout"]["exp_avg"] == strided
+    # the uninterrupted unsharded run
+    ref, ref_optim, _ = _ref_run(range(SAVE_AT))
+    # full_state_dict=True, cpu_offload=True: plain tensors on rank 0 only, the unsharded model's values
+    assert {type(v) for v in r0["full_model"].values()} == {torch.Tensor}
+    assert _max_diff(r0["full_model"], r0["truth"]) == 0.0
+    assert _max_diff(r0["full_model"], ref.state_dict()) < 1e-12
+    assert all(not r["full_model"] and not r["full_optim"] for r in saved[1:])
+    assert {type(v) for s in r0["full_optim"].values() for v in s.values()} == {torch.Tensor}
+    assert _optim_diff(r0["full_optim"], _ref_optim_state(ref, ref_optim)) < 1e-12
+    _, _, ref_continued = _ref_run(range(SAVE_AT, SAVE_AT + 2), ref, ref_optim)
+    continued = r0["continued"]
+    assert continued == pytest.approx(ref_continued, rel=1e-12, abs=1e-12)
+    assert dist_run(4, resume_2d_with_torch_api, path, 2, 2)[0] == continued  # same mesh: bit for bit
+    for world, dp, tp in ((2, 1, 2), (4, 4, 1), (4, 4, 0)):
+        resumed = dist_run(world, resume_2d_with_torch_api, path, dp, tp)
+        for r in resumed:
+            assert r == pytest.approx(continued, rel=1e-12, abs=1e-12), (dp, tp, r, continued)
