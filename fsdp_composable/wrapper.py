@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._config import ShardConfig
@@ -50,6 +51,19 @@ def _group_or_mesh(process_group: Any, device_mesh: Any) -> Any:
     return device_mesh
 
 
+def _check_flat_mode_without_tensor_parallel(module: nn.Module, use_orig_params: bool) -> None:
+    """Flat parameters mix every tensor-parallel rank's pieces under one name, so their optimizer
+    state could not be saved or resharded per piece: flat mode is refused before anything changes."""
+    if use_orig_params:
+        return
+    name = next((n for n, p in module.named_parameters() if isinstance(p, DTensor)), None)
+    if name is not None:
+        raise ValueError(
+            f"FullyShardedDataParallel(use_orig_params=False) cannot shard tensor-parallel (DTensor) parameter "
+            f"'{name}': pass use_orig_params=True, or use fully_shard (see docs/two_d.md)"
+        )
+
+
 class FullyShardedDataParallel(nn.Module):
     """Shard ``module`` across ranks; same runtime as `fully_shard`, FSDP1-style constructor."""
 
@@ -78,6 +92,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel argument 'use_orig_params' must be True or False, got {use_orig_params!r}"
             )
         process_group = _group_or_mesh(process_group, device_mesh)
+        _check_flat_mode_without_tensor_parallel(module, use_orig_params)
         super().__init__()
         self._fsdp_wrapped_module = module
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy

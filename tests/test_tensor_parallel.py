@@ -28,6 +28,7 @@ from fsdp_composable import (
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
+    checkpoint,
     clip_grad_norm_,
     fully_shard,
     init_optim_state,
@@ -123,10 +124,14 @@ def _train_2d(
     strategy: Any = None,
     accumulate: bool = False,
     fail_at: Optional[int] = None,
+    recompute: bool = False,
 ) -> dict[str, Any]:
     mesh = _mesh()
     ref = _plain()
     model: nn.Module = _tp(copy.deepcopy(ref), mesh)
+    if recompute:  # activation checkpointing first, as the composable APIs are meant to stack
+        for block in model.blocks:
+            checkpoint(block)
     kwargs = {} if strategy is None else {"strategy": strategy}
     if wrapper:
         model = FullyShardedDataParallel(
@@ -312,7 +317,9 @@ def _refused(case: str) -> str:
     mesh = _mesh()
     model = _tp(_plain(), mesh)
     try:
-        if case == "hybrid":
+        if case == "flat":
+            FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_mesh=mesh["dp"])
+        elif case == "hybrid":
             fully_shard(
                 model,
                 policy=ModuleWrapPolicy({Block}),
@@ -335,16 +342,22 @@ def test_2d_refuses_what_it_cannot_shard(dist_run) -> None:
     hybrid = dist_run(4, _refused, "hybrid")
     assert all(m == hybrid[0] for m in hybrid)
     assert "parameter 'blocks.1.up.weight' is tensor-parallel and the unit uses HYBRID_SHARD" in hybrid[0]
+    flat = dist_run(4, _refused, "flat")
+    assert flat[0] == (
+        "FullyShardedDataParallel(use_orig_params=False) cannot shard tensor-parallel (DTensor) parameter "
+        "'blocks.0.up.weight': pass use_orig_params=True, or use fully_shard (see docs/two_d.md)"
+    )
     two_d = dist_run(4, _refused, "2-D")
     assert "parameter 'blocks.0.ln.weight' is a DTensor over a 2-D mesh" in two_d[0]
 
 
-@pytest.mark.parametrize("case", ["no_sync", "failed_step"])
+@pytest.mark.parametrize("case", ["no_sync", "failed_step", "checkpoint"])
 def test_2d_no_sync_accumulation_and_a_failed_step(dist_run, case: str) -> None:
-    """no_sync micro-batches, and a backward that raises midway (then training goes on), keep the
-    2-D model in step with the plain one. Upstream: test_fully_shard_training.py (gradient
-    accumulation) and our test_recovery.py, for tensor-parallel parameters."""
-    kwargs = {"accumulate": True} if case == "no_sync" else {"fail_at": 1}
+    """no_sync micro-batches, a backward that raises midway (then training goes on), and activation
+    checkpointing of the tensor-parallel blocks keep the 2-D model in step with the plain one.
+    Upstream: test_fully_shard_training.py (gradient accumulation, activation checkpointing) and our
+    test_recovery.py, for tensor-parallel parameters."""
+    kwargs = {"no_sync": {"accumulate": True}, "failed_step": {"fail_at": 1}, "checkpoint": {"recompute": True}}[case]
     for r in dist_run(4, _train_2d, **kwargs):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-10, abs=1e-12)
         assert r["weights_diff"] < 1e-9
