@@ -688,3 +688,59 @@ def test_2d_torch_api_dcp_save_and_resume_at_other_meshes(dist_run, tmp_path) ->
         resumed = dist_run(world, resume_2d_with_torch_api, path, dp, tp)
         for r in resumed:
             assert r == pytest.approx(continued, rel=1e-12, abs=1e-12), (dp, tp, r, continued)
+
+
+SEQ = 4
+
+
+def _sequence_parallel_2d() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    mesh = _mesh()
+    torch.manual_seed(0)
+    ref = nn.Sequential(Block(), Block()).double()
+    model = copy.deepcopy(ref)
+    plan = {
+        "ln": SequenceParallel(),
+        "up": ColwiseParallel(input_layouts=Shard(1)),
+        "down": RowwiseParallel(output_layouts=Shard(1)),
+    }
+    for block in model:
+        parallelize_module(block, mesh["tp"], plan)
+    _shard(model, mesh)
+    opt_ref = torch.optim.AdamW(ref.parameters(), lr=0.01)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    d, t = mesh["dp"].get_local_rank(), mesh["tp"].get_local_rank()
+    per_tp = SEQ // 2
+    losses, ref_losses = [], []
+    for step in range(3):
+        g = torch.Generator().manual_seed(step)
+        x = torch.randn(2 * PER_DP_RANK, SEQ, D, generator=g, dtype=torch.float64)
+        y = torch.randn(2 * PER_DP_RANK, SEQ, D, generator=g, dtype=torch.float64)
+        ref_loss = (ref(x) - y).pow(2).mean()
+        ref_loss.backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        rows = slice(d * PER_DP_RANK, (d + 1) * PER_DP_RANK)
+        cols = slice(t * per_tp, (t + 1) * per_tp)  # this tensor-parallel rank's sequence chunk
+        out = model(x[rows, cols])
+        loss = (out - y[rows, cols]).pow(2).sum() / (PER_DP_RANK * SEQ * D)  # its part of the dp-local mean
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        total = loss.detach().clone()
+        dist.all_reduce(total)  # sum over tp of the parts, over dp of the means
+        losses.append(float(total) / 2)
+        ref_losses.append(float(ref_loss))
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT):
+        full = _full_values(model.state_dict())
+    return {"losses": losses, "ref_losses": ref_losses, "weights_diff": _max_diff(full, ref.state_dict())}
+
+
+def test_2d_sequence_parallel_norms(dist_run) -> None:
+    """SequenceParallel LayerNorms between Colwise/Rowwise linears (torchtitan's plan): the norms'
+    gradients arrive Partial over the tensor-parallel group and are summed before the data-parallel
+    reduction. Upstream: test_fully_shard_training.py::TestFullyShard2DTraining (sequence parallel)."""
+    for r in dist_run(4, _sequence_parallel_2d):
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-10)
+        assert r["weights_diff"] < 1e-9
