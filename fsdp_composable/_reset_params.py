@@ -39,13 +39,13 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _rank_agreement, _reduce_utils
-from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
+from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat
 from fsdp_composable._tensor_parallel import is_tp_sharded, local_of, point_at
-from fsdp_composable._unshard_param_utils import _in_flat_mode, _restore_handle, _Summoned, _switch_flat_mode
+from fsdp_composable._unshard_param_utils import _restore_handle, _Summoned, begin_summon, end_summon
 
 __all__ = ["install_reset_hooks", "reset_module"]
 
@@ -148,13 +148,9 @@ def _reset_sharded(
     states: list[_FSDPState],
     selected: list[tuple[_FSDPState, FlatParamHandle, list[int]]],
 ) -> Any:
-    flat_mode = [s for s in states if _in_flat_mode(s)]
+    flat_mode = begin_summon(states)
     summoned: list[_Summoned] = []
     ok = False
-    for s in states:
-        _set_training_state(s, TrainingState.SUMMON_FULL_PARAMS)
-    for s in flat_mode:
-        _switch_flat_mode(s, on=False)
     try:
         for _, handle, _ in selected:
             handle.set_training_state(HandleTrainingState.SUMMON_FULL_PARAMS)
@@ -167,13 +163,7 @@ def _reset_sharded(
     finally:
         for entry in summoned:
             _restore_handle(entry, writeback=ok)  # a failed reset leaves the shards as they were
-        for _, handle, _ in selected:
-            if handle.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
-                handle.set_training_state(HandleTrainingState.IDLE)
-        for s in flat_mode:
-            _switch_flat_mode(s, on=True)
-        for s in states:
-            _set_training_state(s, TrainingState.IDLE)
+        end_summon(states, [h for _, h, _ in selected], flat_mode)
     return result
 
 

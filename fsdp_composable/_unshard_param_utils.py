@@ -100,12 +100,8 @@ def unshard_params(
     _check_idle(states)
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
-    flat_mode = [s for s in states if _in_flat_mode(s)]
+    flat_mode = begin_summon(states)
     summoned: list[_Summoned] = []
-    for s in states:
-        _set_training_state(s, TrainingState.SUMMON_FULL_PARAMS)
-    for s in flat_mode:
-        _switch_flat_mode(s, on=False)
     try:
         for handle in handles:
             handle.set_training_state(HandleTrainingState.SUMMON_FULL_PARAMS)
@@ -115,18 +111,34 @@ def unshard_params(
         problems: list[str] = []
         for entry in summoned:
             problems.extend(_restore_handle(entry, writeback))
-        for handle in handles:
-            if handle.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
-                handle.set_training_state(HandleTrainingState.IDLE)
-        for s in flat_mode:
-            _switch_flat_mode(s, on=True)
-        for s in states:
-            _set_training_state(s, TrainingState.IDLE)
+        end_summon(states, handles, flat_mode)
     if problems:
         raise RuntimeError("unshard_params(writeback=True) could not write back: " + "; ".join(problems))
 
 
 summon_full_params = unshard_params
+
+
+def begin_summon(states: list[_FSDPState]) -> list[_FSDPState]:
+    """Mark ``states`` as exposing full parameters (a wrapper in flat mode shows its original
+    parameters meanwhile); returns the states switched out of flat mode, for `end_summon`."""
+    flat_mode = [s for s in states if _in_flat_mode(s)]
+    for s in states:
+        _set_training_state(s, TrainingState.SUMMON_FULL_PARAMS)
+    for s in flat_mode:
+        _switch_flat_mode(s, on=False)
+    return flat_mode
+
+
+def end_summon(states: list[_FSDPState], handles: list[FlatParamHandle], flat_mode: list[_FSDPState]) -> None:
+    """Undo `begin_summon` once the handles' parameters view their shards again."""
+    for handle in handles:
+        if handle.training_state is HandleTrainingState.SUMMON_FULL_PARAMS:
+            handle.set_training_state(HandleTrainingState.IDLE)
+    for s in flat_mode:
+        _switch_flat_mode(s, on=True)
+    for s in states:
+        _set_training_state(s, TrainingState.IDLE)
 
 
 def _in_flat_mode(state: _FSDPState) -> bool:
