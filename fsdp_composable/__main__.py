@@ -284,7 +284,7 @@ def launch(args: argparse.Namespace) -> None:
     """Run this process as one torchrun rank, or start ``args.world_size`` ranks and wait for them."""
     import torch.multiprocessing as mp
 
-    from fsdp_composable.demo import run_rank
+    from fsdp_composable.demo import run_rank, spawned_rank
 
     if _launched_by_torchrun():
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ.get("LOCAL_RANK", "0")))
@@ -295,7 +295,8 @@ def launch(args: argparse.Namespace) -> None:
     if args.world_size == 1:
         run_rank(0, args, init_method)  # no second process to start
         return
-    mp.spawn(run_rank, args=(args, init_method), nprocs=args.world_size, join=True)
+    mp.spawn(spawned_rank, args=(args, init_method), nprocs=args.world_size, join=True)
+
 
 
 def main(argv: Optional[list[str]] = None) -> int:
