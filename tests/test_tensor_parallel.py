@@ -744,3 +744,29 @@ def test_2d_sequence_parallel_norms(dist_run) -> None:
     for r in dist_run(4, _sequence_parallel_2d):
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-10)
         assert r["weights_diff"] < 1e-9
+
+
+def _low_precision_grads_2d() -> dict[str, Any]:
+    from fsdp_composable import MixedPrecision
+
+    mesh = _mesh()
+    ref = _plain()
+    mp = MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float32, keep_low_precision_grads=True)
+    model = _shard(_tp(copy.deepcopy(ref), mesh), mesh, mixed_precision=mp)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    batch = _batch(0)
+    _loss(ref, batch).backward()
+    _loss(model, _local(batch, mesh)).backward()
+    dtypes = {n: p.grad.dtype for n, p in model.named_parameters() if p.grad is not None}
+    norm = float(clip_grad_norm_(model, 1e9))
+    opt.step()
+    ref_norm = float(torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9))
+    return {"dtypes": set(dtypes.values()), "norm": norm, "ref_norm": ref_norm}
+
+
+def test_2d_keep_low_precision_grads(dist_run) -> None:
+    """keep_low_precision_grads with tensor-parallel parameters: ``.grad`` stays in the reduce dtype
+    (a DTensor over the 1-D slice), the global norm counts it, and the optimizer steps."""
+    for r in dist_run(4, _low_precision_grads_2d):
+        assert r["dtypes"] == {torch.float32}
+        assert r["norm"] == pytest.approx(r["ref_norm"], rel=1e-5)
