@@ -22,7 +22,6 @@ from typing import Iterator, Optional, Union
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
@@ -198,9 +197,7 @@ class NormPieces:
 
 def tp_group_of(spec: Optional[_tensor_parallel.TPSpec]) -> Optional[dist.ProcessGroup]:
     """The group a tensor-parallel piece is summed over (None: replicated across it, or not TP)."""
-    if spec is None or not any(isinstance(p, Shard) for p in spec.placements):
-        return None
-    return spec.mesh.get_group()
+    return spec.mesh.get_group() if spec is not None and _tensor_parallel.is_tp_sharded(spec) else None
 
 
 # [Note: clipping a 2-D model]

@@ -26,6 +26,7 @@ from fsdp_composable._wrap_utils import (
     _as_policy,
     _flat_groups,
     _get_submodule_to_states,
+    _join,
 )
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, _torch_twin_error
 
@@ -405,7 +406,7 @@ def _init_param_handles_from_module(
                 _broadcast_over(tp_group, [_tensor_parallel.local_of(p).detach() for p in whole])
         _check_unit_params(sub)
         config = _unit_config(state.config, sub.overrides)
-        fqns = [_join_fqn(sub.fqn, holders[0][2]) for holders in sub.holders]
+        fqns = [_join(sub.fqn, holders[0][2]) for holders in sub.holders]
         _tensor_parallel.check_supported(sub.fqn, sub.params, fqns, config.strategy is ShardingStrategy.HYBRID_SHARD)
         handles[unit_module] = [
             FlatParamHandle(
@@ -495,10 +496,6 @@ def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:
     if base.strategy is ShardingStrategy.NO_SHARD:  # world size 1 forces NO_SHARD everywhere
         strategy = ShardingStrategy.NO_SHARD
     return UnitConfig(strategy, overrides.get("mixed_precision", base.mixed_precision), base.offload_params)
-
-
-def _join_fqn(prefix: str, name: str) -> str:
-    return f"{prefix}.{name}" if prefix else name
 
 
 def _check_unit_params(sub: SubmoduleState) -> None:

@@ -118,3 +118,12 @@ class DistPool:
             if p.is_alive():
                 p.kill()
                 p.join()
+
+
+def error_of(fn: Callable[[], Any]) -> str:
+    """``"Type: message"`` of what ``fn()`` raises on this rank, or "" if it returns."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the test compares the text on every rank
+        return f"{type(e).__name__}: {e}"
+    return ""

@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool
+from harness import DistPool, error_of
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
@@ -42,14 +42,6 @@ def pool() -> Iterator[DistPool]:
     p.close()
 
 
-def _errors(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except Exception as e:
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
     loss = gpt_loss(model, local_slice(gpt_batch(step, 4), dist.get_rank(), 2))
     loss.backward()
@@ -69,7 +61,7 @@ def _structure(kind: str) -> str:
             blocks0, head = model.blocks[0], model.head
             policy = lambda m: m is blocks0 or m is head  # noqa: E731
     fully_shard(model, policy)
-    return _errors(lambda: gpt_loss(model, gpt_batch(0, 2)).backward())
+    return error_of(lambda: gpt_loss(model, gpt_batch(0, 2)).backward())
 
 
 def test_layer_of_another_width_on_one_rank(pool: DistPool) -> None:
@@ -136,7 +128,7 @@ def _raise_alone(where: str) -> dict[str, Any]:
     errors = {}
     for step in range(4):
         fail["now"] = rank == 1 and step == 1
-        message = _errors(lambda: _train_step(model, opt, step))  # noqa: B023 - called at once
+        message = error_of(lambda: _train_step(model, opt, step))  # noqa: B023 - called at once
         if message:
             opt.zero_grad()
             errors[step] = message
@@ -158,9 +150,9 @@ def _rank0_state_dict_then_train() -> dict[str, Any]:
     model, opt = _sharded()
     _train_step(model, opt, 0)
     if dist.get_rank() == 0:
-        message = _errors(model.state_dict)
+        message = error_of(model.state_dict)
     else:
-        message = _errors(lambda: _train_step(model, opt, 1))
+        message = error_of(lambda: _train_step(model, opt, 1))
         opt.zero_grad()
     for step in (2, 3):
         _train_step(model, opt, step)
@@ -188,9 +180,9 @@ def test_state_dict_on_one_rank_then_training(pool: DistPool) -> None:
 def _extra_step() -> dict[str, Any]:
     model, opt = _sharded()
     steps = 3 if dist.get_rank() == 1 else 2
-    messages = [_errors(lambda: _train_step(model, opt, step)) for step in range(steps)]  # noqa: B023
+    messages = [error_of(lambda: _train_step(model, opt, step)) for step in range(steps)]  # noqa: B023
     if dist.get_rank() == 0:
-        messages.append(_errors(model.state_dict))  # the end of training: save
+        messages.append(error_of(model.state_dict))  # the end of training: save
     sd = model.state_dict()  # rank 0 tries again, rank 1 saves: the ranks are in step again
     return {"messages": messages, "sum": sum(v.double().sum().item() for v in sd.values())}
 
@@ -210,22 +202,22 @@ def _entry_point_on_rank0(entry: str) -> str:
     _train_step(model, opt, 0)
     sd, osd = model.state_dict(), optim_state_dict(model, opt)
     if dist.get_rank() != 0:
-        message = _errors(lambda: _train_step(model, opt, 1))
+        message = error_of(lambda: _train_step(model, opt, 1))
     elif entry == "load_state_dict":
-        message = _errors(lambda: model.load_state_dict(sd))
+        message = error_of(lambda: model.load_state_dict(sd))
     elif entry == "optim_state_dict":
-        message = _errors(lambda: optim_state_dict(model, opt))
+        message = error_of(lambda: optim_state_dict(model, opt))
     elif entry == "optim_state_dict_to_load":
-        message = _errors(lambda: optim_state_dict_to_load(model, opt, osd))
+        message = error_of(lambda: optim_state_dict_to_load(model, opt, osd))
     elif entry == "clip_grad_norm_":
-        message = _errors(lambda: clip_grad_norm_(model, 1.0))
+        message = error_of(lambda: clip_grad_norm_(model, 1.0))
     else:
 
         def summon() -> None:
             with unshard_params(model):
                 pass
 
-        message = _errors(summon)
+        message = error_of(summon)
     opt.zero_grad()
     _train_step(model, opt, 2)  # the ranks are in step again
     return message
@@ -246,7 +238,7 @@ def _entry_point_alone() -> str:
     _train_step(model, opt, 0)
     if dist.get_rank() == 0:
         start = time.monotonic()
-        message = _errors(model.state_dict)
+        message = error_of(model.state_dict)
         return f"{message} after {time.monotonic() - start:.0f}s"
     time.sleep(PG_TIMEOUT_S + 2)  # rank 1 never calls it
     return ""

@@ -12,13 +12,13 @@ test/distributed/_composable/fsdp/test_fully_shard_init.py::TestFullyShardMetaDe
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool
+from harness import DistPool, error_of
 from models import OddMLP, mlp_batch, mlp_loss
 from parity import local_slice
 from torch import nn
@@ -237,7 +237,7 @@ def reset_nested_inside_and_failing() -> dict[str, Any]:
     return out
 
 
-def test_reset_parameters_nested_inside_unshard_params_and_errors(dist_run) -> None:
+def test_reset_parameters_nested_inside_unshard_params_anderror_of(dist_run) -> None:
     """Upstream: test_fsdp_meta.py::TestFSDPWithMetaDevice::test_nested_model_with_meta_device_reset_params
     (a parent's reset calling its children's). Also: inside unshard_params, a reset raising on one rank
     (an error on every rank, nothing written back) and a reset during forward (a clear error)."""
@@ -265,14 +265,6 @@ def pool() -> Iterator[DistPool]:
     p.close()
 
 
-def _errors(fn: Callable[[], Any]) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001
-        return f"{type(e).__name__}: {e}"
-    return ""
-
-
 def reset_on_rank0_only(strategy: str) -> dict[str, Any]:
     torch.manual_seed(0)
     ref = OddMLP()
@@ -283,7 +275,7 @@ def reset_on_rank0_only(strategy: str) -> dict[str, Any]:
         mlp_loss(model, local_slice(mlp_batch(i, 4), rank, 2)).backward()
 
     step(0)
-    message = _errors(model.l1.reset_parameters) if rank == 0 else _errors(lambda: step(1))
+    message = error_of(model.l1.reset_parameters) if rank == 0 else error_of(lambda: step(1))
     model.zero_grad()
     step(2)  # the ranks are in step again
     return {"message": message, "agree": _agree_across_ranks(_state(model))}
