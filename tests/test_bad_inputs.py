@@ -296,6 +296,9 @@ def constructor_cases() -> dict[str, Outcome]:
     case("wrapper/forward_prefetch_int", lambda: fsdp(_gpt(), forward_prefetch=0))  # type: ignore[arg-type]
     case("wrapper/limit_all_gathers_none", lambda: fsdp(_gpt(), limit_all_gathers=None))  # type: ignore[arg-type]
     case("wrapper/use_orig_params_str", lambda: fsdp(_gpt(), use_orig_params="yes"))  # type: ignore[arg-type]
+    case("wrapper/device_mesh_str", lambda: fsdp(_gpt(), device_mesh="dp"))
+    mesh_1d = init_device_mesh("cpu", (dist.get_world_size(),))
+    case("wrapper/device_mesh_and_process_group", lambda: fsdp(_gpt(), process_group=dist.group.WORLD, device_mesh=mesh_1d))
 
     def wrapper_twice() -> None:
         m = _gpt()
@@ -842,6 +845,14 @@ def test_wrapper_arguments(dist_run: Any) -> None:
     expect(
         "wrapper/use_orig_params_str",
         """TypeError: FullyShardedDataParallel argument 'use_orig_params' must be True or False, got 'yes'""",
+    )
+    expect(
+        "wrapper/device_mesh_str",
+        """TypeError: FullyShardedDataParallel argument 'device_mesh' must be a DeviceMesh, got str""",
+    )
+    expect(
+        "wrapper/device_mesh_and_process_group",
+        """ValueError: FullyShardedDataParallel got both process_group and device_mesh; pass one (device_mesh=mesh['dp'] for data parallelism over one mesh dimension, e.g. next to tensor parallelism on mesh['tp'])""",
     )
     expect(
         "wrapper/applied_twice",
