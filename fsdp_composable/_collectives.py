@@ -80,6 +80,33 @@ class Exchange:
         return True
 
 
+def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device] = None) -> torch.device:
+    """The device whose tensors ``group``'s collectives take: every collective tensor of ours is built
+    on, or copied to, this device (see [Note: the communication device]).
+
+    [Note: the communication device]
+    torch registers a backend per device type (``init_process_group("nccl")`` serves CUDA tensors
+    only, ``"gloo"`` CPU tensors, ``"cpu:gloo,cuda:nccl"`` both), and a collective on a tensor of a
+    type the group does not serve fails with "No backend type associated with device type ...". So
+    the device is decided from the group, never from where a tensor happens to be: the unit's compute
+    device when the group serves its type, else the first non-CPU type the group serves (CUDA: the
+    current device, as ``torch.cuda.set_device`` chose), else the CPU. CPU-offloaded shards and
+    values read from the host are copied to this device before a collective and back after it."""
+    served = [torch.device(d) for d in getattr(group, "_device_types", [])]
+    if not served:  # an old torch or a group without registered backends: go by the backend's name
+        served = [torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")]
+    if compute_device is None:  # no unit to ask: where this process computes by default
+        compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+    if compute_device is not None and any(d.type == compute_device.type for d in served):
+        return compute_device
+    for device in served:
+        if device.type == "cuda" and torch.cuda.is_available():
+            return torch.device("cuda", torch.cuda.current_device())
+        if device.type not in ("cpu", "cuda"):
+            return device
+    return torch.device("cpu")
+
+
 def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether `all_gather` and `reduce_scatter` run as point-to-point exchanges for tensors on
     ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See
