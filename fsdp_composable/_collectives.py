@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _rank_agreement, _trace
-from fsdp_composable._rank_agreement import Op, RankMismatchError, agree
+from fsdp_composable._rank_agreement import Op, agree
+from fsdp_composable.api import CollectiveError, RankMismatchError
 
 __all__: list[str] = []
 
@@ -238,10 +239,6 @@ def reduce_scatter(
             flat.numel(),
             lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
         )
-
-
-class CollectiveError(RuntimeError):
-    """A collective of a named unit failed: a rank died, timed out, or ran something else."""
 
 
 def wait(work: Optional[Waitable], what: str) -> None:

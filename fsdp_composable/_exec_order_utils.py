@@ -10,6 +10,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable.api import ExecutionOrderError
 
 if TYPE_CHECKING:
     from fsdp_composable._flat_param import FlatParamHandle
@@ -18,10 +19,6 @@ __all__: list[str] = []
 
 
 END_OF_FORWARD = -1
-
-
-class ExecutionOrderError(RuntimeError):
-    """Ranks ran different units (or a different number of them) in the first iteration."""
 
 
 class _ExecOrderData:

@@ -26,12 +26,9 @@ from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
 from fsdp_composable._tensor_parallel import local_of
+from fsdp_composable.api import ModelEditedAfterShardingError
 
 __all__ = ["check_model_unchanged"]
-
-
-class ModelEditedAfterShardingError(RuntimeError):
-    """The model was changed after `fully_shard` in a way the sharded units cannot follow."""
 
 
 # [Note: cheap edit checks]

@@ -40,6 +40,8 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp_composable.api import RankMismatchError
+
 __all__: list[str] = []
 
 # Far from the small tags user code picks, and from the payload tags in `_collectives`.
@@ -103,11 +105,6 @@ _DTYPES = (
 
 _FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world")
 _COMPARED = ("op", "purpose", "step", "numel", "dtype", "world")
-
-
-class RankMismatchError(RuntimeError):
-    """Ranks reached different collectives (or one left the step): raised on every rank, before any
-    data moved."""
 
 
 @dataclass

@@ -6,13 +6,11 @@ from __future__ import annotations
 import enum
 from typing import Any
 
+from fsdp_composable.api import StateTransitionError
+
 __all__ = ["StateTransitionError", "check_transition"]
 
 Transitions = dict[Any, frozenset[Any]]
-
-
-class StateTransitionError(RuntimeError):
-    """An illegal transition of a `TrainingState`, `HandleTrainingState` or `GradState`."""
 
 
 def check_transition(kind: str, where: str, current: enum.Enum, new: enum.Enum, allowed: Transitions) -> None:

@@ -1,4 +1,5 @@
-"""Public enums and frozen configuration dataclasses. No logic lives here beyond validation."""
+"""Public enums, frozen configuration dataclasses and the public errors. No logic lives here beyond
+validation."""
 
 from __future__ import annotations
 
@@ -11,13 +12,19 @@ import torch
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CollectiveError",
+    "ExecutionOrderError",
+    "FSDPError",
     "FullStateDictConfig",
     "LocalStateDictConfig",
     "MixedPrecision",
+    "ModelEditedAfterShardingError",
+    "RankMismatchError",
     "ShardedStateDictConfig",
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictType",
+    "StateTransitionError",
 ]
 
 
@@ -152,3 +159,37 @@ class ShardedStateDictConfig(StateDictConfig):
 @dataclass(frozen=True)
 class LocalStateDictConfig(StateDictConfig):
     """Local state dict: this rank's flat shards."""
+
+
+# ---------------------------------------------------------------------------- errors
+# [Note: public errors]
+# Bad arguments raise Python's own TypeError / ValueError. What goes wrong later, when ranks disagree,
+# a peer dies, the model was edited behind our back or hooks ran out of order, raises one of the
+# classes below. Each derives from `FSDPError` (catch every one of them) and from RuntimeError, which
+# they have always been (existing ``except RuntimeError`` clauses keep working). The modules that raise
+# them import them from here.
+
+
+class FSDPError(Exception):
+    """Base class of every error fsdp_composable defines."""
+
+
+class CollectiveError(FSDPError, RuntimeError):
+    """A collective of a named unit failed: a rank died, timed out, or ran something else."""
+
+
+class RankMismatchError(FSDPError, RuntimeError):
+    """Ranks reached different collectives (or one left the step): raised on every rank, before any
+    data moved."""
+
+
+class ExecutionOrderError(FSDPError, RuntimeError):
+    """Ranks ran different units (or a different number of them) in the first iteration."""
+
+
+class ModelEditedAfterShardingError(FSDPError, RuntimeError):
+    """The model was changed after `fully_shard` in a way the sharded units cannot follow."""
+
+
+class StateTransitionError(FSDPError, RuntimeError):
+    """An illegal transition of a `TrainingState`, `HandleTrainingState` or `GradState`."""
