@@ -35,7 +35,6 @@ from fsdp_composable._config import UnitConfig
 from fsdp_composable._root_context import UnitStep
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
-from fsdp_composable.api import ShardingStrategy
 
 if TYPE_CHECKING:
     from fsdp_composable._reduce_utils import UnitGrads
@@ -159,15 +158,14 @@ class FlatParamHandle:
         self.config = config
         self.device = device
         # CPUOffload: the shard, its gradient and the optimizer live on the CPU; compute stays on `device`
-        self.shard_device = torch.device("cpu") if config.offload_params else device
+        self.shard_device = config.shard_device(device)
         self.training_state = HandleTrainingState.IDLE
-        sharded = config.strategy is not ShardingStrategy.NO_SHARD
+        sharded = config.sharded
         rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
         self.layout = _build_layout(params, holders, rank, world)
         self.dtype = params[0].dtype if params else torch.float32
-        mp = config.mixed_precision
-        self.compute_dtype = (mp.param_dtype if mp and mp.param_dtype else None) or self.dtype
-        self.reduce_dtype = (mp.reduce_dtype if mp and mp.reduce_dtype else None) or self.compute_dtype
+        self.compute_dtype = config.compute_dtype(self.dtype)
+        self.reduce_dtype = config.reduce_dtype(self.dtype)
         self.flat_param = self._flatten_and_shard()
         self.requires_grad = any(p.requires_grad for p in params)
         self.tensor_parallel = any(info.tp is not None for info in self.layout.infos)
@@ -176,7 +174,7 @@ class FlatParamHandle:
         self.tp_group: Optional[dist.ProcessGroup] = None
         # The all-gather writes straight into the padded buffer the original parameters view, unless
         # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
-        self._needs_buffer = sharded or self.compute_dtype != self.dtype or self.shard_device != device
+        self._needs_buffer = config.needs_unsharded_buffer(self.dtype, device)
         self._unsharded: Optional[torch.Tensor] = None
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []

@@ -16,7 +16,7 @@ from torch import nn
 
 from fsdp_composable import _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
-from fsdp_composable._config import ShardConfig, UnitConfig
+from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
@@ -239,17 +239,13 @@ def _init_core_state(
 ) -> _FSDPState:
     """The state of one call, with its runtime and prefetching settings; handles come later."""
     rank, world_size = dist.get_rank(process_group), dist.get_world_size(process_group)
-    strategy = args.strategy
-    if world_size == 1 and strategy is not ShardingStrategy.NO_SHARD:
-        strategy = ShardingStrategy.NO_SHARD  # nothing to shard: skip the collectives entirely
-    offload = bool(args.cpu_offload and args.cpu_offload.offload_params)
     return _FSDPState(
         module=module,
         process_group=process_group,
         rank=rank,
         world_size=world_size,
         device=device,
-        config=UnitConfig(strategy, args.mixed_precision, offload),
+        config=args.unit_config(world_size),
         backward_prefetch=args.backward_prefetch,
         forward_prefetch=args.forward_prefetch,
         limit_all_gathers=args.limit_all_gathers,
@@ -405,7 +401,7 @@ def _init_param_handles_from_module(
                 whole = [p for p in sub.params if not _tensor_parallel.is_tp_sharded(_tensor_parallel.spec_of(p))]
                 _broadcast_over(tp_group, [_tensor_parallel.local_of(p).detach() for p in whole])
         _check_unit_params(sub)
-        config = _unit_config(state.config, sub.overrides)
+        config = state.config.with_overrides(sub.overrides)
         fqns = [_join(sub.fqn, holders[0][2]) for holders in sub.holders]
         _tensor_parallel.check_supported(sub.fqn, sub.params, fqns, config.strategy is ShardingStrategy.HYBRID_SHARD)
         handles[unit_module] = [
@@ -491,13 +487,6 @@ def _warn_policy_matches_nothing(state: _FSDPState, policy: Any, api: str) -> No
     )
 
 
-def _unit_config(base: UnitConfig, overrides: dict[str, Any]) -> UnitConfig:
-    strategy = overrides.get("strategy", base.strategy)
-    if base.strategy is ShardingStrategy.NO_SHARD:  # world size 1 forces NO_SHARD everywhere
-        strategy = ShardingStrategy.NO_SHARD
-    return UnitConfig(strategy, overrides.get("mixed_precision", base.mixed_precision), base.offload_params)
-
-
 def _check_unit_params(sub: SubmoduleState) -> None:
     if not sub.params:
         return
@@ -520,8 +509,7 @@ def _check_unit_params(sub: SubmoduleState) -> None:
 
 def _warn_batchnorm_under_mixed_precision(state: _FSDPState) -> bool:
     """True (with a warning) when BatchNorm modules must become their own full-precision units."""
-    mp = state.config.mixed_precision
-    if mp is None or mp.param_dtype is None:
+    if not state.config.low_precision_compute:
         return False
     names = [name for name, m in state.module.named_modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
     if names:

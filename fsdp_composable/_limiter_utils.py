@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from fsdp_composable._config import MAX_UNSHARDED_UNITS
+
 if TYPE_CHECKING:
     from fsdp_composable._flat_param import FlatParamHandle
 
 __all__: list[str] = []
-
-MAX_UNSHARDED_UNITS = 2
 
 
 class _AllGatherLimiter:

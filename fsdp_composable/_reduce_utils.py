@@ -355,8 +355,7 @@ def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> 
     The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
     offload it is copied to the host *blocking*: the optimizer steps on the CPU right after backward
     and must never read a partially copied gradient (NO_SHARD made this race visible)."""
-    mp = handle.config.mixed_precision
-    dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else handle.dtype
+    dtype = handle.config.grad_dtype(handle.dtype)
     grad = reduced.to(device=handle.shard_device, dtype=dtype, non_blocking=False)
     flat_grad = handle.flat_param.grad
     if flat_grad is None or flat_grad.dtype != grad.dtype:

@@ -59,11 +59,10 @@ from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._reduce_utils import GradState
 from fsdp_composable._root_context import RootContext
-from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
+from fsdp_composable.api import BackwardPrefetch
 
 __all__: list[str] = []
 
-_RESHARD_AFTER_FORWARD = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)
 _BACKWARD_STATES = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWARD_POST)
 
 
@@ -229,9 +228,9 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         ctx.exec_order.start_forward()
         for handle in ctx.handles:
             grads.release_cleared_grads(handle)
-    mp = state.config.mixed_precision
-    if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
-        return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+    dtype = state.config.input_dtype(is_root=True)
+    if dtype is not None:
+        return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
     return None
 
 
@@ -282,9 +281,9 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         if state.forward_prefetch:
             _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
         handle.wait_unshard()
-    mp = handle.config.mixed_precision
-    if mp is not None and mp.param_dtype is not None and mp.cast_forward_inputs:
-        args, kwargs = _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
+    dtype = handle.config.input_dtype(is_root=False)
+    if dtype is not None:
+        args, kwargs = _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
     if torch.is_grad_enabled():
         args, kwargs = _attach_post_backward_trigger(state, handle, args, kwargs)
     return args, kwargs
@@ -313,7 +312,7 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
 def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
     if _is_root_unit(state, handle):
         return False  # needed first in backward; the root post-forward reshards it if none follows
-    return not torch.is_grad_enabled() or handle.config.strategy in _RESHARD_AFTER_FORWARD
+    return not torch.is_grad_enabled() or handle.config.reshard_after_forward
 
 
 # ---------------------------------------------------------------------------- backward

@@ -30,9 +30,9 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from fsdp_composable._common_utils import UnitConfig, _get_fsdp_state, _get_fsdp_states
+from fsdp_composable._common_utils import _get_fsdp_state, _get_fsdp_states
+from fsdp_composable._config import ShardConfig, UnitConfig
 from fsdp_composable._flat_param import FlatLayout, _build_layout
-from fsdp_composable._init_utils import _unit_config
 from fsdp_composable._state_dict_utils import _clean_module_fqns
 from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
 from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
@@ -270,30 +270,39 @@ def estimate_memory(
         forward_prefetch,
         batch_example,
     )
-    if world_size == 1:
-        strategy = ShardingStrategy.NO_SHARD  # as fully_shard does: nothing to shard
+    args = ShardConfig(
+        policy=policy,
+        strategy=strategy,
+        mixed_precision=mixed_precision,
+        backward_prefetch=backward_prefetch,
+        forward_prefetch=forward_prefetch,
+        api="estimate_memory",
+    )
+    base = args.unit_config(world_size)  # the rules fully_shard applies (world size 1 is NO_SHARD)
+    strategy = base.strategy
     fqns = _clean_module_fqns(module)
-    base = UnitConfig(strategy, mixed_precision, False)
+    device = _forward_device(module)
     units: list[_UnitCost] = []
-    batchnorm_units = _batchnorm_gets_own_unit(module, mixed_precision)
+    batchnorm_units = _batchnorm_gets_own_unit(module, base)
     subs = _get_submodule_to_states(module, policy, set(), set(), batchnorm_full_precision=batchnorm_units)
     for sub in subs.values():
         for params, holders in _flat_groups(sub):  # one handle per dtype/requires_grad group
             group = SubmoduleState(sub.fqn, params, holders, sub.overrides)
-            units.append(_unit_cost(group, base, world_size, fqns))
+            units.append(_unit_cost(group, base, world_size, fqns, device))
     plan = ShardingPlan(tuple(u.plan for u in units), world_size, 0)
-    in_flight = 2 if backward_prefetch is BackwardPrefetch.BACKWARD_PRE or forward_prefetch else 1
+    in_flight = args.units_in_flight
     breakdown, explanations = _memory_terms(units, OPTIMIZER_STATE_FACTORS[optimizer], optimizer, in_flight)
     if batch_example is not None:
-        breakdown["activations"] = _activation_bytes(module, batch_example, mixed_precision)
+        breakdown["activations"] = _activation_bytes(module, batch_example, base)
         explanations["activations"] = "saved for backward by forward(batch_example), once per storage"
     return MemoryEstimate(plan, strategy, optimizer, breakdown, explanations)
 
 
-def _batchnorm_gets_own_unit(module: nn.Module, mp: Optional[MixedPrecision]) -> bool:
+def _batchnorm_gets_own_unit(module: nn.Module, config: UnitConfig) -> bool:
     """Under low-precision compute fully_shard makes each BatchNorm a full-precision unit."""
-    low_precision = mp is not None and mp.param_dtype is not None
-    return low_precision and any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules())
+    return config.low_precision_compute and any(
+        isinstance(m, nn.modules.batchnorm._BatchNorm) for m in module.modules()
+    )
 
 
 def _check_estimate_args(
@@ -357,17 +366,16 @@ class _UnitCost:
     reduce_dtype: torch.dtype
     grad_dtype: torch.dtype  # of the sharded gradient kept between steps
     needs_unsharded_buffer: bool  # the handle allocates an unsharded buffer (see FlatParamHandle)
+    reshard_after_forward: bool  # (unless it is the root unit)
 
 
-def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str]) -> _UnitCost:
-    config = _unit_config(base, sub.overrides)
-    sharded = config.strategy is not ShardingStrategy.NO_SHARD
-    layout = _build_layout(sub.params, sub.holders, 0, world_size if sharded else 1)
+def _unit_cost(
+    sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str], device: torch.device
+) -> _UnitCost:
+    config = base.with_overrides(sub.overrides)
+    layout = _build_layout(sub.params, sub.holders, 0, world_size if config.sharded else 1)
     dtype = sub.params[0].dtype
     plan = _unit_plan(sub.fqn, layout, dtype, config, fqns)
-    compute = plan.param_dtype or dtype
-    reduce = plan.reduce_dtype or compute
-    mp = config.mixed_precision
     trainable = 0
     for param, info in zip(sub.params, layout.infos):
         if param.requires_grad:
@@ -378,10 +386,11 @@ def _unit_cost(sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dic
         is_root=sub.fqn == "",
         requires_grad=any(p.requires_grad for p in sub.params),
         trainable_shard_numel=trainable,
-        compute_dtype=compute,
-        reduce_dtype=reduce,
-        grad_dtype=reduce if mp is not None and mp.keep_low_precision_grads else dtype,
-        needs_unsharded_buffer=sharded or compute != dtype,
+        compute_dtype=config.compute_dtype(dtype),
+        reduce_dtype=config.reduce_dtype(dtype),
+        grad_dtype=config.grad_dtype(dtype),
+        needs_unsharded_buffer=config.needs_unsharded_buffer(dtype, device),
+        reshard_after_forward=config.reshard_after_forward,
     )
 
 
@@ -437,9 +446,6 @@ def _memory_terms(
     return breakdown, explanations
 
 
-_RESHARDED = (ShardingStrategy.FULL_SHARD, ShardingStrategy.HYBRID_SHARD)  # freed after forward
-
-
 def _unsharded_bytes(unit: _UnitCost) -> int:
     return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
 
@@ -447,8 +453,8 @@ def _unsharded_bytes(unit: _UnitCost) -> int:
 def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
     """(units unsharded through the whole step, the largest FULL_SHARD units unsharded at once)."""
     with_buffer = [u for u in units if u.needs_unsharded_buffer]
-    kept = [u for u in with_buffer if u.is_root or u.plan.strategy not in _RESHARDED]
-    transient = [u for u in with_buffer if not u.is_root and u.plan.strategy in _RESHARDED]
+    kept = [u for u in with_buffer if u.is_root or not u.reshard_after_forward]
+    transient = [u for u in with_buffer if not u.is_root and u.reshard_after_forward]
     return kept, sorted(transient, key=_unsharded_bytes, reverse=True)[:in_flight]
 
 
@@ -489,13 +495,14 @@ def _grad_buffer_bytes(unit: _UnitCost) -> int:
 # run on fake tensors: we raise and say so. The copy is a `copy.deepcopy` whose memo maps each
 # parameter and buffer to its fake replacement, so only plain (unregistered) tensor attributes are
 # copied as they are.
-def _activation_bytes(module: nn.Module, batch_example: Any, mp: Optional[MixedPrecision]) -> int:
+def _activation_bytes(module: nn.Module, batch_example: Any, config: UnitConfig) -> int:
+    mp = config.mixed_precision
     param_dtype = mp.param_dtype if mp is not None else None
     buffer_dtype = mp.buffer_dtype if mp is not None else None
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # plain tensor attributes become fake on use
     device = _forward_device(module)
     fake_module = _fake_copy(module, fake_mode, device, param_dtype, buffer_dtype)
-    input_dtype = param_dtype if mp is not None and mp.cast_root_forward_inputs else None
+    input_dtype = config.input_dtype(is_root=True)
     args, kwargs = _call_args(batch_example)
     with fake_mode:
         args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, device, input_dtype), (args, kwargs))
