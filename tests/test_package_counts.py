@@ -1,0 +1,148 @@
+"""scripts/package_counts.py: the structural counts, on a fixture package (exact output) and on ours."""
+
+from __future__ import annotations
+
+import importlib.util
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+from types import ModuleType
+
+import expecttest
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPT = REPO / "scripts" / "package_counts.py"
+
+FIXTURE = {
+    "__init__.py": "from pkg.state import REGISTRY\n",
+    "state.py": '''
+        import collections
+        import weakref
+        from typing import Any
+
+        REGISTRY: dict[str, int] = {}          # changed: item store
+        _SEEN = weakref.WeakSet()              # changed: a mutating method
+        _QUEUE = collections.deque()           # changed: appendleft in a lambda
+        _COUNT = [0]                           # changed: N[0] += 1
+        _NESTED = collections.defaultdict(list)  # changed: N[k].append(x)
+        _FINAL = {}                            # changed: N.pop passed, not called
+        _REBOUND = set()                       # changed: rebound under global
+        _DELETED = {1: 2}                      # changed: del N[k]
+        _IMPORT_TIME = []                      # filled at import time only
+        _IMPORT_TIME.append(1)
+        _READ_ONLY = {"a": 1}                  # only read
+        _SHADOWED = []                         # a local of the same name is changed, not this
+        _NOT_A_CONTAINER = None
+        TUPLE = (1, 2)
+
+
+        def register(name: str) -> None:
+            REGISTRY[name] = len(REGISTRY)
+            _COUNT[0] += 1
+            _NESTED[name].append(_READ_ONLY["a"])
+            del _DELETED[1]
+
+
+        def reset() -> None:
+            global _REBOUND, _NOT_A_CONTAINER
+            _REBOUND = set()
+            _NOT_A_CONTAINER = 1
+
+
+        def shadow(_SHADOWED: list[int]) -> None:
+            _SHADOWED.append(1)
+
+
+        def local_copy() -> None:
+            _SHADOWED = []
+            _SHADOWED.append(1)
+
+
+        class Tracker:
+            push = staticmethod(lambda x: _QUEUE.appendleft(x))
+
+            def see(self, obj: Any) -> None:
+                _SEEN.add(obj)
+                weakref.finalize(obj, _FINAL.pop, id(obj))
+
+                def inner() -> None:
+                    from pkg import helpers  # noqa: F401
+                    global _TOP
+                    _TOP = 1
+
+                inner()
+        ''',
+    "helpers.py": '''
+        import os
+
+
+        def lazy() -> None:
+            import json  # not the package
+            from . import state  # relative: the package
+            import pkg.state as s
+
+            os.environ.get("X")
+        ''',
+    "sub/__init__.py": "",
+    "sub/long.py": "x = 1\n" * 601,
+}
+
+
+def _load_script() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("package_counts", SCRIPT)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_counts_of_a_fixture_package(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for name, text in FIXTURE.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    expecttest.TestCase().assertExpectedInline(
+        _load_script().report(package),
+        """\
+files over 600 lines: 1
+  sub/long.py: 601
+module-level containers changed at run time: 8 in 1 files
+  state.py:5: REGISTRY (dict) changed in register
+  state.py:6: _SEEN (WeakSet) changed in Tracker.see
+  state.py:7: _QUEUE (deque) changed in Tracker.<lambda>
+  state.py:8: _COUNT (list) changed in register
+  state.py:9: _NESTED (defaultdict) changed in register
+  state.py:10: _FINAL (dict) changed in Tracker.see
+  state.py:11: _REBOUND (set) changed in reset
+  state.py:12: _DELETED (dict) changed in register
+global statements: 2
+  state.py:29: global _REBOUND, _NOT_A_CONTAINER in reset
+  state.py:52: global _TOP in Tracker.see.inner
+function-level imports of the package: 3
+  helpers.py:6: from . import state in lazy
+  helpers.py:7: import pkg.state as s in lazy
+  state.py:51: from pkg import helpers in Tracker.see.inner""",
+    )
+
+
+def test_runs_on_this_package() -> None:
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), str(REPO / "fsdp_composable")], capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr
+    headers = [line.split(":")[0] for line in proc.stdout.splitlines() if not line.startswith(" ")]
+    assert headers == [
+        "files over 600 lines",
+        "module-level containers changed at run time",
+        "global statements",
+        "function-level imports of the package",
+    ], proc.stdout
+    # the registry is the one container the design allows; the script must see it
+    assert "_composable_state.py" in proc.stdout, proc.stdout
+
+
+def test_refuses_a_directory_that_is_not_a_package(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(tmp_path)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "is not a package directory" in proc.stderr, proc.stderr
