@@ -81,7 +81,9 @@ def _unit_cost(
 #   the root unit (never resharded after forward), every non-root SHARD_GRAD_OP/NO_SHARD unit
 #   (unsharded from its forward to its backward), and the largest FULL_SHARD units that can be
 #   unsharded at once: two with BACKWARD_PRE prefetch (the current unit and the prefetched one) or
-#   forward prefetch, else one. The all-gather limiter is assumed to allow that many.
+#   forward prefetch, else one (`ShardConfig.units_in_flight`; the limiter allows that many). Which
+#   units keep a buffer and stay unsharded, and every dtype, are `UnitConfig`'s rules, the ones the
+#   runtime follows (see [Note: one place for each rule] in `_config`).
 # - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
 #   differs from c; the largest such unit. This assumes a unit's reduction input is freed before
 #   the next unit's backward allocates its buffer; a runtime that holds every reduction until the
