@@ -75,3 +75,20 @@ def train_side_by_side(
         "shapes_equal": all(sd[k].shape == ref_sd[k].shape and sd[k].dtype == ref_sd[k].dtype for k in ref_sd),
         "max_weight_diff": max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd),
     }
+
+
+def same_values(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """The same keys in the same order, and equal shapes and values (``torch.equal``)."""
+    return list(a) == list(b) and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
+
+
+def count_forwards(modules: list[nn.Module]) -> list[int]:
+    """A one-element list counting the forwards of ``modules`` (recomputations included)."""
+    calls = [0]
+
+    def hook(*_: Any) -> None:
+        calls[0] += 1
+
+    for m in modules:
+        m.register_forward_pre_hook(hook)  # a pre-hook: recomputation may stop early, before any post-hook
+    return calls

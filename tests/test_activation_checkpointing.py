@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
-from parity import Batch, global_mean, local_slice
+from parity import Batch, count_forwards, global_mean, local_slice
 from torch import nn
 
 from fsdp_composable import (
@@ -40,17 +40,6 @@ class Twice(nn.Module):
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.head(self.block(self.block(self.tok(idx))))
-
-
-def _count_forwards(modules: list[nn.Module]) -> list[int]:
-    calls = [0]
-
-    def hook(*_: Any) -> None:
-        calls[0] += 1
-
-    for m in modules:
-        m.register_forward_pre_hook(hook)  # a pre-hook: recomputation may stop early, before any post-hook
-    return calls
 
 
 def _structure(model: nn.Module, strip_wrapper: bool = False) -> tuple[list[str], ...]:
@@ -124,7 +113,7 @@ def parity(
         fully_shard(model, ModuleWrapPolicy(unit_classes), strategy=ShardingStrategy[strategy])
     if order == "after":
         _apply_ac(model, targets, api)
-    calls = _count_forwards(targets)
+    calls = count_forwards(targets)
     opt_ref = torch.optim.SGD(ref.parameters(), lr=0.1)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loss_diff, grad_diff, forwards = 0.0, 0.0, []
@@ -228,7 +217,7 @@ def units_inside_checkpointed_module() -> dict[str, Any]:
     model = copy.deepcopy(ref)
     checkpoint(model.outer)
     fully_shard(model, ModuleWrapPolicy({_TanhOut, nn.Linear}))
-    calls = _count_forwards([model.outer])
+    calls = count_forwards([model.outer])
     x = torch.randn(2 * world, 4)
     grad_diff = 0.0
     with warnings.catch_warnings(record=True) as caught:
@@ -265,7 +254,7 @@ def checkpoint_fully_shard_root(order: str) -> dict:
     fully_shard(model, ModuleWrapPolicy({Block}))
     if order == "after":
         checkpoint(model)
-    calls = _count_forwards([model])
+    calls = count_forwards([model])
     batch = gpt_batch(0, 4)
     gpt_loss(ref, batch).backward()
     with warnings.catch_warnings(record=True) as caught:
@@ -292,7 +281,7 @@ def test_checkpoint_without_sharding() -> None:
     for block in model.blocks:
         assert checkpoint(block) is block and type(block) is Block
     assert _structure(model) == structure
-    calls = _count_forwards(list(model.blocks))
+    calls = count_forwards(list(model.blocks))
     batch = gpt_batch(0, 4)
     loss = gpt_loss(model, batch)
     assert calls[0] == 2
@@ -338,7 +327,7 @@ def test_checkpoint_keyword_arguments() -> None:
     ref = _Scaled()
     model = copy.deepcopy(ref)
     checkpoint(model)
-    calls = _count_forwards([model])
+    calls = count_forwards([model])
     x, scale = torch.randn(2, 3), torch.randn(3, requires_grad=True)
     ref_scale = scale.detach().clone().requires_grad_()
     model(x, scale=scale, debug=False).sum().backward()
@@ -370,7 +359,7 @@ def test_forward_that_raises_closes_the_region() -> None:
     x = torch.randn(2, 3)
     other(x).pow(2).sum().backward()
     assert other.weight.grad is not None
-    calls = _count_forwards([model])
+    calls = count_forwards([model])
     model(torch.randn(2, 3)).pow(2).sum().backward()
     assert calls[0] == 2
 

@@ -10,7 +10,7 @@ import expecttest
 import torch
 import torch.distributed as dist
 from models import Block, TinyGPT, gpt_batch, gpt_loss
-from parity import global_mean, local_slice
+from parity import count_forwards, global_mean, local_slice
 from torch import nn
 
 from fsdp_composable import (
@@ -31,16 +31,8 @@ def _is_block(m: nn.Module) -> bool:
     return isinstance(m, Block)
 
 
-def _count_forwards(model: nn.Module) -> list[int]:
-    calls = [0]
-
-    def hook(*_: Any) -> None:
-        calls[0] += 1
-
-    for m in model.modules():
-        if isinstance(m, Block):
-            m.register_forward_pre_hook(hook)  # recomputation may stop early, before a post-hook
-    return calls
+def _count_block_forwards(model: nn.Module) -> list[int]:
+    return count_forwards([m for m in model.modules() if isinstance(m, Block)])
 
 
 def test_wrapper_without_sharding() -> None:
@@ -63,7 +55,7 @@ def test_wrapper_without_sharding() -> None:
     plain.load_state_dict(model.state_dict(), strict=True)
     model.load_state_dict(ref.state_dict(), strict=True)
     # forward runs twice per block (once more in backward), gradients are the same
-    calls = _count_forwards(model)
+    calls = _count_block_forwards(model)
     batch = gpt_batch(0, 4)
     gpt_loss(ref, batch).backward()
     gpt_loss(model, batch).backward()
@@ -111,7 +103,7 @@ def sharded_after_checkpointing() -> dict[str, Any]:
     model = copy.deepcopy(ref)
     apply_activation_checkpointing(model, check_fn=_is_block)
     fully_shard(model, ModuleWrapPolicy({Block}))
-    calls = _count_forwards(model)
+    calls = _count_block_forwards(model)
     ref_optim, optim = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     losses, ref_losses, grad_diff = [], [], 0.0
     for step in range(2):

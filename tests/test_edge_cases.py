@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from parity import global_mean
 from torch import nn
 
 from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard
@@ -38,12 +39,6 @@ def _local(batch: Batch) -> Batch:
     rank, world = dist.get_rank(), dist.get_world_size()
     per = GLOBAL_BATCH // world
     return tuple(t[rank * per : (rank + 1) * per] for t in batch)
-
-
-def _global_mean(value: torch.Tensor) -> float:
-    t = value.detach().clone()
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
 
 
 def _mse(model: nn.Module, batch: Batch) -> torch.Tensor:
@@ -85,7 +80,7 @@ def _train(
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss_ref.item())
-        losses.append(_global_mean(loss))
+        losses.append(global_mean(loss))
     return {"ref_losses": ref_losses, "losses": losses, **_compare_state_dicts(model, ref)}
 
 

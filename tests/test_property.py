@@ -23,6 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from hypothesis import HealthCheck, Phase, assume, given, settings
 from hypothesis import strategies as st
+from parity import global_mean
 from torch import nn
 
 from fsdp_composable import (
@@ -251,12 +252,6 @@ def _batch(spec: ModelSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.randn(GLOBAL_BATCH, 2, generator=g, dtype=dtype)
 
 
-def _global_mean(value: torch.Tensor) -> float:
-    t = value.detach().clone()
-    dist.all_reduce(t)
-    return float(t.item()) / dist.get_world_size()
-
-
 def train_and_compare(spec: ModelSpec) -> dict[str, Any]:
     """Train the spec's model sharded and unsharded side by side; report what differs."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -280,7 +275,7 @@ def train_and_compare(spec: ModelSpec) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
         ref_losses.append(loss_ref.item())
-        losses.append(_global_mean(loss))
+        losses.append(global_mean(loss))
     sd, ref_sd = model.state_dict(), ref.state_dict()
     return {
         "ref_losses": ref_losses,

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from harness import DistPool, error_of
 from models import OddMLP, mlp_batch, mlp_loss
-from parity import local_slice
+from parity import local_slice, same_values
 from torch import nn
 
 from fsdp_composable import (
@@ -41,10 +41,6 @@ def _reset_all(model: nn.Module) -> None:
 
 def _state(model: nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in model.state_dict().items()}
-
-
-def _same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
-    return list(a) == list(b) and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
 def _agree_across_ranks(sd: dict[str, torch.Tensor]) -> bool:
@@ -100,7 +96,7 @@ def reset_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
         _reset_all(model)
         torch.manual_seed(11)
         _reset_all(ref)
-        r["same_seed"] = _same(_state(model), _state(ref))
+        r["same_seed"] = same_values(_state(model), _state(ref))
         # a different seed on every rank: every rank ends with the lowest rank's draw
         torch.manual_seed(100 + dist.get_rank())
         _reset_all(model)
@@ -108,13 +104,13 @@ def reset_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
         r["ranks_agree"] = _agree_across_ranks(after)
         torch.manual_seed(100)
         _reset_all(ref)
-        r["is_rank0_draw"] = _same(after, _state(ref))
+        r["is_rank0_draw"] = same_values(after, _state(ref))
         # one module inside a unit, by name
         torch.manual_seed(12 + dist.get_rank())
         model.l2[0].reset_parameters()
         torch.manual_seed(12)
         ref.l2[0].reset_parameters()
-        r["one_module"] = _same(_state(model), _state(ref))
+        r["one_module"] = same_values(_state(model), _state(ref))
         r["still_shards"] = model.l1.weight.dim() == (2 if dist.get_world_size() == 1 or strategy == "NO_SHARD" else 1)
         r["train_diff"] = _train(model, ref, steps=3)
         out[strategy] = r
@@ -158,7 +154,7 @@ def reset_wrapper_flat_mode() -> dict[str, Any]:
     return {
         "flat_mode": all("_flat_param" in n for n in flat_names),
         "still_flat": [n for n, _ in model.named_parameters()] == flat_names,
-        "same": _same(_state(model), _state(ref)),
+        "same": same_values(_state(model), _state(ref)),
         "train_diff": _train(model, ref, steps=3),
     }
 
@@ -206,14 +202,14 @@ def reset_nested_inside_and_failing() -> dict[str, Any]:
     model[0].reset_parameters()
     torch.manual_seed(31)
     ref[0].reset_parameters()
-    out["nested"] = _same(_state(model), _state(ref))
+    out["nested"] = same_values(_state(model), _state(ref))
     # inside unshard_params the parameters are full already: reset them there and broadcast
     with unshard_params(model):
         torch.manual_seed(32 + dist.get_rank())
         model[1].reset_parameters()
     torch.manual_seed(32)
     ref[1].reset_parameters()
-    out["inside_unshard_params"] = _same(_state(model), _state(ref))
+    out["inside_unshard_params"] = same_values(_state(model), _state(ref))
     # raising on rank 1 only: every rank raises, nothing is written back
     before = _state(model)
     model[1].fail_on = 1
@@ -222,7 +218,7 @@ def reset_nested_inside_and_failing() -> dict[str, Any]:
         out["failed"] = "no error"
     except Exception as e:  # noqa: BLE001 - the message is what we compare
         out["failed"] = f"{type(e).__name__}: {e}"
-    out["unchanged_after_failure"] = _same(_state(model), before)
+    out["unchanged_after_failure"] = same_values(_state(model), before)
     model[1].fail_on = None
     # during forward: refused, naming the module; the next step runs
     handle = model[1].register_forward_pre_hook(lambda m, args: model[0].lin.reset_parameters())

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from models import Block, OddMLP, TinyGPT
+from parity import same_values
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -33,10 +34,6 @@ from fsdp_composable import (
 )
 
 FULL, SHARDED = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT
-
-
-def _same(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return list(a) == list(b) and all(a[k].shape == b[k].shape and torch.equal(a[k], b[k]) for k in a)
 
 
 def _full_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -68,13 +65,13 @@ def wrapper_inside_unit() -> dict[str, Any]:
     torch.manual_seed(0)
     ref = WithWrapperInside()
     model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({nn.Sequential}))
-    out: dict[str, Any] = {"full": _same(model.state_dict(), ref.state_dict())}
+    out: dict[str, Any] = {"full": same_values(model.state_dict(), ref.state_dict())}
     with state_dict_type(model, SHARDED):
-        out["sharded"] = _same(_full_values(model.state_dict()), ref.state_dict())
+        out["sharded"] = same_values(_full_values(model.state_dict()), ref.state_dict())
     torch.manual_seed(1)
     other = WithWrapperInside()
     model.load_state_dict(other.state_dict())
-    out["loaded"] = _same(model.state_dict(), other.state_dict())
+    out["loaded"] = same_values(model.state_dict(), other.state_dict())
     out["keys"] = list(ref.state_dict())
     return out
 
@@ -108,13 +105,13 @@ def shared_module(policy: str) -> dict[str, Any]:
     ref = SharedModule()
     policies = {"none": None, "linear": ModuleWrapPolicy({nn.Linear}), "seq": ModuleWrapPolicy({nn.Sequential})}
     model = fully_shard(copy.deepcopy(ref), policies[policy])
-    out = {"full": _same(model.state_dict(), ref.state_dict())}
+    out = {"full": same_values(model.state_dict(), ref.state_dict())}
     with state_dict_type(model, SHARDED):
-        out["sharded"] = _same(_full_values(model.state_dict()), ref.state_dict())
+        out["sharded"] = same_values(_full_values(model.state_dict()), ref.state_dict())
     torch.manual_seed(1)
     other = SharedModule()
     model.load_state_dict(other.state_dict())
-    out["loaded"] = _same(model.state_dict(), other.state_dict())
+    out["loaded"] = same_values(model.state_dict(), other.state_dict())
     out["still_shared"] = model.a is model.b and model.head.weight is model.emb.weight
     return out
 
@@ -163,7 +160,7 @@ def test_sharded_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
         assert r["msg"].startswith("RuntimeError: Error(s) in loading state_dict for OddMLP"), r["msg"]
         assert f"SHARDED_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks" in r["msg"]
         assert r["unchanged_key"] or case == "extra"  # a parameter loaded on only some ranks keeps its values
-    assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+    assert same_values(rs[0]["after"], rs[1]["after"])  # the same model on every rank
 
 
 def full_key_missing_on_one_rank(case: str, world: int) -> dict[str, Any]:
@@ -210,7 +207,7 @@ def test_full_load_with_key_missing_on_one_rank(dist_run, case: str) -> None:
                 ],
             )
         assert r["unchanged_key"] == (case == "missing") and r["others_loaded"], r
-    assert _same(rs[0]["after"], rs[1]["after"])  # the same model on every rank
+    assert same_values(rs[0]["after"], rs[1]["after"])  # the same model on every rank
     if case == "missing":
         tc.assertExpectedInline(
             rs[0]["ours_True"][0],
@@ -299,18 +296,18 @@ def fused_qkv_hooks(policy_name: str) -> dict[str, Any]:
     model = fully_shard(copy.deepcopy(ref), policy)
     expected = ref.state_dict()
     FusedAttention.SEEN.clear()
-    out: dict[str, Any] = {"full": _same(model.state_dict(), expected)}
+    out: dict[str, Any] = {"full": same_values(model.state_dict(), expected)}
     with state_dict_type(model, SHARDED):
         sharded = model.state_dict()
-        out["sharded"] = _same(_full_values(sharded), expected)
+        out["sharded"] = same_values(_full_values(sharded), expected)
         torch.manual_seed(1)
         other = FusedModel()
         with state_dict_type(fully_shard(other), SHARDED):
             other_sharded = other.state_dict()
         model.load_state_dict(other_sharded)
-    out["sharded_load"] = _same(model.state_dict(), other.state_dict())
+    out["sharded_load"] = same_values(model.state_dict(), other.state_dict())
     model.load_state_dict(expected)  # FULL load of the plain model's checkpoint
-    out["full_load"] = _same(model.state_dict(), expected)
+    out["full_load"] = same_values(model.state_dict(), expected)
     out["seen"] = sorted(set(FusedAttention.SEEN))
     x = torch.randn(3, 5)
     out["forward"] = torch.equal(model(x), ref(x))
@@ -351,7 +348,7 @@ def unshard_writeback() -> dict[str, Any]:
     with torch.no_grad():
         ref.l1.weight.data = torch.full((7, 5), 0.5)
         ref.l2[0].bias.copy_(torch.arange(3.0))
-    out["edits_persist"] = _same(model.state_dict(), ref.state_dict())
+    out["edits_persist"] = same_values(model.state_dict(), ref.state_dict())
     x, y = _batch()
     F.mse_loss(model(x), y).backward()  # the same batch on every rank: the mean gradient is ref's
     F.mse_loss(ref(x), y).backward()
@@ -369,7 +366,7 @@ def unshard_writeback() -> dict[str, Any]:
         )
     torch.optim.SGD(model.parameters(), lr=0.1).step()
     torch.optim.SGD(ref.parameters(), lr=0.1).step()
-    out["step_sees_edits"] = _same(model.state_dict(), ref.state_dict())
+    out["step_sees_edits"] = same_values(model.state_dict(), ref.state_dict())
     return out
 
 
@@ -522,7 +519,7 @@ def reset_inside_unshard_params() -> bool:
     for m in ref.modules():
         if isinstance(m, nn.Linear):
             m.reset_parameters()
-    return _same(model.state_dict(), ref.state_dict())
+    return same_values(model.state_dict(), ref.state_dict())
 
 
 def test_reset_parameters_after_sharding(dist_run) -> None:
@@ -555,7 +552,7 @@ def tied_to_ignored() -> dict[str, Any]:
         torch.optim.SGD(m.parameters(), lr=0.1).step()
     out = {
         "tied": model.head.weight is model.emb.weight,
-        "state_dict": _same(model.state_dict(), ref.state_dict()),
+        "state_dict": same_values(model.state_dict(), ref.state_dict()),
     }
     model.head.weight = nn.Parameter(torch.zeros(9, 4))  # untied after sharding
     out["retied_msg"] = _error(lambda: model(idx)).split(" (")[0]  # "... (Linear) was added or replaced ..."
@@ -689,13 +686,13 @@ def meta_init(kind: str, policy_name: str) -> dict[str, Any]:
     fully_shard(model, policy, param_init_fn=_to_empty_then_reset if kind == "fn" else None)
     out = {
         "no_meta": not any(t.is_meta for t in [*model.parameters(), *model.buffers()]),
-        "init_equal": _same(model.state_dict(), ref.state_dict()),
+        "init_equal": same_values(model.state_dict(), ref.state_dict()),
     }
     x = torch.randn(10, 2, generator=torch.Generator().manual_seed(3))  # the same batch on every rank
     for m in (model, ref):
         m(x).sum().backward()
         torch.optim.SGD(m.parameters(), lr=1e-3).step()
-    out["step_equal"] = _same(model.state_dict(), ref.state_dict())
+    out["step_equal"] = same_values(model.state_dict(), ref.state_dict())
     return out
 
 
