@@ -107,6 +107,20 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     return torch.device("cpu")
 
 
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A collective's result read on the host (the order check's gathered values, a status flag):
+    the one device-to-host read of a collective result in the library. On NCCL it is a real
+    device-to-host copy that waits for the collective; such reads happen only at entry points and in
+    the first iteration, never in a steady-state step."""
+    return tensor.detach().cpu()
+
+
+def comm_tensor(values: Sequence[int], group: dist.ProcessGroup, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Small int64 values to send through ``group``, on its communication device (``device``: the
+    unit's compute device, see `comm_device`)."""
+    return torch.tensor(list(values), dtype=torch.int64, device=comm_device(group, device))
+
+
 def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     """Whether `all_gather` and `reduce_scatter` run as point-to-point exchanges for tensors on
     ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See

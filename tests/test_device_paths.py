@@ -1,0 +1,62 @@
+"""The CUDA path, checked on CPU: which device every collective's tensors live on, the order of
+stream waits and events, the host synchronisations of a step, the offload copies, self-copies.
+
+No GPU runs here. Each check drives the library's real code paths with a stand-in for what only a
+GPU has: a process group that serves one device type only (as NCCL serves CUDA only), recording
+stream and event objects, and a counter of host reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+
+# ---------------------------------------------------------------------------- device audit
+# device_audit_world.py runs real steps and every collective entry point in a world whose group
+# serves only `meta` (see its docstring): a collective handed a tensor on another device fails as
+# on NCCL. One fresh interpreter runs every check (the test process has its own gloo groups).
+_SD_BRANCH = pytest.mark.xfail(reason="needs the sd branch", strict=False)
+_AUDIT_CHECKS = [
+    "training_full_shard",
+    "training_strategies",
+    "training_hybrid",
+    "no_sync_then_sync",
+    "clip_ours",
+    "clip_torch",
+    "sync_module_states",
+    "reset_after_sharding",
+    "unshard_params",
+    "state_dict_full_state_dict",
+    pytest.param("state_dict_sharded_state_dict", marks=_SD_BRANCH),
+    "state_dict_local_state_dict",
+    "optim_state",
+]
+
+
+@pytest.fixture(scope="module")
+def audit() -> dict[str, str]:
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TESTS_DIR, "device_audit_world.py")],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize("check", _AUDIT_CHECKS)
+def test_collectives_use_the_groups_device(audit: dict[str, str], check: str) -> None:
+    """Every collective of ours, in training and at every entry point, gets tensors on the device
+    the group serves (the first iteration's order check used to build them on the CPU)."""
+    assert audit[check] == "ok", audit[check]
