@@ -41,7 +41,7 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from fsdp_composable import _rank_agreement, _trace
+from fsdp_composable import _collectives, _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._cast_inputs import cast_floating
 from fsdp_composable._common_utils import (
@@ -104,9 +104,9 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         return
     states = _get_fsdp_states(root_module)
     handles = [h for s in states for h in s.handles]
-    streams: tuple[Optional[torch.cuda.Stream], Optional[torch.cuda.Stream]] = (None, None)
-    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
-        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
+    streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
+    if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
+        streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
     ctx = RootContext(
         root=state,
         states=states,
@@ -117,6 +117,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         state_of={h: s for s in states for h in s.handles},
         unshard_stream=streams[0],
         reduce_stream=streams[1],
+        all_reduce_stream=streams[2],
         steps={h: h.step for h in handles},
     )
     for s in states:
@@ -124,7 +125,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.root_state = state
         s.ctx = ctx
     for handle in handles:
-        handle.unshard_stream, handle.reduce_stream = streams
+        handle.unshard_stream, handle.reduce_stream = streams[0], streams[1]
     fqn_of = {m: name for name, m in root_module.named_modules()}
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
@@ -227,6 +228,7 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         for s in ctx.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         ctx.exec_order.start_forward()
+        _collectives.wait_for_compute(ctx.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in ctx.handles:
             grads.release_cleared_grads(handle)
     mp = state.config.mixed_precision
@@ -355,7 +357,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
             _wait_reductions(ctx)
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     handle.reshard()
@@ -372,7 +374,7 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
     for handle in ctx.handles:
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
         if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.state_of[handle].sync_gradients:
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
     _end_step(ctx)
 
 
@@ -384,7 +386,9 @@ def _end_step(ctx: RootContext) -> None:
             handle.reshard()
         if handle.training_state is not HandleTrainingState.IDLE:
             handle.set_training_state(HandleTrainingState.IDLE)
+    ctx.limiter.release_freed(ctx.handles)
     finished, ctx.finished_reductions = ctx.finished_reductions, []
+    grads.finish_all(finished)
     for reduction in finished:
         reduction.commit()
     for handle in ctx.handles:
@@ -406,7 +410,7 @@ def _abort_step(ctx: RootContext) -> None:
     ctx.pending_reductions, ctx.finished_reductions = [], []
     for reduction in reductions:
         try:
-            reduction.wait()  # its buffers must outlive the collective; its result is dropped
+            reduction.finish()  # its buffers must outlive the collective; its result is dropped
         except Exception as e:  # a peer died: still reset everything, then report it
             error = error or e
     for handle in ctx.handles:
@@ -481,6 +485,7 @@ def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.unshard()
     if state.ctx is not None:
         state.ctx.limiter.record(state.ctx.non_root_handles)
+        state.ctx.limiter.release_freed(state.ctx.handles)
 
 
 def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:

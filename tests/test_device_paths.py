@@ -38,6 +38,12 @@ _AUDIT_CHECKS = [
     "state_dict_local_state_dict",
     "optim_state",
 ]
+_STREAM_CHECKS = [
+    "streams_full_shard",
+    "streams_prefetch_and_mixed_precision",
+    "streams_hybrid",
+    "streams_no_sync",
+]
 
 
 @pytest.fixture(scope="module")
@@ -60,3 +66,24 @@ def test_collectives_use_the_groups_device(audit: dict[str, str], check: str) ->
     """Every collective of ours, in training and at every entry point, gets tensors on the device
     the group serves (the first iteration's order check used to build them on the CPU)."""
     assert audit[check] == "ok", audit[check]
+
+
+@pytest.mark.parametrize("check", _STREAM_CHECKS)
+def test_stream_order(audit: dict[str, str], check: str) -> None:
+    """Real steps with recording CUDA streams and events ([Note: the stream recorder] in
+    device_audit_world.py): no tensor read on one stream before the event of the stream that wrote
+    it, no storage freed while another stream may use it, streams asked for by device, the unshard
+    stream waiting for compute once per root forward, HYBRID_SHARD's all-reduce on its own stream."""
+    assert audit[check] == "ok", audit[check]
+
+
+def test_no_host_sync_in_a_steady_state_step(audit: dict[str, str]) -> None:
+    """After the first iteration, a step without CPU offload reads nothing back on the host and
+    synchronises no stream or event (a read of a meta tensor would raise as well)."""
+    assert audit["no_host_sync_in_steady_state"] == "ok", audit["no_host_sync_in_steady_state"]
+
+
+def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
+    """Autograd accumulates into the flat buffer's views; the reduction takes them as they are
+    instead of copying each one onto itself every backward (FULL_SHARD and NO_SHARD)."""
+    assert audit["no_self_copies"] == "ok", audit["no_self_copies"]
