@@ -322,7 +322,7 @@ def start_reduce(
             shard_world = dist.get_world_size(group)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
-                return _collectives.all_reduce(out, group, async_op=async_op) if shard_world > 1 else None
+                return _collectives.all_reduce(out, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
 
         else:
             out = torch.empty(handle.layout.shard_numel, dtype=rdtype, device=handle.device)
@@ -345,7 +345,7 @@ def start_reduce(
             assert replicas is not None and all_reduce_stream is not None
             pending.replica = _collectives.issue(
                 all_reduce_stream,
-                lambda async_op: _collectives.all_reduce(out, replicas, async_op=async_op),
+                lambda async_op: _collectives.all_reduce(out, replicas, dist.ReduceOp.SUM, async_op),
                 after=stream,
                 then=lambda: _after_reduce(pending, 1, copy_out=True),
             )

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 from fsdp_composable import _collectives, _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
-from fsdp_composable._cast_inputs import cast_floating
+from fsdp_composable._cast_inputs import cast_floating, to_device
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -231,10 +231,13 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         _collectives.wait_for_compute(ctx.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in ctx.handles:
             grads.release_cleared_grads(handle)
+    moved = state.device.type != "cpu"
+    if moved:  # the root's inputs on the compute device, as FSDP1/FSDP2 do
+        args, kwargs = to_device(args, state.device), to_device(kwargs, state.device)
     mp = state.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
         return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
-    return None
+    return (args, kwargs) if moved else None
 
 
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:

@@ -494,7 +494,27 @@ def no_self_copies() -> None:
         assert mode.count == 0, f"{strategy.name}: {mode.count} gradients copied onto themselves in two steps"
 
 
-CHECKS: list[Callable[[], None]] = [
+def cpu_inputs_moved() -> None:
+    """The root pre-forward moves the batch (integer token ids here) to the compute device."""
+    m = model()
+    idx, target = torch.zeros(4, 8, dtype=torch.long), torch.zeros(4, 8, dtype=torch.long)
+    out = m(idx)
+    assert out.is_meta, out.device
+    gpt_loss(m, (idx, target.to(META))).backward()
+
+
+def model_on_a_device_the_group_does_not_serve() -> str:
+    """A model left on the CPU with a group that serves another device: a clear error, before any
+    collective, naming the fix."""
+    torch.manual_seed(0)
+    try:
+        fc.fully_shard(TinyGPT(), fc.ModuleWrapPolicy({Block}))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+CHECKS: list[Callable[[], Any]] = [
     training_full_shard,
     training_strategies,
     training_hybrid,
@@ -514,6 +534,8 @@ CHECKS: list[Callable[[], None]] = [
     streams_no_sync,
     no_host_sync_in_steady_state,
     no_self_copies,
+    cpu_inputs_moved,
+    model_on_a_device_the_group_does_not_serve,
 ]
 
 
@@ -526,8 +548,8 @@ def main() -> None:
             continue
         try:
             with contextlib.redirect_stdout(sys.stderr):
-                check()
-            results[check.__name__] = "ok"
+                value = check()
+            results[check.__name__] = "ok" if value is None else value
         except Exception as e:  # noqa: BLE001 - reported to the test
             traceback.print_exc()
             results[check.__name__] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"

@@ -14,6 +14,7 @@ import subprocess
 import sys
 
 import pytest
+from expecttest import TestCase
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -46,8 +47,17 @@ _STREAM_CHECKS = [
 ]
 
 
+_RESULTS: dict[str, str] = {}
+
+
 @pytest.fixture(scope="module")
 def audit() -> dict[str, str]:
+    return _run_audit()
+
+
+def _run_audit() -> dict[str, str]:
+    if _RESULTS:
+        return _RESULTS
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(
         [sys.executable, os.path.join(TESTS_DIR, "device_audit_world.py")],
@@ -58,7 +68,8 @@ def audit() -> dict[str, str]:
         cwd=REPO,
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+    _RESULTS.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return _RESULTS
 
 
 @pytest.mark.parametrize("check", _AUDIT_CHECKS)
@@ -87,3 +98,18 @@ def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
     """Autograd accumulates into the flat buffer's views; the reduction takes them as they are
     instead of copying each one onto itself every backward (FULL_SHARD and NO_SHARD)."""
     assert audit["no_self_copies"] == "ok", audit["no_self_copies"]
+
+
+def test_root_inputs_moved_to_the_compute_device(audit: dict[str, str]) -> None:
+    """A CPU batch (integer token ids) reaches the model on its compute device."""
+    assert audit["cpu_inputs_moved"] == "ok", audit["cpu_inputs_moved"]
+
+
+class TestPlacementError(TestCase):
+    def test_model_on_a_device_the_group_does_not_serve(self) -> None:
+        """A model left on the CPU with a group serving another device type only (NCCL: CUDA) is
+        refused before any collective, naming the fix."""
+        self.assertExpectedInline(
+            _run_audit()["model_on_a_device_the_group_does_not_serve"],
+            """fully_shard: the module's parameters are on cpu, but its process group (backend 'auditmeta') communicates meta tensors only; pass device_id=torch.device('meta') (it moves the model one unit at a time) or move the model there first""",  # noqa: E501
+        )
