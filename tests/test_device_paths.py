@@ -113,3 +113,9 @@ class TestPlacementError(TestCase):
             _run_audit()["model_on_a_device_the_group_does_not_serve"],
             """fully_shard: the module's parameters are on cpu, but its process group (backend 'auditmeta') communicates meta tensors only; pass device_id=torch.device('meta') (it moves the model one unit at a time) or move the model there first""",  # noqa: E501
         )
+
+
+def test_offloaded_gradients_copied_during_backward_with_one_sync(audit: dict[str, str]) -> None:
+    """CPU offload: each unit's reduced gradient starts its copy to the host on the side stream that
+    produced it, during backward; the host synchronises once per step, before the commit."""
+    assert audit["offload_copies_one_sync"] == "ok", audit["offload_copies_one_sync"]
