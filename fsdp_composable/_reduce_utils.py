@@ -17,9 +17,10 @@ Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
   its backward instead of being allocated whole at its start.
 Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend
 (nothing could be reduced before the end of backward, so there is no point holding a buffer through
-it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a collective
-reads is made on the compute stream before it is issued ([Note: streams without record_stream]),
-which is why only CPU tensors on gloo are sent in parts.
+it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a reduction
+reads is made on the compute stream before it is issued and kept until the compute stream waited
+for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in
+parts.
 
 [Note: the gradient lifecycle]
 ``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
