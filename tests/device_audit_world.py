@@ -190,6 +190,7 @@ class Recorder:
         self.violations: list[str] = []
         self.host_syncs = 0
         self.unshard_waits_on_compute = 0
+        self.root_forward_wait = False  # the unshard stream just waited for compute (a root forward)
         self.streams: list[FakeStream] = []
         self.compute = FakeStream(self, "compute")
         self.current = self.compute
@@ -236,6 +237,7 @@ class FakeStream:
     def wait_stream(self, other: "FakeStream") -> None:
         if other is self.rec.compute and self.name == "unshard":
             self.rec.unshard_waits_on_compute += 1
+            self.rec.root_forward_wait = True
         self.merge(other.clock)
 
     def wait_event(self, event: "FakeEvent") -> None:
@@ -264,6 +266,19 @@ class FakeEvent:
 
     def query(self) -> bool:
         return True
+
+
+class Ticking(TorchDispatchMode):
+    """Every tensor operation advances the clock of the stream it is issued on (the model's own
+    compute included), so "waited for all compute issued before it" is visible."""
+
+    def __init__(self, rec: Recorder) -> None:
+        super().__init__()
+        self.rec = rec
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.rec.current.tick()
+        return func(*args, **(kwargs or {}))
 
 
 @contextlib.contextmanager
@@ -327,6 +342,11 @@ def recording() -> Iterator[Recorder]:
                 for other, time in rec.uses.get(k, {}).items():
                     if other != s.name and s.seen(other) < time and s is not rec.compute:
                         rec.fail(f"{name} on {s.name} used a tensor before {other} finished with it")
+            if name == "all_gather" and s.name == "unshard":
+                latest = rec.compute.clock["compute"]
+                if not rec.root_forward_wait and latest > 0 and s.seen("compute") >= latest:
+                    rec.fail("an all-gather waited for all compute issued before it (no overlap)")
+                rec.root_forward_wait = False
             time = s.tick()
             rec.alive += [out, *inputs]
             rec.written[_key(out)] = (s.name, time)
@@ -405,7 +425,8 @@ def recording() -> Iterator[Recorder]:
 
     patch(_collectives, "host_values", counted_host_values)
     try:
-        yield rec
+        with Ticking(rec):
+            yield rec
     finally:
         for owner, name, value in reversed(patches):
             setattr(owner, name, value)
