@@ -372,10 +372,14 @@ def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[tor
     it, as soon as its reduction is issued, so the copies run during backward. Nothing on the host
     reads them until the end of the backward, where `sync_offload_copies` synchronises the CPU with
     the device once, before any gradient is committed to ``.grad`` and before the optimizer can
-    step. A blocking copy would be needed only where the host reads a gradient with no such
-    synchronisation in between: FSDP1's NO_SHARD, whose optimizer read the all-reduced gradient it
-    had copied without one (the race the seeds describe). Here NO_SHARD goes the same way as the
-    other strategies, through that one synchronisation; on a CPU compute device nothing is copied."""
+    step. A blocking copy is needed only where the host reads a gradient with no synchronisation in
+    between: FSDP1's NO_SHARD, whose optimizer read an all-reduced gradient copied without one (the
+    race the seeds describe, fixed there with a blocking copy). Here no gradient reaches ``.grad``
+    except through `commit`, after that synchronisation, so NO_SHARD's gradients take the same
+    non-blocking path; the blocking copy stays where the host does read without it: NO_SHARD's
+    unshard copies the offloaded parameters into the device buffer with a blocking ``copy_``, so the
+    host may write them (an optimizer step after a forward with no backward, hence no end-of-step
+    synchronisation) as soon as the forward returns. On a CPU compute device nothing is copied."""
     if handle.shard_device == handle.device or handle.device.type != "cuda":
         return None
     mp = handle.config.mixed_precision
