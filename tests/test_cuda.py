@@ -78,12 +78,10 @@ def test_world_size_1_parity_and_side_streams(nccl_world_1: None, strategy: str)
         torch.testing.assert_close(sd[k], v)
 
 
-def _steps(model: torch.nn.Module, n: int, cpu_batch: bool = False) -> None:  # pragma: no cover
+def _steps(model: torch.nn.Module, n: int) -> None:  # pragma: no cover
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     for step in range(n):
-        batch = gpt_batch(step, 4)  # on the CPU: the root pre-forward moves it
-        if not cpu_batch:
-            batch = (batch[0].cuda(), batch[1].cuda())
+        batch = tuple(t.cuda() for t in gpt_batch(step, 4))
         gpt_loss(model, batch).backward()
         clip_grad_norm_(model, 1.0)
         opt.step()
@@ -103,7 +101,8 @@ def test_sharded_steps_on_side_streams_without_host_sync(
     )
     assert all(p.is_cuda for p in model.parameters())
     opt = torch.optim.SGD(model.parameters(), lr=0.1, foreach=True)
-    mlp_loss(model, mlp_batch(0, 4)).backward()  # a CPU batch: the root pre-forward moves it
+    x, y = mlp_batch(0, 4)
+    torch.nn.functional.mse_loss(model(x), y.cuda()).backward()  # a CPU input: the root pre-forward moves it
     opt.step()
     opt.zero_grad()
     batches = [tuple(t.cuda() for t in mlp_batch(step, 4)) for step in range(2)]
