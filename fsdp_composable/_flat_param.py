@@ -69,6 +69,10 @@ _HANDLE_TRANSITIONS: Transitions = {
 }
 
 
+# where a reshard defers freeing the unsharded storage on CUDA (see `FlatParamHandle._free_unsharded`)
+_IN_STEP = frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.BACKWARD_POST})
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One original parameter of a unit. ``holders`` lists every (module, attribute, FQN) that
@@ -343,11 +347,14 @@ class FlatParamHandle:
 
     def _free_unsharded(self) -> None:
         """Free the unsharded storage; on CUDA only once the unshard stream, which allocated it, has
-        waited for the compute stream's last use of it (`release_freed`)."""
+        waited for the compute stream's last use of it: in forward and backward after the next
+        all-gather is issued (`release_freed`), elsewhere now."""
         assert self._unsharded is not None
         if self.unshard_stream is not None and self._unsharded.untyped_storage().size() > 0:
             self._freed_event = _collectives.compute_stream(self.device).record_event()
-            return
+            if self.training_state in _IN_STEP:
+                return
+            self._wait_freed(self.unshard_stream)
         self._unsharded.untyped_storage().resize_(0)
 
     def release_freed(self) -> None:

@@ -427,6 +427,7 @@ def _abort_step(ctx: RootContext) -> None:
             error = error or e
         handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
         grads.expose_sharded_grads(handle)
+    ctx.limiter.release_freed(ctx.handles)
     for s in ctx.states:
         if s.training_state is TrainingState.FORWARD_BACKWARD:
             s.training_state = TrainingState.IDLE  # a reset, not a transition

@@ -476,6 +476,39 @@ def streams_no_sync() -> None:
     _check_streams(rec, 2)
 
 
+def streams_memory_between_steps() -> None:
+    """Between steps (after a step, unshard_params, a failed forward) no unit keeps its unsharded
+    storage: what a reshard deferred on CUDA is freed, after the unshard stream waited for it."""
+    m = model()
+
+    def held(when: str) -> None:
+        kept = [
+            h.unit_fqn or "<root>"
+            for h in fc.fully_shard.state(m).handles
+            if h._unsharded is not None and h._unsharded.untyped_storage().size()
+        ]
+        assert not kept, f"{when}: units still hold unsharded storage: {kept}"
+
+    def fail(module: Any, args: Any, output: Any) -> None:
+        raise RuntimeError("a failing forward")
+
+    with recording() as rec:
+        steps(m, n=2)
+        held("after a step")
+        with fc.unshard_params(m):
+            pass
+        held("after unshard_params")
+        hook = m.blocks[1].register_forward_hook(fail)
+        try:
+            m(batch()[0])
+        except RuntimeError:
+            pass
+        hook.remove()
+        held("after a failed forward")
+        steps(m, n=1)
+    _check_streams(rec, 4)
+
+
 def no_host_sync_in_steady_state() -> None:
     m = model()
     steps(m, n=1)  # the first iteration checks the order across ranks (reading values on the host)
@@ -587,6 +620,7 @@ CHECKS: list[Callable[[], Any]] = [
     streams_prefetch_and_mixed_precision,
     streams_hybrid,
     streams_no_sync,
+    streams_memory_between_steps,
     no_host_sync_in_steady_state,
     no_self_copies,
     cpu_inputs_moved,

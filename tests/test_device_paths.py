@@ -44,6 +44,7 @@ _STREAM_CHECKS = [
     "streams_prefetch_and_mixed_precision",
     "streams_hybrid",
     "streams_no_sync",
+    "streams_memory_between_steps",
 ]
 
 
