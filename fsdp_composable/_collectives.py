@@ -334,25 +334,29 @@ def issue(
     [Note: streams without record_stream]
     Side streams of the unit's device run the collectives: all-gathers on the unshard stream,
     reduce-scatters on the reduce stream, HYBRID_SHARD's cross-replica all-reduces on their own
-    stream after the reduce-scatter. A collective is called with ``async_op=False`` inside the side
-    stream: ProcessGroupNCCL then orders that stream after its own and keeps no tensor alive with
-    ``record_stream`` (which it does for ``async_op=True`` on torch 2.5-2.7), and the CPU does not
-    block. An event recorded on the side stream is what the compute stream waits on before it reads
-    the result (`InFlight.wait`).
+    stream after the reduce-scatter (the compute stream waits for a reduce-scatter in the next
+    unit's post-backward and for the all-reduce at the end of backward, as FSDP2 does). A collective
+    is called with ``async_op=False`` inside the side stream: ProcessGroupNCCL then orders that
+    stream after its own and keeps no tensor alive with ``record_stream`` (which it does for
+    ``async_op=True`` on torch 2.5-2.7), and the CPU does not block. An event recorded on the
+    side stream is what the compute stream waits on before it reads the result (`InFlight.wait`).
 
     Memory is never freed while another stream may still use it:
     - A reduction's inputs and output are made on the compute stream before the reduce stream waits
       for it; their owner (`PendingReduce`) keeps them until the compute stream has waited for the
       collective's event, so the compute stream's allocator reuses them only after it.
-    - An all-gather's input (the shard, copied to the device and cast) and output (the unsharded
-      buffer) are allocated on the unshard stream itself, so the unshard stream does not wait for the
+    - An all-gather's input (the shard, or its copy on the device in the compute dtype) and output
+      (the unsharded buffer) are allocated on the unshard stream itself, so the unshard stream does not wait for the
       compute issued before it: the next unit's all-gather overlaps this unit's compute. The unshard
       stream waits for the compute stream once per root forward (the optimizer wrote the shards
-      before it). Reshard frees nothing at once: it records an event on the compute stream after
-      the unit's last use; the buffer is freed once the unshard stream has waited for that event,
-      right after the next all-gather is issued (or at the end of the step), so the unshard stream
-      can reuse the block only after the compute stream is done with it. At most two units' buffers
-      are alive at once, as the limiter counts."""
+      before it). A reshard in forward or backward frees nothing at once: it records an event on the
+      compute stream after the unit's last use; the buffer is freed once the unshard stream has
+      waited for that event, right after the next all-gather is issued (or when the step ends or is
+      abandoned), so the unshard stream can reuse the block only after the compute stream is done
+      with it, and the all-gather just issued did not wait for the compute before it. At most two
+      units' buffers are alive at once, as the limiter counts. A reshard anywhere else makes the
+      unshard stream wait for that event and frees at once.
+    tests/test_device_paths.py checks these rules on CPU with recording streams and events."""
     if stream is None:
         assert then is None, "on the CPU the caller runs `then` once it waited"
         return InFlight(work=collective(True))
