@@ -83,7 +83,7 @@ def test_collectives_use_the_groups_device(audit: dict[str, str], check: str) ->
 @pytest.mark.parametrize("check", _STREAM_CHECKS)
 def test_stream_order(audit: dict[str, str], check: str) -> None:
     """Real steps with recording CUDA streams and events ([Note: the stream recorder] in
-    device_audit_world.py): no tensor read on one stream before the event of the stream that wrote
+    stream_recorder.py): no tensor read on one stream before the event of the stream that wrote
     it, no storage freed while another stream may use it, streams asked for by device, the unshard
     stream waiting for compute once per root forward, HYBRID_SHARD's all-reduce on its own stream."""
     assert audit[check] == "ok", audit[check]
