@@ -460,12 +460,9 @@ def _adopt_materialised_device(state: _FSDPState, sub: SubmoduleState) -> None:
     """A meta model without ``device_id`` whose ``param_init_fn`` materialised it on another device
     (e.g. CUDA) computes there: nothing is copied back to where the meta model was assumed to go."""
     devices = {p.device for p in sub.params if not p.is_meta}
-    if len(devices) == 1 and not state.handles and not _built_any(state):
+    built = any(getattr(p, FSDP_FLATTENED, False) for p in state.module.parameters())  # not the first unit
+    if len(devices) == 1 and not built:
         state.device = devices.pop()
-
-
-def _built_any(state: _FSDPState) -> bool:
-    return any(getattr(p, FSDP_FLATTENED, False) for p in state.module.parameters())
 
 
 def _check_comm_device(state: _FSDPState, api: str) -> None:
