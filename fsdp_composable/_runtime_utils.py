@@ -486,6 +486,10 @@ def _settle_unfinished_step(state: _FSDPState) -> None:
 
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
+    if state.ctx is not None and state.ctx.open_forwards == 0 and not _in_backward():
+        # a unit called outside the root's forward: no root pre-forward ordered its all-gather after
+        # the shards' last writes (the optimizer's), see _collectives.issue
+        _collectives.wait_for_compute(state.ctx.unshard_stream)
     handle.unshard()
     if state.ctx is not None:
         state.ctx.limiter.record(state.ctx.non_root_handles)

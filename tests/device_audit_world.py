@@ -239,6 +239,17 @@ def streams_memory_between_steps() -> None:
     check_streams(rec, 4)
 
 
+def streams_unit_called_alone() -> None:
+    """A unit called outside the root's forward (after an optimizer step) orders its all-gather
+    after the compute stream too: no root pre-forward did."""
+    m = model()
+    with recording() as rec:
+        steps(m, n=1)
+        with torch.no_grad():
+            m.blocks[0](torch.zeros(4, 8, 16, device=META))
+    check_streams(rec, 2)
+
+
 def no_host_sync_in_steady_state() -> None:
     m = model()
     steps(m, n=1)  # the first iteration checks the order across ranks (reading values on the host)
@@ -352,6 +363,7 @@ CHECKS: list[Callable[[], Any]] = [
     streams_hybrid,
     streams_no_sync,
     streams_memory_between_steps,
+    streams_unit_called_alone,
     no_host_sync_in_steady_state,
     no_self_copies,
     cpu_inputs_moved,

@@ -45,6 +45,7 @@ _STREAM_CHECKS = [
     "streams_hybrid",
     "streams_no_sync",
     "streams_memory_between_steps",
+    "streams_unit_called_alone",
 ]
 
 
