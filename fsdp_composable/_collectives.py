@@ -345,17 +345,18 @@ def issue(
     - A reduction's inputs and output are made on the compute stream before the reduce stream waits
       for it; their owner (`PendingReduce`) keeps them until the compute stream has waited for the
       collective's event, so the compute stream's allocator reuses them only after it.
-    - An all-gather's input (the shard, or its copy on the device in the compute dtype) and output
-      (the unsharded buffer) are allocated on the unshard stream itself, so the unshard stream does not wait for the
-      compute issued before it: the next unit's all-gather overlaps this unit's compute. The unshard
-      stream waits for the compute stream once per root forward (the optimizer wrote the shards
-      before it). A reshard in forward or backward frees nothing at once: it records an event on the
-      compute stream after the unit's last use; the buffer is freed once the unshard stream has
-      waited for that event, right after the next all-gather is issued (or when the step ends or is
-      abandoned), so the unshard stream can reuse the block only after the compute stream is done
-      with it, and the all-gather just issued did not wait for the compute before it. At most two
-      units' buffers are alive at once, as the limiter counts. A reshard anywhere else makes the
-      unshard stream wait for that event and frees at once.
+    - An all-gather's input (the shard, or its copy on the device in the compute dtype) and output (the
+      unsharded buffer) are allocated on the unshard stream itself, so the unshard stream does not wait
+      for the compute issued before it: the next unit's all-gather overlaps this unit's compute. The
+      unshard stream waits for the compute stream once per root forward (the optimizer wrote the shards
+      before it), and before the all-gather of a unit called outside the root's forward. A reshard in
+      forward or backward frees nothing at once: it records an event on the compute stream after the
+      unit's last use; the buffer is freed once the unshard stream has waited for that event, right
+      after the next all-gather is issued (or when the step ends or is abandoned), so the unshard stream
+      can reuse the block only after the compute stream is done with it, and the all-gather just issued
+      did not wait for the compute before it. At most two units' buffers are alive at once, as the
+      limiter counts. A reshard anywhere else makes the unshard stream wait for that event and frees at
+      once.
     tests/test_device_paths.py checks these rules on CPU with recording streams and events."""
     if stream is None:
         assert then is None, "on the CPU the caller runs `then` once it waited"
