@@ -1,4 +1,5 @@
-"""Casting forward inputs for mixed precision: every floating-point tensor, wherever it sits.
+"""Casting forward inputs for mixed precision, and moving the root's inputs to the compute device:
+every tensor concerned, wherever it sits.
 
 [Note: dataclass inputs]
 pytree knows tuples, lists, dicts and namedtuples, but treats an unregistered dataclass as a leaf, so
@@ -13,25 +14,37 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch.utils import _pytree as pytree
 
-__all__ = ["cast_floating"]
+__all__ = ["cast_floating", "to_device"]
 
 
 def cast_floating(structure: Any, dtype: torch.dtype) -> Any:
     """Cast floating-point tensors in ``structure`` to ``dtype``; integers and others pass through."""
+    return _map_tensors(structure, lambda t: t.to(dtype) if t.is_floating_point() else t)
 
-    def cast(leaf: Any) -> Any:
+
+def to_device(structure: Any, device: torch.device) -> Any:
+    """The root's inputs on the compute device, as FSDP1 and FSDP2 move them (floating, integer and
+    boolean tensors alike; non-blocking, so a pinned host batch is copied asynchronously). Tensors
+    already there are passed through untouched; so is everything on a CPU compute device."""
+    if device.type == "cpu":
+        return structure
+    return _map_tensors(structure, lambda t: t if t.device == device else t.to(device, non_blocking=True))
+
+
+def _map_tensors(structure: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    def one(leaf: Any) -> Any:
         if isinstance(leaf, torch.Tensor):
-            return leaf.to(dtype) if leaf.is_floating_point() else leaf
+            return fn(leaf)
         if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             out = copy.copy(leaf)
             for f in dataclasses.fields(leaf):
-                object.__setattr__(out, f.name, cast_floating(getattr(leaf, f.name), dtype))
+                object.__setattr__(out, f.name, _map_tensors(getattr(leaf, f.name), fn))
             return out
         return leaf
 
-    return pytree.tree_map(cast, structure)
+    return pytree.tree_map(one, structure)

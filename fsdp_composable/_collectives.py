@@ -24,6 +24,7 @@ their native collectives.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol, Sequence
 
@@ -106,6 +107,20 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
         if device.type not in ("cpu", "cuda"):
             return device
     return torch.device("cpu")
+
+
+def host_values(tensor: torch.Tensor) -> torch.Tensor:
+    """A collective's result read on the host (the order check's gathered values, a status flag):
+    the one device-to-host read of a collective result in the library. On NCCL it is a real
+    device-to-host copy that waits for the collective; such reads happen only at entry points and in
+    the first iteration, never in a steady-state step."""
+    return tensor.detach().cpu()
+
+
+def comm_tensor(values: Sequence[int], group: dist.ProcessGroup, device: Optional[torch.device] = None) -> torch.Tensor:
+    """Small int64 values to send through ``group``, on its communication device (``device``: the
+    unit's compute device, see `comm_device`)."""
+    return torch.tensor(list(values), dtype=torch.int64, device=comm_device(group, device))
 
 
 def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
@@ -209,18 +224,28 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
     return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size, output=output)
 
 
-def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Optional[Waitable]:
-    """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work)."""
+def all_gather(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+) -> Optional[Waitable]:
+    """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work; with
+    ``async_op=False``, on a CUDA side stream, see `issue`)."""
     with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
         if point_to_point(group, output.device):
             return _all_gather_exchange(output, shard, group)
         return _checked(
-            group, Op.ALL_GATHER, output, output.numel(), lambda: _all_gather(output, shard, group=group, async_op=True)
+            group,
+            Op.ALL_GATHER,
+            output,
+            output.numel(),
+            lambda: _all_gather(output, shard, group=group, async_op=async_op),
         )
 
 
 def reduce_scatter(
-    output: torch.Tensor, full: torch.Tensor | Sequence[torch.Tensor], group: dist.ProcessGroup
+    output: torch.Tensor,
+    full: torch.Tensor | Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    async_op: bool = True,
 ) -> Optional[Waitable]:
     """Sum ``full`` over ranks and leave this rank's slice in ``output`` (async).
 
@@ -237,7 +262,7 @@ def reduce_scatter(
             Op.REDUCE_SCATTER,
             output,
             flat.numel(),
-            lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=True),
+            lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
         )
 
 
@@ -260,42 +285,96 @@ def wait(work: Optional[Waitable], what: str) -> None:
 @dataclass
 class InFlight:
     """A collective under way: a work handle to wait on (CPU/gloo), or an event recorded on the side
-    stream that ran it (CUDA), which the compute stream waits on without blocking the CPU."""
+    stream that ran it (CUDA), which the compute stream of its device waits on without blocking the
+    CPU."""
 
     work: Optional[Waitable] = None
     event: Optional["torch.cuda.Event"] = None
+    device: Optional[torch.device] = None
 
     def wait(self, what: str) -> None:
         if self.event is not None:
-            torch.cuda.current_stream().wait_event(self.event)
+            compute_stream(self.device).wait_event(self.event)
         else:
             wait(self.work, what)
 
 
-def issue(stream: Optional["torch.cuda.Stream"], collective: Callable[[], Optional[Waitable]]) -> InFlight:
-    """Run ``collective`` on ``stream`` (CUDA) or asynchronously on the CPU (``stream`` is None).
+def compute_stream(device: Optional[torch.device]) -> "torch.cuda.Stream":
+    """The current (compute) stream of ``device``, the unit's device, whichever device is current."""
+    return torch.cuda.current_stream(device)
+
+
+def on_stream(stream: Optional["torch.cuda.Stream"]) -> "contextlib.AbstractContextManager[Any]":
+    """Run what follows on ``stream`` (CUDA), or as it is (``stream`` is None: CPU)."""
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+
+def wait_for_compute(stream: Optional["torch.cuda.Stream"]) -> None:
+    """``stream`` waits for all work issued so far on its device's compute stream (the unshard
+    stream: once per root forward, after the optimizer wrote the shards)."""
+    if stream is not None:
+        stream.wait_stream(compute_stream(stream.device))
+
+
+def issue(
+    stream: Optional["torch.cuda.Stream"],
+    collective: Callable[[bool], Optional[Waitable]],
+    after: Optional["torch.cuda.Stream"] = None,
+    then: Optional[Callable[[], None]] = None,
+    wait_first: bool = True,
+) -> InFlight:
+    """Run ``collective(async_op)`` on ``stream`` (CUDA) or asynchronously on the CPU (``stream`` is
+    None). ``then``: work to run on the stream once the collective is done (CUDA only: on the CPU the
+    caller runs it after waiting). ``after``: the stream that produced the inputs (default: the compute
+    stream); ``wait_first=False``: the inputs were made on ``stream`` itself.
 
     [Note: streams without record_stream]
-    Every tensor a collective touches is allocated on the compute stream, before this call, and kept
-    alive by its owner until the compute stream has waited for the returned event. The side stream
-    first waits for the compute stream (the inputs are ready), runs the collective, and records an
-    event. So memory is only ever freed on the compute stream's timeline, after the collective is
-    known complete there: no ``record_stream`` is needed and the allocator never hands out a block a
-    collective may still be reading or writing."""
+    Side streams of the unit's device run the collectives: all-gathers on the unshard stream,
+    reduce-scatters on the reduce stream, HYBRID_SHARD's cross-replica all-reduces on their own
+    stream after the reduce-scatter (the compute stream waits for a reduce-scatter in the next
+    unit's post-backward and for the all-reduce at the end of backward, as FSDP2 does). A collective
+    is called with ``async_op=False`` inside the side stream: ProcessGroupNCCL then orders that
+    stream after its own and keeps no tensor alive with ``record_stream`` (which it does for
+    ``async_op=True`` on torch 2.5-2.7), and the CPU does not block. An event recorded on the
+    side stream is what the compute stream waits on before it reads the result (`InFlight.wait`).
+
+    Memory is never freed while another stream may still use it:
+    - A reduction's inputs and output are made on the compute stream before the reduce stream waits
+      for it; their owner (`PendingReduce`) keeps them until the compute stream has waited for the
+      collective's event, so the compute stream's allocator reuses them only after it.
+    - An all-gather's input (the shard, or its copy on the device in the compute dtype) and output (the
+      unsharded buffer) are allocated on the unshard stream itself, so the unshard stream does not wait
+      for the compute issued before it: the next unit's all-gather overlaps this unit's compute. The
+      unshard stream waits for the compute stream once per root forward (the optimizer wrote the shards
+      before it), and before the all-gather of a unit called outside the root's forward. A reshard in
+      forward or backward frees nothing at once: it records an event on the compute stream after the
+      unit's last use; the buffer is freed once the unshard stream has waited for that event, right
+      after the next all-gather is issued (or when the step ends or is abandoned), so the unshard stream
+      can reuse the block only after the compute stream is done with it, and the all-gather just issued
+      did not wait for the compute before it. At most two units' buffers are alive at once, as the
+      limiter counts. A reshard anywhere else makes the unshard stream wait for that event and frees at
+      once.
+    tests/test_device_paths.py checks these rules on CPU with recording streams and events."""
     if stream is None:
-        return InFlight(work=collective())
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        work = collective()
+        assert then is None, "on the CPU the caller runs `then` once it waited"
+        return InFlight(work=collective(True))
+    if wait_first:
+        stream.wait_stream(after if after is not None else compute_stream(stream.device))
+    with on_stream(stream):
+        work = collective(False)
         if work is not None:
-            work.wait()  # on CUDA this orders `stream` after the collective; the CPU does not block
-        event = torch.cuda.Event()
-        event.record(stream)
-    return InFlight(event=event)
+            work.wait()  # a refused exchange raises; a native collective was already ordered
+        if then is not None:
+            then()
+        event = stream.record_event()
+    return InFlight(event=event, device=stream.device)
 
 
 def all_reduce(
-    tensor: torch.Tensor, group: dist.ProcessGroup, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
+    tensor: torch.Tensor,
+    group: dist.ProcessGroup,
+    op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+    async_op: bool = True,
 ) -> Optional[Waitable]:
     """Reduce ``tensor`` over ranks in place (async; a sum unless ``op`` says otherwise)."""
     with _trace.span("all_reduce", None, tensor):
@@ -304,5 +383,5 @@ def all_reduce(
             Op.ALL_REDUCE,
             tensor,
             tensor.numel(),
-            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=True),
+            lambda: dist.all_reduce(tensor, op=op, group=group, async_op=async_op),
         )

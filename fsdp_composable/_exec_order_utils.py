@@ -43,6 +43,9 @@ class _ExecOrderData:
         # headers] (gloo).
         self.group = group
         self.unit_names = unit_names or []
+        # the units' compute device: the order check's tensors go to the group's communication
+        # device for it (see [Note: the communication device])
+        self.device: Optional[torch.device] = None
         self._index: dict[int, int] = {}
         self._warned = False
         self.is_first_iter = True
@@ -65,6 +68,7 @@ class _ExecOrderData:
 
     def set_units(self, handles: "list[FlatParamHandle]", names: list[str]) -> None:
         self._index = {id(h): i for i, h in enumerate(handles)}
+        self.device = handles[0].device if handles else None
         self.unit_names = names
 
     def record_pre_forward(self, handle: "FlatParamHandle") -> None:
@@ -100,11 +104,12 @@ class _ExecOrderData:
         if group is None or dist.get_world_size(group) == 1:
             return
         numel, fingerprint = _fingerprint(self._name(index), handle)
-        mine = torch.tensor([index, numel, fingerprint], dtype=torch.int64)
-        everyone = torch.empty((dist.get_world_size(group), 3), dtype=torch.int64)
+        mine = _collectives.comm_tensor([index, numel, fingerprint], group, self.device)
+        gathered = mine.new_empty((dist.get_world_size(group), 3))
         with _rank_agreement.entry_point("the execution-order check"):
-            work = _collectives.all_gather(everyone.view(-1), mine, group)
+            work = _collectives.all_gather(gathered.view(-1), mine, group)
         _collectives.wait(work, "the execution-order check")
+        everyone = _collectives.host_values(gathered)  # first iteration only: a host read is fine
         step = len(self.pre_forward_order)
         if bool((everyone != everyone[0]).any()):
             _rank_agreement.saw_mismatch(group, "the ranks ran different units")

@@ -68,6 +68,10 @@ _HANDLE_TRANSITIONS: Transitions = {
 }
 
 
+# where a reshard defers freeing the unsharded storage on CUDA (see `FlatParamHandle._free_unsharded`)
+_IN_STEP = frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.BACKWARD_POST})
+
+
 @dataclass(frozen=True)
 class ParamInfo:
     """One original parameter of a unit. ``holders`` lists every (module, attribute, FQN) that
@@ -183,6 +187,8 @@ class FlatParamHandle:
         # CUDA side streams for all-gathers and gradient reductions (set at lazy init; None on CPU)
         self.unshard_stream: Optional[torch.cuda.Stream] = None
         self.reduce_stream: Optional[torch.cuda.Stream] = None
+        # CUDA: recorded by reshard after the unsharded storage's last use; set while it is not yet freed
+        self._freed_event: Optional[torch.cuda.Event] = None
         self.is_unsharded = False
         self.step = UnitStep()
         # the handles of the same unit (one per dtype/requires_grad group), this one included
@@ -279,18 +285,25 @@ class FlatParamHandle:
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
             return
         assert self._unsharded is not None
-        self._alloc_unsharded()
         shard = self.flat_param.data
         if self.layout.world_size == 1:
+            self._wait_freed(_collectives.compute_stream(self.device) if self.unshard_stream is not None else None)
+            self._alloc_unsharded()
             self._unsharded.copy_(shard)
             self.is_unsharded = True
             return
-        src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
-        src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+        # input and output belong to the unshard stream: [Note: streams without record_stream]
+        self._wait_freed(self.unshard_stream)
+        with _collectives.on_stream(self.unshard_stream):
+            self._alloc_unsharded()
+            src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
+            src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
         self._unshard_src = src
-        unsharded = self._unsharded
+        unsharded, group = self._unsharded, self.process_group
         self._unshard_work = _collectives.issue(
-            self.unshard_stream, lambda: _collectives.all_gather(unsharded, src, self.process_group)
+            self.unshard_stream,
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op),
+            wait_first=False,
         )
 
     @_trace.method("wait_unshard")
@@ -331,5 +344,27 @@ class FlatParamHandle:
             storage.resize_(nbytes)
 
     def _free_unsharded(self) -> None:
+        """Free the unsharded storage; on CUDA only once the unshard stream, which allocated it, has
+        waited for the compute stream's last use of it: in forward and backward after the next
+        all-gather is issued (`release_freed`), elsewhere now."""
         assert self._unsharded is not None
+        if self.unshard_stream is not None and self._unsharded.untyped_storage().size() > 0:
+            self._freed_event = _collectives.compute_stream(self.device).record_event()
+            if self.training_state in _IN_STEP:
+                return
+            self._wait_freed(self.unshard_stream)
         self._unsharded.untyped_storage().resize_(0)
+
+    def release_freed(self) -> None:
+        """Give back the storage `reshard` left allocated (CUDA; see [Note: streams without record_stream])."""
+        if self._freed_event is not None and not self.is_unsharded and self._unshard_work is None:
+            self._wait_freed(self.unshard_stream)
+            assert self._unsharded is not None
+            self._unsharded.untyped_storage().resize_(0)
+
+    def _wait_freed(self, stream: Optional[torch.cuda.Stream]) -> None:
+        """``stream`` is about to use the unsharded storage again: it waits for its last use first."""
+        if self._freed_event is not None:
+            assert stream is not None
+            stream.wait_event(self._freed_event)
+            self._freed_event = None

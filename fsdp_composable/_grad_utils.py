@@ -101,9 +101,13 @@ def clip_grad_norm_(
     grads, pieces = _grads_by_placement(module, states)
     total = pieces.norm(norm_type, torch.float32, states[0].device)
     coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coefs: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}  # one copy per device and dtype
     with torch.no_grad():
-        for grad in grads:
-            grad.mul_(coef.to(grad.dtype))
+        for grad in grads:  # CPU-offloaded gradients are scaled on the CPU, by a CPU coefficient
+            key = (grad.device, grad.dtype)
+            if key not in coefs:
+                coefs[key] = coef.to(device=grad.device, dtype=grad.dtype)
+            grad.mul_(coefs[key])
     if not grads:  # this rank has none (the norm still counts the other ranks')
         warnings.warn(
             f"clip_grad_norm_ called on rank {dist.get_rank(group)} with no gradients; returning the total "
@@ -166,7 +170,9 @@ class NormPieces:
             for group in self.groups[key]:
                 if group is not None and dist.get_world_size(group) > 1:
                     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                    term = term.to(_collectives.comm_device(group, device))
                     _collectives.wait(_collectives.all_reduce(term, group, op), "the clip_grad_norm_() all-reduce")
+            term = term.to(device)
             total = torch.maximum(total, term) if inf else total + term
         return total if inf else total ** (1.0 / norm_type)
 

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _rank_agreement, _tensor_parallel
+from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
@@ -192,13 +192,22 @@ def _init_ignored_module_states(
 def _init_device(
     module: nn.Module, device_id: Union[int, torch.device, None], ignored: set[nn.Parameter], api: str = "fully_shard"
 ) -> torch.device:
-    """The compute device: ``device_id`` (moving the module there) or where the parameters are."""
+    """The compute device: ``device_id``, or where the parameters are (a model all on the meta
+    device: the current CUDA device where there is one, as FSDP1 materialises it, else the CPU; a
+    ``param_init_fn`` that puts it elsewhere decides, see `_adopt_materialised_device`).
+
+    [Note: placement one unit at a time]
+    With ``device_id`` nothing is moved here: each unit's parameters are moved when the unit is
+    built (`_move_unit_params`, bottom-up, right before they are flattened and sharded), and what
+    is left (buffers, ignored modules) at the end (`_move_rest`), so device memory peaks near one
+    unit unsharded, as with FSDP1, instead of the whole model first. Meta tensors are materialised
+    on the device (``to_empty``), never copied."""
     if device_id is not None:
-        device = _check_device_id(api, device_id)
-        module.to(device)
-        return device
+        return _check_device_id(api, device_id)
     devices = {p.device for p in module.parameters() if p not in ignored}
     devices.discard(torch.device("meta"))
+    if not devices and any(True for _ in module.parameters()) and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
     if len(devices) > 1:
         raise ValueError(
             f"fully_shard found parameters of {type(module).__name__} on several devices "
@@ -380,6 +389,7 @@ def _init_param_handles_from_module(
     param_init_fn: Optional[Callable[[nn.Module], None]],
     sync_module_states: bool = False,
     api: str = "fully_shard",
+    device_id: Union[int, torch.device, None] = None,
 ) -> dict[nn.Module, SubmoduleState]:
     """Create one handle per unit, bottom-up. Each unit is materialised (if on the meta device),
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
@@ -392,9 +402,15 @@ def _init_param_handles_from_module(
     _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
     tp_group = _tensor_parallel.model_tp_group(module)
+    move = device_id is not None  # see [Note: placement one unit at a time]
     for unit_module, sub in reversed(list(submodule_states.items())):
         _materialize_meta_module(unit_module, sub.fqn, param_init_fn, state.device, api)
         _retie_and_refresh(sub)
+        if not move:
+            _adopt_materialised_device(state, sub)
+        _check_comm_device(state, api)
+        if move:
+            _move_unit_params(sub, state.device)
         if sync_module_states:
             _broadcast_from_rank0(state, [_tensor_parallel.local_of(p).detach() for p in sub.params])
             if tp_group is not None:  # what every tensor-parallel rank holds whole must agree across them too
@@ -422,6 +438,9 @@ def _init_param_handles_from_module(
         for handle in group:
             handle.siblings = group
             handle.tp_group = tp_group
+    if move:
+        _move_rest(module, state.device)
+    _check_comm_device(state, api)
     if sync_module_states:
         buffers = [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)]
         _broadcast_from_rank0(state, buffers)
@@ -431,6 +450,51 @@ def _init_param_handles_from_module(
     # initialisation may have replaced the ignored modules' parameter objects too
     state.ignored_params = {p for m in state.ignored_modules for p in m.parameters(recurse=False)}
     return submodule_states
+
+
+def _adopt_materialised_device(state: _FSDPState, sub: SubmoduleState) -> None:
+    """A meta model without ``device_id`` whose ``param_init_fn`` materialised it on another device
+    (e.g. CUDA) computes there: nothing is copied back to where the meta model was assumed to go."""
+    devices = {p.device for p in sub.params if not p.is_meta}
+    built = any(getattr(p, FSDP_FLATTENED, False) for p in state.module.parameters())  # not the first unit
+    if len(devices) == 1 and not built:
+        state.device = devices.pop()
+
+
+def _check_comm_device(state: _FSDPState, api: str) -> None:
+    """A model on a device its process group does not serve (e.g. left on the CPU with an NCCL
+    group) is refused before any collective, with the fix, instead of failing inside one."""
+    served = _collectives.comm_device(state.process_group, state.device)
+    if served.type == state.device.type or state.device.type == "meta":
+        return
+    backend = dist.get_backend(state.process_group)
+    fix = "torch.cuda.current_device()" if served.type == "cuda" else f"torch.device({served.type!r})"
+    raise ValueError(
+        f"{api}: the module's parameters are on {state.device}, but its process group (backend {backend!r}) "
+        f"communicates {served.type} tensors only; pass device_id={fix} (it moves the model "
+        "one unit at a time) or move the model there first"
+    )
+
+
+def _move_unit_params(sub: SubmoduleState, device: torch.device) -> None:
+    """Move one unit's parameters to ``device`` before they are flattened (see [Note: placement one
+    unit at a time]); a tensor-parallel DTensor already lives on its mesh's device."""
+    with torch.no_grad():
+        for param in sub.params:
+            if not param.is_meta and param.device != device and not _tensor_parallel.spec_of(param):
+                param.data = param.data.to(device)
+
+
+def _move_rest(module: nn.Module, device: torch.device) -> None:
+    """After every unit is built: the buffers and the parameters no unit manages (ignored modules)."""
+    with torch.no_grad():
+        for m in module.modules():
+            for param in m._parameters.values():
+                if param is not None and not getattr(param, FSDP_FLATTENED, False) and param.device != device:
+                    param.data = param.data.to(device)
+            for name, buf in m._buffers.items():
+                if buf is not None and buf.device != device:
+                    m._buffers[name] = buf.to(device)
 
 
 def _retie_and_refresh(sub: SubmoduleState) -> None:

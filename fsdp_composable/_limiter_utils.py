@@ -8,7 +8,10 @@ counts units whose unsharded parameters are allocated (or being gathered), not c
 unit, which stays unsharded for the whole step by design. A *prefetch* that would exceed the bound
 is skipped (the unit is gathered when it runs instead); an unshard a unit needs to run is never
 refused. Nothing is tied to a stream with ``record_stream``: memory is freed by `reshard`, which
-first waits for the unit's all-gather, so freed memory is never still being written.
+first waits for the unit's all-gather, so freed memory is never still being written. On CUDA the
+storage a reshard gave up is freed once the next all-gather is issued (`release_freed`, see
+[Note: streams without record_stream]), so a unit's buffer outlives its reshard by one all-gather:
+at most two units' buffers exist at once, as with the bound of two.
 """
 
 from __future__ import annotations
@@ -36,3 +39,8 @@ class _AllGatherLimiter:
 
     def record(self, handles: "list[FlatParamHandle]") -> None:
         self.peak = max(self.peak, self.in_flight(handles))
+
+    def release_freed(self, handles: "list[FlatParamHandle]") -> None:
+        """Free the storage of units resharded since the last all-gather was issued (CUDA)."""
+        for handle in handles:
+            handle.release_freed()

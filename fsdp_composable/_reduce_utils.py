@@ -17,9 +17,10 @@ Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
   its backward instead of being allocated whole at its start.
 Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend
 (nothing could be reduced before the end of backward, so there is no point holding a buffer through
-it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a collective
-reads is made on the compute stream before it is issued ([Note: streams without record_stream]),
-which is why only CPU tensors on gloo are sent in parts.
+it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a reduction
+reads is made on the compute stream before it is issued and kept until the compute stream waited
+for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in
+parts.
 
 [Note: the gradient lifecycle]
 ``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
@@ -234,12 +235,24 @@ def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]
             if grad is not None:
                 grad = as_local_grad(param, grad)
             if views is not None:
-                if grad is not None and grad is not views[i]:
+                if grad is not None and not _same_memory(grad, views[i]):
                     views[i].copy_(grad)
                 out.append(views[i])
             else:
                 out.append(grad)
     return out
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b``'s memory (autograd accumulated into the view we gave it): `views_of`
+    makes new view objects each call, so object identity says nothing."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
 
 
 def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> torch.Tensor:
@@ -264,8 +277,17 @@ def stage_for_no_sync(handle: FlatParamHandle) -> None:
 
 
 @_trace.method("reduce")
-def start_reduce(handle: FlatParamHandle, stream: Optional[torch.cuda.Stream] = None) -> "PendingReduce":
+def start_reduce(
+    handle: FlatParamHandle,
+    stream: Optional[torch.cuda.Stream] = None,
+    all_reduce_stream: Optional[torch.cuda.Stream] = None,
+) -> "PendingReduce":
     """Post-backward: issue this backward's gradient reduction (plus the ``no_sync`` sum kept so far).
+
+    On CUDA (``stream``: the reduce stream) the division, HYBRID_SHARD's all-reduce across replicas
+    (on ``all_reduce_stream``, after the reduce-scatter) and a CPU-offloaded gradient's copy to the
+    host are issued now, on the side streams; see [Note: streams without record_stream] and
+    [Note: offloaded gradients reach the host].
 
     The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
     grads = handle.grads
@@ -295,15 +317,93 @@ def start_reduce(handle: FlatParamHandle, stream: Optional[torch.cuda.Stream] = 
             if pre > 1:
                 one.div_(pre)
             send = [one]
+        pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, handle.replicate_group, post)
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
             out = send[0]
             shard_world = dist.get_world_size(group)
-            work = _collectives.issue(stream, lambda: _collectives.all_reduce(out, group) if shard_world > 1 else None)
+
+            def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                return _collectives.all_reduce(out, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
+
         else:
             out = torch.empty(handle.layout.shard_numel, dtype=rdtype, device=handle.device)
             full = send if len(send) > 1 else send[0]
-            work = _collectives.issue(stream, lambda: _collectives.reduce_scatter(out, full, group))
-    return PendingReduce(handle, work, out, send, handle.replicate_group, post)
+
+            def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                return _collectives.reduce_scatter(out, full, group, async_op)
+
+        pending.out = out
+        if stream is None:  # CPU: `wait` divides and all-reduces across replicas
+            pending.work = _collectives.issue(None, collective)
+            return pending
+        pending.post_divide = 1  # divided on the reduce stream
+        replicas = handle.replicate_group
+        last = replicas is None or all_reduce_stream is None
+        pending.work = _collectives.issue(
+            stream, collective, then=lambda: _after_reduce(pending, post, copy_out=last)
+        )
+        if not last:
+            assert replicas is not None and all_reduce_stream is not None
+            pending.replica = _collectives.issue(
+                all_reduce_stream,
+                lambda async_op: _collectives.all_reduce(out, replicas, dist.ReduceOp.SUM, async_op),
+                after=stream,
+                then=lambda: _after_reduce(pending, 1, copy_out=True),
+            )
+            pending.replicate_group = None  # issued
+    return pending
+
+
+def _after_reduce(pending: "PendingReduce", divide: int, copy_out: bool) -> None:
+    """On the side stream, once the reduced value is final: divide, and start its copy to the host."""
+    if divide > 1:
+        pending.out.div_(divide)
+    if copy_out:
+        pending.host = offload_copy(pending.handle, pending.out)
+
+
+def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
+    """Start copying a reduced shard gradient to pinned host memory (CPU offload on CUDA), in the
+    dtype the sharded gradient keeps; None when the gradient stays where it is.
+
+    [Note: offloaded gradients reach the host]
+    With ``CPUOffload(offload_params=True)`` on CUDA, each reduced shard gradient is cast on the
+    device and copied to pinned host memory with ``non_blocking=True`` on the stream that produced
+    it, as soon as its reduction is issued, so the copies run during backward. Nothing on the host
+    reads them until the end of the backward, where `sync_offload_copies` synchronises the CPU with
+    the device once, before any gradient is committed to ``.grad`` and before the optimizer can
+    step. A blocking copy is needed only where the host reads a gradient with no synchronisation in
+    between: FSDP1's NO_SHARD, whose optimizer read an all-reduced gradient copied without one (the
+    race the seeds describe, fixed there with a blocking copy). Here no gradient reaches ``.grad``
+    except through `commit`, after that synchronisation, so NO_SHARD's gradients take the same
+    non-blocking path; the blocking copy stays where the host does read without it: NO_SHARD's
+    unshard copies the offloaded parameters into the device buffer with a blocking ``copy_``, so the
+    host may write them (an optimizer step after a forward with no backward, hence no end-of-step
+    synchronisation) as soon as the forward returns. On a CPU compute device nothing is copied."""
+    if handle.shard_device == handle.device or handle.device.type != "cuda":
+        return None
+    mp = handle.config.mixed_precision
+    dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else handle.dtype
+    on_device = reduced if reduced.dtype == dtype else reduced.to(dtype)
+    host = torch.empty(reduced.shape, dtype=dtype, device=handle.shard_device, pin_memory=True)
+    host.copy_(on_device, non_blocking=True)
+    return host
+
+
+def finish_all(reductions: "list[PendingReduce]") -> None:
+    """End of backward: the compute stream waits for every reduction's last collective, then the
+    host for the offloaded gradients' copies, once."""
+    for reduction in reductions:
+        reduction.finish()
+    sync_offload_copies(reductions)
+
+
+def sync_offload_copies(reductions: "list[PendingReduce]") -> None:
+    """The one host synchronisation of a step with CPU offload on CUDA: every offloaded gradient's
+    copy is on the host after it (see [Note: offloaded gradients reach the host])."""
+    devices = {r.handle.device for r in reductions if r.host is not None}
+    for device in devices:
+        _collectives.compute_stream(device).synchronize()
 
 
 def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: int) -> torch.Tensor:
@@ -315,16 +415,20 @@ def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: in
 
 @dataclass(eq=False)
 class PendingReduce:
-    """A gradient reduction: `wait` finishes the collective (and divides); `commit` adds the result
-    into the sharded gradient once the backward has succeeded."""
+    """A gradient reduction: `wait` finishes the collective (and divides); `finish` also the
+    all-reduce across replicas; `commit` adds the result into the sharded gradient once the backward
+    has succeeded."""
 
     handle: FlatParamHandle
     work: _collectives.InFlight
     out: torch.Tensor
     send: list[torch.Tensor]  # kept alive until the collective completes
-    replicate_group: Optional[dist.ProcessGroup] = None
+    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduced across it in `wait`
     post_divide: int = 1
     done: bool = False
+    # CUDA, HYBRID_SHARD: the all-reduce across replicas, issued with the reduce-scatter
+    replica: Optional[_collectives.InFlight] = None
+    host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -334,29 +438,39 @@ class PendingReduce:
         kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
         self.done = True
         self.work.wait(f"the gradient {kind} of unit '{unit}'")
-        self.send = []
+        if self.replica is None:
+            self.send = []
         if self.post_divide > 1:
             self.out.div_(self.post_divide)
         if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
             work = _collectives.all_reduce(self.out, self.replicate_group)
             _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
 
+    def finish(self) -> None:
+        """`wait`, and the compute stream waits for the all-reduce across replicas (where FSDP2 waits
+        for it: at the end of backward, or when the step is abandoned)."""
+        self.wait()
+        if self.replica is not None:
+            replica, self.replica = self.replica, None
+            replica.wait(f"the gradient all-reduce across replicas of unit '{self.handle.unit_fqn or '<root>'}'")
+            self.send = []
+
     def commit(self) -> None:
         """Add the reduced shard into ``flat_param.grad``; the kept ``no_sync`` sum it included goes."""
+        self.finish()
         handle = self.handle
         handle.grads.kept = None
         _set_state(handle, GradState.NONE)
-        _accumulate_sharded_grad(handle, self.out)
+        _accumulate_sharded_grad(handle, self.host if self.host is not None else self.out)
 
 
 def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> None:
     """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
 
     The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
-    offload it is copied to the host *blocking*: the optimizer steps on the CPU right after backward
-    and must never read a partially copied gradient (NO_SHARD made this race visible)."""
-    dtype = handle.config.grad_dtype(handle.dtype)
-    grad = reduced.to(device=handle.shard_device, dtype=dtype, non_blocking=False)
+    offload on CUDA, ``reduced`` is already the host copy ([Note: offloaded gradients reach the
+    host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
+    grad = reduced.to(device=handle.shard_device, dtype=handle.config.grad_dtype(handle.dtype))
     flat_grad = handle.flat_param.grad
     if flat_grad is None or flat_grad.dtype != grad.dtype:
         assign_grad(handle.flat_param, grad)

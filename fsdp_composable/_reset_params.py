@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _rank_agreement, _reduce_utils
+from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
 from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._rank_agreement import Op
@@ -202,13 +202,15 @@ def _run_everywhere(module: nn.Module, target: _Target, handles: list[FlatParamH
         error, result = e, None
     finally:
         _ACTIVE.pop()
-    failed = torch.tensor([int(error is not None)], dtype=torch.int64, device=handles[0].device)
+    failed = int(error is not None)
     for group in _groups(handles):
+        flag = _collectives.comm_tensor([failed], group, handles[0].device)
         _rank_agreement.agree_before(group, Op.ALL_REDUCE, 1, torch.int64, "status all-reduce")
-        dist.all_reduce(failed, op=dist.ReduceOp.MAX, group=group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        failed = max(failed, int(_collectives.host_values(flag)[0]))
     if error is not None:
         raise error
-    if failed.item():
+    if failed:
         raise RuntimeError(
             f"reset_parameters() of module '{target.fqn or '<root>'}' ({type(module).__name__}) raised on another "
             "rank (see its log); nothing was written back, the parameters are unchanged"

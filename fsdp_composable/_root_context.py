@@ -61,6 +61,7 @@ class RootContext:
     state_of: dict["FlatParamHandle", "_FSDPState"]  # the state owning each handle
     unshard_stream: Optional[torch.cuda.Stream] = None
     reduce_stream: Optional[torch.cuda.Stream] = None
+    all_reduce_stream: Optional[torch.cuda.Stream] = None  # HYBRID_SHARD's all-reduce across replicas
     # gradient reductions issued this backward: in flight, then finished but not yet committed (their
     # results reach `.grad` only once the whole backward has succeeded)
     pending_reductions: list["PendingReduce"] = field(default_factory=list)

@@ -41,9 +41,9 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from fsdp_composable import _rank_agreement, _trace
+from fsdp_composable import _collectives, _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
-from fsdp_composable._cast_inputs import cast_floating
+from fsdp_composable._cast_inputs import cast_floating, to_device
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -103,9 +103,9 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         return
     states = _get_fsdp_states(root_module)
     handles = [h for s in states for h in s.handles]
-    streams: tuple[Optional[torch.cuda.Stream], Optional[torch.cuda.Stream]] = (None, None)
-    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
-        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
+    streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
+    if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
+        streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
     ctx = RootContext(
         root=state,
         states=states,
@@ -116,6 +116,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         state_of={h: s for s in states for h in s.handles},
         unshard_stream=streams[0],
         reduce_stream=streams[1],
+        all_reduce_stream=streams[2],
         steps={h: h.step for h in handles},
     )
     for s in states:
@@ -123,7 +124,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.root_state = state
         s.ctx = ctx
     for handle in handles:
-        handle.unshard_stream, handle.reduce_stream = streams
+        handle.unshard_stream, handle.reduce_stream = streams[0], streams[1]
     fqn_of = {m: name for name, m in root_module.named_modules()}
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
@@ -226,12 +227,16 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         for s in ctx.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         ctx.exec_order.start_forward()
+        _collectives.wait_for_compute(ctx.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in ctx.handles:
             grads.release_cleared_grads(handle)
+    moved = state.device.type != "cpu"
+    if moved:  # the root's inputs on the compute device, as FSDP1/FSDP2 do
+        args, kwargs = to_device(args, state.device), to_device(kwargs, state.device)
     dtype = state.config.input_dtype(is_root=True)
     if dtype is not None:
         return _cast_floating(args, dtype), _cast_floating(kwargs, dtype)
-    return None
+    return (args, kwargs) if moved else None
 
 
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
@@ -354,7 +359,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
             _wait_reductions(ctx)
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     handle.reshard()
@@ -371,7 +376,7 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
     for handle in ctx.handles:
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
         if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.state_of[handle].sync_gradients:
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
     _end_step(ctx)
 
 
@@ -383,7 +388,9 @@ def _end_step(ctx: RootContext) -> None:
             handle.reshard()
         if handle.training_state is not HandleTrainingState.IDLE:
             handle.set_training_state(HandleTrainingState.IDLE)
+    ctx.limiter.release_freed(ctx.handles)
     finished, ctx.finished_reductions = ctx.finished_reductions, []
+    grads.finish_all(finished)
     for reduction in finished:
         reduction.commit()
     for handle in ctx.handles:
@@ -405,7 +412,7 @@ def _abort_step(ctx: RootContext) -> None:
     ctx.pending_reductions, ctx.finished_reductions = [], []
     for reduction in reductions:
         try:
-            reduction.wait()  # its buffers must outlive the collective; its result is dropped
+            reduction.finish()  # its buffers must outlive the collective; its result is dropped
         except Exception as e:  # a peer died: still reset everything, then report it
             error = error or e
     for handle in ctx.handles:
@@ -419,6 +426,7 @@ def _abort_step(ctx: RootContext) -> None:
             error = error or e
         handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
         grads.expose_sharded_grads(handle)
+    ctx.limiter.release_freed(ctx.handles)
     for s in ctx.states:
         if s.training_state is TrainingState.FORWARD_BACKWARD:
             s.training_state = TrainingState.IDLE  # a reset, not a transition
@@ -477,9 +485,14 @@ def _settle_unfinished_step(state: _FSDPState) -> None:
 
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
+    if state.ctx is not None and state.ctx.open_forwards == 0 and not _in_backward():
+        # a unit called outside the root's forward: no root pre-forward ordered its all-gather after
+        # the shards' last writes (the optimizer's), see _collectives.issue
+        _collectives.wait_for_compute(state.ctx.unshard_stream)
     handle.unshard()
     if state.ctx is not None:
         state.ctx.limiter.record(state.ctx.non_root_handles)
+        state.ctx.limiter.release_freed(state.ctx.handles)
 
 
 def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:

@@ -34,6 +34,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from fsdp_composable import _collectives
+
 __all__ = ["TPSpec"]
 
 
@@ -165,9 +167,12 @@ def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
 def _mesh_from_groups(dp_group: dist.ProcessGroup, tp_mesh: DeviceMesh) -> DeviceMesh:
     """A 2-D mesh whose rows are tensor-parallel groups and columns data-parallel groups."""
     world = dist.get_world_size()
-    coords = torch.tensor([dist.get_rank(dp_group), tp_mesh.get_local_rank(), dist.get_rank()], dtype=torch.int64)
-    every = [torch.zeros_like(coords) for _ in range(world)]
-    dist.all_gather(every, coords)
+    group = dist.group.WORLD
+    assert group is not None
+    coords = _collectives.comm_tensor([dist.get_rank(dp_group), tp_mesh.get_local_rank(), dist.get_rank()], group)
+    gathered = [torch.zeros_like(coords) for _ in range(world)]
+    dist.all_gather(gathered, coords)
+    every = _collectives.host_values(torch.stack(gathered))
     dp_size, tp_size = dist.get_world_size(dp_group), tp_mesh.size()
     layout = torch.full((dp_size, tp_size), -1, dtype=torch.int64)
     mine = set(dist.get_process_group_ranks(dp_group)) | set(tp_mesh.mesh.flatten().tolist())

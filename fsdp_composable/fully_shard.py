@@ -103,7 +103,9 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     state = init._init_core_state(module, args, group, replicate_group, device)
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
     init._init_buffer_state(state, module)
-    init._init_param_handles_from_module(state, unit_policy, args.param_init_fn, args.sync_module_states, api)
+    init._init_param_handles_from_module(
+        state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id
+    )
     for handle in state.handles:
         init_grads(handle, expose_orig=args.use_orig_params)
     for unit_module in {module, *(h.module for h in state.handles)}:

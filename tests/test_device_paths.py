@@ -1,0 +1,123 @@
+"""The CUDA path, checked on CPU: which device every collective's tensors live on, the order of
+stream waits and events, the host synchronisations of a step, the offload copies, self-copies.
+
+No GPU runs here. Each check drives the library's real code paths with a stand-in for what only a
+GPU has: a process group that serves one device type only (as NCCL serves CUDA only), recording
+stream and event objects, and a counter of host reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+from expecttest import TestCase
+
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS_DIR)
+
+# ---------------------------------------------------------------------------- device audit
+# device_audit_world.py runs real steps and every collective entry point in a world whose group
+# serves only `meta` (see its docstring): a collective handed a tensor on another device fails as
+# on NCCL. One fresh interpreter runs every check (the test process has its own gloo groups).
+_SD_BRANCH = pytest.mark.xfail(reason="needs the sd branch", strict=False)
+_AUDIT_CHECKS = [
+    "training_full_shard",
+    "training_strategies",
+    "training_hybrid",
+    "no_sync_then_sync",
+    "clip_ours",
+    "clip_torch",
+    "sync_module_states",
+    "reset_after_sharding",
+    "unshard_params",
+    "state_dict_full_state_dict",
+    pytest.param("state_dict_sharded_state_dict", marks=_SD_BRANCH),
+    "state_dict_local_state_dict",
+    "optim_state",
+]
+_STREAM_CHECKS = [
+    "streams_full_shard",
+    "streams_prefetch_and_mixed_precision",
+    "streams_hybrid",
+    "streams_no_sync",
+    "streams_memory_between_steps",
+    "streams_unit_called_alone",
+]
+
+
+_RESULTS: dict[str, str] = {}
+
+
+@pytest.fixture(scope="module")
+def audit() -> dict[str, str]:
+    return _run_audit()
+
+
+def _run_audit() -> dict[str, str]:
+    if _RESULTS:
+        return _RESULTS
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(
+        [sys.executable, os.path.join(TESTS_DIR, "device_audit_world.py")],
+        capture_output=True,
+        text=True,
+        timeout=500,
+        env=env,
+        cwd=REPO,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    _RESULTS.update(json.loads(proc.stdout.strip().splitlines()[-1]))
+    return _RESULTS
+
+
+@pytest.mark.parametrize("check", _AUDIT_CHECKS)
+def test_collectives_use_the_groups_device(audit: dict[str, str], check: str) -> None:
+    """Every collective of ours, in training and at every entry point, gets tensors on the device
+    the group serves (the first iteration's order check used to build them on the CPU)."""
+    assert audit[check] == "ok", audit[check]
+
+
+@pytest.mark.parametrize("check", _STREAM_CHECKS)
+def test_stream_order(audit: dict[str, str], check: str) -> None:
+    """Real steps with recording CUDA streams and events ([Note: the stream recorder] in
+    stream_recorder.py): no tensor read on one stream before the event of the stream that wrote
+    it, no storage freed while another stream may use it, streams asked for by device, the unshard
+    stream waiting for compute once per root forward, HYBRID_SHARD's all-reduce on its own stream."""
+    assert audit[check] == "ok", audit[check]
+
+
+def test_no_host_sync_in_a_steady_state_step(audit: dict[str, str]) -> None:
+    """After the first iteration, a step without CPU offload reads nothing back on the host and
+    synchronises no stream or event (a read of a meta tensor would raise as well)."""
+    assert audit["no_host_sync_in_steady_state"] == "ok", audit["no_host_sync_in_steady_state"]
+
+
+def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
+    """Autograd accumulates into the flat buffer's views; the reduction takes them as they are
+    instead of copying each one onto itself every backward (FULL_SHARD and NO_SHARD)."""
+    assert audit["no_self_copies"] == "ok", audit["no_self_copies"]
+
+
+def test_root_inputs_moved_to_the_compute_device(audit: dict[str, str]) -> None:
+    """A CPU batch (integer token ids) reaches the model on its compute device."""
+    assert audit["cpu_inputs_moved"] == "ok", audit["cpu_inputs_moved"]
+
+
+class TestPlacementError(TestCase):
+    def test_model_on_a_device_the_group_does_not_serve(self) -> None:
+        """A model left on the CPU with a group serving another device type only (NCCL: CUDA) is
+        refused before any collective, naming the fix."""
+        self.assertExpectedInline(
+            _run_audit()["model_on_a_device_the_group_does_not_serve"],
+            """fully_shard: the module's parameters are on cpu, but its process group (backend 'auditmeta') communicates meta tensors only; pass device_id=torch.device('meta') (it moves the model one unit at a time) or move the model there first""",  # noqa: E501
+        )
+
+
+def test_offloaded_gradients_copied_during_backward_with_one_sync(audit: dict[str, str]) -> None:
+    """CPU offload: each unit's reduced gradient starts its copy to the host on the side stream that
+    produced it, during backward; the host synchronises once per step, before the commit."""
+    assert audit["offload_copies_one_sync"] == "ok", audit["offload_copies_one_sync"]
