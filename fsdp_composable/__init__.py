@@ -41,6 +41,7 @@ if not _RUN_AS_MAIN:
         StateDictType,
     )
     from fsdp_composable.checkpoint import (
+        CheckpointImpl,
         CheckpointWrapper,
         apply_activation_checkpointing,
         checkpoint,
@@ -55,6 +56,7 @@ __version__ = "0.1.0"
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CheckpointImpl",
     "CheckpointWrapper",
     "CustomPolicy",
     "FullStateDictConfig",

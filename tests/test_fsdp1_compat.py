@@ -18,7 +18,16 @@ from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_l
 from parity import train_side_by_side
 from torch import nn
 
-from fsdp_composable import FullyShardedDataParallel, describe, fully_shard
+from fsdp_composable import (
+    CheckpointImpl,
+    CheckpointWrapper,
+    FullyShardedDataParallel,
+    ModuleWrapPolicy,
+    apply_activation_checkpointing,
+    checkpoint_wrapper,
+    describe,
+    fully_shard,
+)
 
 
 class SubBlock(Block):
@@ -189,4 +198,81 @@ def test_torch_policy_errors(dist_run: Callable[..., Any]) -> None:
     tc.assertExpectedInline(
         errors["custom_bad_return"],
         """ValueError: torch CustomPolicy's function returned int for module 'l1'; return a bool or a dict of keyword overrides""",
+    )
+
+
+# ---------------------------------------------------------------------------- activation checkpointing
+def _torch_impl(name: str) -> Any:
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointImpl
+
+    return CheckpointImpl[name]
+
+
+def _checkpointed_gpt_trains(how: str) -> dict[str, Any]:
+    """FSDP1's activation-checkpointing code, as written, then sharding with torch's block policy."""
+    from torch.distributed.fsdp import wrap
+
+    torch.manual_seed(0)
+    ref = TinyGPT(n_layers=2)
+
+    def shard(model: nn.Module) -> nn.Module:
+        wrapper_fn = functools.partial(checkpoint_wrapper, checkpoint_impl=_torch_impl("NO_REENTRANT"))
+        if how == "check_fn":
+            apply_activation_checkpointing(
+                model, checkpoint_wrapper_fn=wrapper_fn, check_fn=lambda m: isinstance(m, Block)
+            )
+        else:
+            policy = functools.partial(wrap.transformer_auto_wrap_policy, transformer_layer_cls={Block})
+            apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper_fn, auto_wrap_policy=policy)
+        assert [type(b).__name__ for b in model.blocks] == ["CheckpointWrapper"] * 2
+        return fully_shard(model, ModuleWrapPolicy({Block}))
+
+    return train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=2, optim="adamw")
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("how", ["check_fn", "auto_wrap_policy"])
+def test_fsdp1_activation_checkpointing_trains(dist_run: Callable[..., Any], world_size: int, how: str) -> None:
+    for r in dist_run(world_size, _checkpointed_gpt_trains, how):
+        assert r["keys_equal"] and r["shapes_equal"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        assert r["max_weight_diff"] < 1e-4
+
+
+def test_checkpoint_wrapper_fsdp1_keywords() -> None:
+    torch.manual_seed(0)
+    plain = nn.Sequential(nn.Linear(3, 4), nn.Dropout(0.5), nn.Linear(4, 2))
+    for impl in (CheckpointImpl.NO_REENTRANT, _torch_impl("NO_REENTRANT")):
+        wrapped = checkpoint_wrapper(plain, checkpoint_impl=impl, preserve_rng_state=True)
+        assert isinstance(wrapped, CheckpointWrapper) and wrapped.checkpoint_impl is CheckpointImpl.NO_REENTRANT
+        x = torch.randn(5, 3)
+        torch.manual_seed(1)
+        wrapped(x).sum().backward()
+        got = [p.grad.clone() for p in plain.parameters()]
+        plain.zero_grad()
+        torch.manual_seed(1)
+        plain(x).sum().backward()
+        assert all(torch.equal(a, p.grad) for a, p in zip(got, plain.parameters()))
+        plain.zero_grad()
+    tc = expecttest.TestCase()
+    lin = nn.Linear(2, 2)
+    tc.assertExpectedInline(
+        error_of(lambda: checkpoint_wrapper(lin, checkpoint_impl=_torch_impl("REENTRANT"))),
+        """ValueError: CheckpointWrapper(checkpoint_impl=CheckpointImpl.REENTRANT) is not supported: reentrant checkpointing recomputes the forward inside a nested backward that fully_shard's backward hooks cannot see. Use CheckpointImpl.NO_REENTRANT (the default).""",
+    )
+    tc.assertExpectedInline(
+        error_of(lambda: checkpoint_wrapper(lin, CheckpointImpl.REENTRANT)),
+        """ValueError: CheckpointWrapper(checkpoint_impl=CheckpointImpl.REENTRANT) is not supported: reentrant checkpointing recomputes the forward inside a nested backward that fully_shard's backward hooks cannot see. Use CheckpointImpl.NO_REENTRANT (the default).""",
+    )
+    tc.assertExpectedInline(
+        error_of(lambda: checkpoint_wrapper(lin, checkpoint_impl="NO_REENTRANT")),
+        """TypeError: CheckpointWrapper argument 'checkpoint_impl' must be CheckpointImpl.NO_REENTRANT, got 'NO_REENTRANT'""",
+    )
+    tc.assertExpectedInline(
+        error_of(lambda: checkpoint_wrapper(lin, checkpoint_fn=torch.utils.checkpoint.checkpoint)),
+        """ValueError: CheckpointWrapper argument 'checkpoint_fn' is not supported: the wrapper always runs torch.utils.checkpoint.checkpoint(use_reentrant=False); pass its options as keywords (preserve_rng_state, context_fn, determinism_check, debug), or use the composable checkpoint(module)""",
+    )
+    tc.assertExpectedInline(
+        error_of(lambda: checkpoint_wrapper(lin, offload_to_cpu=True)),
+        """TypeError: CheckpointWrapper got unexpected keyword arguments ['offload_to_cpu']; the options of torch.utils.checkpoint.checkpoint it passes on are ['preserve_rng_state', 'context_fn', 'determinism_check', 'debug']""",
     )
