@@ -39,7 +39,7 @@ from fsdp_composable._flat_param import FlatParamHandle
 __all__ = ["register_comm_hook"]
 
 API_NAME = "comm_hook"
-_LOW_PRECISION_HOOKS = ("fp16_compress_hook", "bf16_compress_hook")
+_LOW_PRECISION_HOOKS = {"fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
 _TORCH_HOOKS_MODULE = "torch.distributed.algorithms._comm_hooks"
 _HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 
@@ -50,13 +50,16 @@ class CommHook:
 
     state: Any
     hook: Callable[..., Any]
-    low_precision: bool  # torch's fp16/bf16 compress hooks: they cast the gradient themselves
+    # torch's fp16/bf16 compress hooks: the dtype they reduce in (they cast the gradient themselves)
+    low_precision: Optional[torch.dtype]
 
 
-def _is_low_precision(hook: Callable[..., Any]) -> bool:
+def _compression_of(hook: Callable[..., Any]) -> Optional[torch.dtype]:
     target = hook.func if isinstance(hook, functools.partial) else hook
     module = getattr(target, "__module__", "") or ""
-    return module.startswith(_TORCH_HOOKS_MODULE) and getattr(target, "__name__", "") in _LOW_PRECISION_HOOKS
+    if not module.startswith(_TORCH_HOOKS_MODULE):
+        return None
+    return _LOW_PRECISION_HOOKS.get(getattr(target, "__name__", ""))
 
 
 def register_comm_hook(states: list[_FSDPState], hook_state: Any, hook: Any, where: str) -> None:
@@ -64,7 +67,7 @@ def register_comm_hook(states: list[_FSDPState], hook_state: Any, hook: Any, whe
     hooks]. ``where`` names the caller in messages. Checked before anything is attached."""
     if not callable(hook):
         raise TypeError(f"{where}: the communication hook must be callable, got {type(hook).__name__}")
-    low_precision = _is_low_precision(hook)
+    low_precision = _compression_of(hook)
     for state in states:
         if state.is_root is False:
             raise RuntimeError(
@@ -88,7 +91,7 @@ def register_comm_hook(states: list[_FSDPState], hook_state: Any, hook: Any, whe
                     f"'{unit}'): the all-reduce across replicas has no place in the hook's signature"
                 )
             mp = handle.config.mixed_precision
-            if low_precision and mp is not None and mp.reduce_dtype is not None:
+            if low_precision is not None and mp is not None and mp.reduce_dtype is not None:
                 raise ValueError(
                     f"{where}: {getattr(hook, '__name__', 'the hook')} casts gradients itself, but unit '{unit}' "
                     f"has MixedPrecision(reduce_dtype={mp.reduce_dtype}); use one of them, not both"
@@ -113,7 +116,7 @@ def start(
 ) -> tuple[_collectives.InFlight, torch.Tensor]:
     """Run ``hook`` on this backward's padded unsharded gradient ``flat`` where our collective would
     run; returns the work and the tensor holding the result (the shard, or under NO_SHARD the whole)."""
-    dtype = flat.dtype if hook.low_precision else handle.reduce_dtype
+    dtype = flat.dtype if hook.low_precision is not None else handle.reduce_dtype
     grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
     if handle.layout.world_size == 1:  # NO_SHARD: the hook reduces in place
         out = grad
@@ -124,5 +127,29 @@ def start(
     return work, out
 
 
-def _call(hook: CommHook, *tensors: torch.Tensor) -> None:
-    hook.hook(hook.state, *tensors)
+def _call(hook: CommHook, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
+    if hook.low_precision is not None:
+        _compressed(hook.low_precision, hook.state, grad, output)
+    elif output is None:
+        hook.hook(hook.state, grad)
+    else:
+        hook.hook(hook.state, grad, output)
+
+
+def _compressed(dtype: torch.dtype, state: Any, grad: torch.Tensor, output: Optional[torch.Tensor]) -> None:
+    """What torch's fp16/bf16 compress hooks compute, with our collectives: cast to ``dtype``, divide
+    by the state's pre-divide factor, reduce over its group, divide by its post-divide factor, cast back.
+    Ours because theirs calls ``record_stream`` (which our CUDA rules exclude, and which fails on CPU)."""
+    group, pre, post = state.process_group, state.gradient_predivide_factor, state.gradient_postdivide_factor
+    low = grad.to(dtype)
+    if pre > 1:
+        low.div_(pre)
+    if output is None:
+        _collectives.wait(_collectives.all_reduce(low, group), "the compressed gradient all-reduce")
+        result, target = low, grad
+    else:
+        result, target = torch.empty(output.shape, dtype=dtype, device=output.device), output
+        _collectives.wait(_collectives.reduce_scatter(result, low, group), "the compressed gradient reduce-scatter")
+    if post > 1:
+        result.div_(post)
+    target.copy_(result)

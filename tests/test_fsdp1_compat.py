@@ -276,3 +276,149 @@ def test_checkpoint_wrapper_fsdp1_keywords() -> None:
         error_of(lambda: checkpoint_wrapper(lin, offload_to_cpu=True)),
         """TypeError: CheckpointWrapper got unexpected keyword arguments ['offload_to_cpu']; the options of torch.utils.checkpoint.checkpoint it passes on are ['preserve_rng_state', 'context_fn', 'determinism_check', 'debug']""",
     )
+
+
+# ---------------------------------------------------------------------------- FullyShardedDataParallel.apply
+def _init_weights(m: nn.Module) -> None:
+    """Needs full shapes: orthogonal init of a (7, 5) matrix cannot run on a 1-D shard."""
+    if isinstance(m, nn.Linear):
+        torch.manual_seed(m.in_features * 100 + m.out_features)
+        nn.init.orthogonal_(m.weight)
+        nn.init.constant_(m.bias, 0.25)
+
+
+def _apply_then_train(use_orig_params: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = OddMLP()
+
+    def shard(m: nn.Module) -> nn.Module:
+        model = FullyShardedDataParallel(
+            m, auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=use_orig_params
+        )
+        seen: list[tuple[int, ...]] = []
+        assert model.apply(lambda mod: seen.extend(tuple(p.shape) for p in mod.parameters(recurse=False))) is model
+        assert sorted(seen) == sorted(tuple(p.shape) for p in ref.parameters()), seen  # full shapes inside
+        model.apply(_init_weights)
+        return model
+
+    ref.apply(_init_weights)
+    return train_side_by_side(
+        ref, shard, mlp_loss, mlp_batch, per_rank_batch=2, steps=3, optim="adamw" if use_orig_params else "sgd-flat"
+    )
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("use_orig_params", [True, False])
+def test_wrapper_apply_runs_on_full_parameters(
+    dist_run: Callable[..., Any], world_size: int, use_orig_params: bool
+) -> None:
+    for r in dist_run(world_size, _apply_then_train, use_orig_params):
+        assert r["keys_equal"] and r["shapes_equal"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        assert r["max_weight_diff"] < 1e-5
+
+
+# ---------------------------------------------------------------------------- communication hooks
+class _ScaleState:
+    """A user's hook state: what the hook scales by, and what it saw."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+        self.calls: list[tuple[int, int]] = []
+
+
+def _scaling_hook(state: _ScaleState, grad: torch.Tensor, output: Any = None) -> None:
+    import torch.distributed as dist
+
+    state.calls.append((grad.numel(), -1 if output is None else output.numel()))
+    grad.mul_(state.scale / dist.get_world_size())
+    if output is None:
+        dist.all_reduce(grad)
+    else:
+        dist.reduce_scatter_tensor(output, grad)
+
+
+def _grads_with_hook(hook_name: str, strategy: str, world_size: int) -> dict[str, Any]:
+    """One model with the hook, one plain unsharded reference: gradients after one backward, in full."""
+    import torch.distributed as dist
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    from fsdp_composable import ShardingStrategy, unshard_params
+
+    torch.manual_seed(0)
+    ref = OddMLP()
+    model = FullyShardedDataParallel(
+        __import__("copy").deepcopy(ref),
+        auto_wrap_policy=ModuleWrapPolicy({nn.Linear}),
+        sharding_strategy=ShardingStrategy[strategy],
+        use_orig_params=True,
+    )
+    no_shard = strategy == "NO_SHARD"
+    hooks: dict[str, tuple[Any, Any]] = {
+        "default": (
+            default_hooks.DefaultState(dist.group.WORLD),
+            default_hooks.allreduce_hook if no_shard else default_hooks.reduce_scatter_hook,
+        ),
+        "fp16": (default_hooks.LowPrecisionState(dist.group.WORLD), default_hooks.fp16_compress_hook),
+        "bf16": (default_hooks.LowPrecisionState(dist.group.WORLD), default_hooks.bf16_compress_hook),
+        "scale": (_ScaleState(3.0), _scaling_hook),
+    }
+    hook_state, hook = hooks[hook_name]
+    model.register_comm_hook(hook_state, hook)
+    batch = mlp_batch(0, 2 * world_size)
+    mlp_loss(ref, batch).backward()
+    rank = dist.get_rank()
+    mlp_loss(model, (batch[0][rank * 2 : rank * 2 + 2], batch[1][rank * 2 : rank * 2 + 2])).backward()
+    with unshard_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want = {n: p.grad for n, p in ref.named_parameters()}
+    calls = hook_state.calls if isinstance(hook_state, _ScaleState) else []
+    return {
+        "max_diff": max((got[n] - want[n] * (3.0 if hook_name == "scale" else 1.0)).abs().max().item() for n in want),
+        "calls": calls,
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
+@pytest.mark.parametrize(("hook", "tol"), [("default", 1e-6), ("scale", 1e-5), ("fp16", 2e-3), ("bf16", 2e-2)])
+def test_comm_hooks_reduce_gradients(
+    dist_run: Callable[..., Any], world_size: int, strategy: str, hook: str, tol: float
+) -> None:
+    for r in dist_run(world_size, _grads_with_hook, hook, strategy, world_size):
+        assert r["max_diff"] < tol, r
+        if hook == "scale":  # the full padded flat gradient, and the shard (or nothing under NO_SHARD)
+            assert len(r["calls"]) == 4, r["calls"]  # the root unit (nothing) and l1, l2.0, l2.2, l3: 4 with params
+            for full, shard in r["calls"]:
+                assert (shard == -1) if strategy == "NO_SHARD" else (full == shard * world_size), r["calls"]
+
+
+def _comm_hook_errors() -> dict[str, str]:
+    import torch.distributed as dist
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    from fsdp_composable import MixedPrecision
+
+    state = default_hooks.DefaultState(dist.group.WORLD)
+    out = {}
+    model = FullyShardedDataParallel(OddMLP())
+    out["not_callable"] = error_of(lambda: model.register_comm_hook(state, 3))
+    model.register_comm_hook(state, default_hooks.reduce_scatter_hook)
+    out["twice"] = error_of(lambda: model.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+    late = FullyShardedDataParallel(OddMLP())
+    late(torch.randn(2, 5)).sum().backward()
+    out["after_forward"] = error_of(lambda: late.register_comm_hook(state, default_hooks.reduce_scatter_hook))
+    mp = FullyShardedDataParallel(OddMLP(), mixed_precision=MixedPrecision(reduce_dtype=torch.float16))
+    out["low_precision_with_reduce_dtype"] = error_of(
+        lambda: mp.register_comm_hook(state, default_hooks.bf16_compress_hook)
+    )
+    return out
+
+
+def test_comm_hook_errors(dist_run: Callable[..., Any]) -> None:
+    (errors,) = dist_run(1, _comm_hook_errors)
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(errors["not_callable"], """TypeError: register_comm_hook: the communication hook must be callable, got int""")
+    tc.assertExpectedInline(errors["twice"], """RuntimeError: register_comm_hook: a communication hook is already registered (unit '<root>'); register one, once""")
+    tc.assertExpectedInline(errors["after_forward"], """RuntimeError: register_comm_hook: register the communication hook before the first forward; this OddMLP has already run one""")
+    tc.assertExpectedInline(errors["low_precision_with_reduce_dtype"], """ValueError: register_comm_hook: bf16_compress_hook casts gradients itself, but unit '<root>' has MixedPrecision(reduce_dtype=torch.float16); use one of them, not both""")
