@@ -49,7 +49,7 @@ if not _RUN_AS_MAIN:
     )
     from fsdp_composable.fully_shard import fully_shard
     from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
-    from fsdp_composable.wrapper import FullyShardedDataParallel
+    from fsdp_composable.wrapper import FullyShardedDataParallel, OptimStateKeyType, StateDictSettings
 
 __version__ = "0.1.0"
 
@@ -65,12 +65,14 @@ __all__ = [
     "MemoryEstimate",
     "MixedPrecision",
     "ModuleWrapPolicy",
+    "OptimStateKeyType",
     "Policy",
     "SizeBasedPolicy",
     "ShardedStateDictConfig",
     "ShardingPlan",
     "ShardingStrategy",
     "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
     "UnitPlan",
     "apply_activation_checkpointing",

@@ -22,6 +22,7 @@ from fsdp_composable import (
     CheckpointImpl,
     CheckpointWrapper,
     FullyShardedDataParallel,
+    OptimStateKeyType,
     ModuleWrapPolicy,
     apply_activation_checkpointing,
     checkpoint_wrapper,
@@ -418,7 +419,144 @@ def _comm_hook_errors() -> dict[str, str]:
 def test_comm_hook_errors(dist_run: Callable[..., Any]) -> None:
     (errors,) = dist_run(1, _comm_hook_errors)
     tc = expecttest.TestCase()
-    tc.assertExpectedInline(errors["not_callable"], """TypeError: register_comm_hook: the communication hook must be callable, got int""")
-    tc.assertExpectedInline(errors["twice"], """RuntimeError: register_comm_hook: a communication hook is already registered (unit '<root>'); register one, once""")
-    tc.assertExpectedInline(errors["after_forward"], """RuntimeError: register_comm_hook: register the communication hook before the first forward; this OddMLP has already run one""")
-    tc.assertExpectedInline(errors["low_precision_with_reduce_dtype"], """ValueError: register_comm_hook: bf16_compress_hook casts gradients itself, but unit '<root>' has MixedPrecision(reduce_dtype=torch.float16); use one of them, not both""")
+    tc.assertExpectedInline(
+        errors["not_callable"], """TypeError: register_comm_hook: the communication hook must be callable, got int"""
+    )
+    tc.assertExpectedInline(
+        errors["twice"],
+        """RuntimeError: register_comm_hook: a communication hook is already registered (unit '<root>'); register one, once""",
+    )
+    tc.assertExpectedInline(
+        errors["after_forward"],
+        """RuntimeError: register_comm_hook: register the communication hook before the first forward; this OddMLP has already run one""",
+    )
+    tc.assertExpectedInline(
+        errors["low_precision_with_reduce_dtype"],
+        """ValueError: register_comm_hook: bf16_compress_hook casts gradients itself, but unit '<root>' has MixedPrecision(reduce_dtype=torch.float16); use one of them, not both""",
+    )
+
+
+# ---------------------------------------------------------------------------- ignored_states
+def _ignored_states_train(kind: str) -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = OddMLP()
+
+    def shard(m: nn.Module) -> nn.Module:
+        states: list[Any] = [m.l2] if kind == "module" else list(m.l2.parameters())
+        model = FullyShardedDataParallel(m, ignored_states=states, use_orig_params=True)
+        # ignored parameters stay whole on every rank (the rest is sharded)
+        assert [tuple(p.shape) for p in m.l2.parameters()] == [(3, 7), (3,), (7, 3), (7,)]
+        assert m.l1.weight.dim() == 1
+        return model
+
+    r = train_side_by_side(ref, shard, mlp_loss, mlp_batch, per_rank_batch=2, steps=1, optim="sgd")
+    return r
+
+
+@pytest.mark.parametrize("kind", ["module", "params"])
+def test_wrapper_ignored_states(dist_run: Callable[..., Any], kind: str) -> None:
+    for r in dist_run(2, _ignored_states_train, kind):
+        assert r["keys_equal"] and r["shapes_equal"]
+        # one step: the ignored parameters' gradients are not reduced, so only the first loss is shared
+        assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-6)
+
+
+def _ignored_states_errors() -> dict[str, str]:
+    m = OddMLP()
+    return {
+        "both": error_of(lambda: FullyShardedDataParallel(OddMLP(), ignored_modules=[], ignored_states=[])),
+        "one_param": error_of(lambda: FullyShardedDataParallel(m, ignored_states=[m.l2[0].weight])),
+        "not_list": error_of(lambda: FullyShardedDataParallel(m, ignored_states=m.l1)),
+    }
+
+
+def test_wrapper_ignored_states_errors(dist_run: Callable[..., Any]) -> None:
+    (errors,) = dist_run(1, _ignored_states_errors)
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(errors["both"], """ValueError: FullyShardedDataParallel argument 'ignored_states' and 'ignored_modules' were both given; pass one""")
+    tc.assertExpectedInline(errors["one_param"], """ValueError: FullyShardedDataParallel ignores whole modules (ignored_modules=[...]), not single parameters: it holds 'l2.0.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""")
+    tc.assertExpectedInline(errors["not_list"], """TypeError: FullyShardedDataParallel argument 'ignored_states' must be a list of parameters and/or modules, got Linear""")
+
+
+# ---------------------------------------------------------------------------- state-dict and optimizer static methods
+def _static_methods(world_size: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from fsdp_composable import FullStateDictConfig, StateDictType
+
+    fsdp = FullyShardedDataParallel
+    torch.manual_seed(0)
+    ref = OddMLP()
+    model = fsdp(__import__("copy").deepcopy(ref), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.01)
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    rank = dist.get_rank()
+    for step in range(2):
+        batch = mlp_batch(step, 2 * world_size)
+        mlp_loss(ref, batch).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        mlp_loss(model, (batch[0][rank * 2 : rank * 2 + 2], batch[1][rank * 2 : rank * 2 + 2])).backward()
+        opt.step()
+        opt.zero_grad()
+    out: dict[str, Any] = {}
+    # set_state_dict_type: persistent until changed, returns the previous settings
+    before = fsdp.set_state_dict_type(model, StateDictType.SHARDED_STATE_DICT)
+    out["previous"] = (before.state_dict_type.name, type(before.state_dict_config).__name__)
+    out["now"] = fsdp.get_state_dict_type(model).state_dict_type.name
+    out["sharded_values"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    fsdp.set_state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=False))
+    out["full_values"] = sorted({type(v).__name__ for v in model.state_dict().values()})
+    # full_optim_state_dict (rank 0 only by default) -> rekey by position -> loads into the plain optimizer
+    full = fsdp.full_optim_state_dict(model, opt)
+    out["full_on_rank"] = bool(full)
+    if rank == 0:
+        plain = fsdp.rekey_optim_state_dict(full, OptimStateKeyType.PARAM_ID, ref)
+        ref_sd = ref_opt.state_dict()
+        out["rekeyed_equal"] = (
+            all(
+                torch.allclose(plain["state"][i][k], ref_sd["state"][i][k], atol=1e-6)
+                for i in ref_sd["state"]
+                for k in ("exp_avg", "exp_avg_sq")
+            )
+            and plain["param_groups"][0]["params"] == ref_sd["param_groups"][0]["params"]
+        )
+        back = fsdp.rekey_optim_state_dict(plain, OptimStateKeyType.PARAM_NAME, ref)
+        out["roundtrip"] = list(back["state"]) == list(full["state"])
+    # scatter_full_optim_state_dict: rank 0's plain dict, a fresh model and optimizer on every rank
+    fresh = fsdp(OddMLP(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+    fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    osd = ref_opt.state_dict() if rank == 0 else None
+    fresh_opt.load_state_dict(fsdp.scatter_full_optim_state_dict(osd, fresh, optim=fresh_opt))
+    full_everywhere = fsdp.full_optim_state_dict(fresh, fresh_opt, rank0_only=False)
+    mine = fsdp.full_optim_state_dict(model, opt, rank0_only=False)
+    out["scatter_equal"] = all(
+        torch.allclose(full_everywhere["state"][n][k], mine["state"][n][k], atol=1e-6)
+        for n in mine["state"]
+        for k in ("exp_avg", "exp_avg_sq")
+    )
+    # shard_full_optim_state_dict and the sharded pair
+    again = fsdp(OddMLP(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}), use_orig_params=True)
+    again_opt = torch.optim.Adam(again.parameters(), lr=0.01)
+    again_opt.load_state_dict(fsdp.shard_full_optim_state_dict(mine, again, optim=again_opt))
+    sharded = fsdp.sharded_optim_state_dict(model, opt)
+    out["sharded_types"] = sorted({type(v).__name__ for s in sharded["state"].values() for v in s.values()})
+    again_opt.load_state_dict(fsdp.flatten_sharded_optim_state_dict(sharded, again, again_opt))
+    reread = fsdp.full_optim_state_dict(again, again_opt, rank0_only=False)
+    out["sharded_roundtrip"] = all(
+        torch.equal(reread["state"][n][k], mine["state"][n][k]) for n in mine["state"] for k in ("exp_avg",)
+    )
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_wrapper_state_dict_static_methods(dist_run: Callable[..., Any], world_size: int) -> None:
+    results = dist_run(world_size, _static_methods, world_size)
+    for rank, r in enumerate(results):
+        assert r["previous"] == ("FULL_STATE_DICT", "FullStateDictConfig")
+        assert r["now"] == "SHARDED_STATE_DICT"
+        assert r["sharded_values"] == ["DTensor"] and r["full_values"] == ["Tensor"]
+        assert r["full_on_rank"] == (rank == 0)
+        assert r["scatter_equal"] and r["sharded_roundtrip"]
+        assert r["sharded_types"] == ["DTensor", "Tensor"]
+    assert results[0]["rekeyed_equal"] and results[0]["roundtrip"]
