@@ -473,9 +473,18 @@ def _ignored_states_errors() -> dict[str, str]:
 def test_wrapper_ignored_states_errors(dist_run: Callable[..., Any]) -> None:
     (errors,) = dist_run(1, _ignored_states_errors)
     tc = expecttest.TestCase()
-    tc.assertExpectedInline(errors["both"], """ValueError: FullyShardedDataParallel argument 'ignored_states' and 'ignored_modules' were both given; pass one""")
-    tc.assertExpectedInline(errors["one_param"], """ValueError: FullyShardedDataParallel ignores whole modules (ignored_modules=[...]), not single parameters: it holds 'l2.0.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""")
-    tc.assertExpectedInline(errors["not_list"], """TypeError: FullyShardedDataParallel argument 'ignored_states' must be a list of parameters and/or modules, got Linear""")
+    tc.assertExpectedInline(
+        errors["both"],
+        """ValueError: FullyShardedDataParallel argument 'ignored_states' and 'ignored_modules' were both given; pass one""",
+    )
+    tc.assertExpectedInline(
+        errors["one_param"],
+        """ValueError: FullyShardedDataParallel ignores whole modules (ignored_modules=[...]), not single parameters: it holds 'l2.0.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""",
+    )
+    tc.assertExpectedInline(
+        errors["not_list"],
+        """TypeError: FullyShardedDataParallel argument 'ignored_states' must be a list of parameters and/or modules, got Linear""",
+    )
 
 
 # ---------------------------------------------------------------------------- state-dict and optimizer static methods
@@ -560,3 +569,48 @@ def test_wrapper_state_dict_static_methods(dist_run: Callable[..., Any], world_s
         assert r["scatter_equal"] and r["sharded_roundtrip"]
         assert r["sharded_types"] == ["DTensor", "Tensor"]
     assert results[0]["rekeyed_equal"] and results[0]["roundtrip"]
+
+
+# ---------------------------------------------------------------------------- _HYBRID_SHARD_ZERO2
+def _hybrid_zero2(strategy: str) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from fsdp_composable import ShardingStrategy
+
+    rank = dist.get_rank()
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    group = (shards[rank // 2], replicas[rank % 2])
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    kept_after_forward: list[bool] = []
+
+    def shard(m: nn.Module) -> nn.Module:
+        model = FullyShardedDataParallel(
+            m,
+            process_group=group,
+            sharding_strategy=ShardingStrategy[strategy],
+            auto_wrap_policy=ModuleWrapPolicy({Block}),
+            use_orig_params=True,
+        )
+        handles = [h for h in model._fsdp_state.handles if h.unit_fqn]
+
+        def record(*_: Any) -> None:
+            kept_after_forward.append(all(h.is_unsharded for h in handles))
+
+        model.register_forward_hook(record)
+        return model
+
+    out = train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=3, optim="adamw")
+    out["kept_after_forward"] = kept_after_forward
+    return out
+
+
+@pytest.mark.parametrize("strategy", ["_HYBRID_SHARD_ZERO2", "HYBRID_SHARD"])
+def test_hybrid_shard_zero2(dist_run: Callable[..., Any], strategy: str) -> None:
+    """2 x 2: shard within {0,1} and {2,3}, replicate across; ZERO2 keeps the blocks unsharded after forward."""
+    for r in dist_run(4, _hybrid_zero2, strategy):
+        assert r["keys_equal"] and r["shapes_equal"]
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
+        assert r["max_weight_diff"] < 1e-4
+        assert r["kept_after_forward"] == [strategy == "_HYBRID_SHARD_ZERO2"] * 3
