@@ -135,6 +135,62 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
+    # FSDP1's public attributes, read from the state (FSDP1 sets them on the instance)
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return _state_of(self).process_group
+
+    @property
+    def rank(self) -> int:
+        return _state_of(self).rank
+
+    @property
+    def world_size(self) -> int:
+        return _state_of(self).world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        return _state_of(self).device
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The root unit's strategy (``NO_SHARD`` on a group of one rank, as in FSDP1)."""
+        return _state_of(self).config.strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return _state_of(self).config.mixed_precision or MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=_state_of(self).config.offload_params)
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return _state_of(self).backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return _state_of(self).forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return _state_of(self).limit_all_gathers
+
+    @property
+    def use_orig_params(self) -> bool:
+        return _state_of(self).use_orig_params
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every unit's flat parameter (FSDP1 lists those of this instance's own unit)."""
+        return [h.flat_param for h in _state_of(self).handles]
+
+    @property
+    def training_state(self) -> Any:
+        """The state's `TrainingState` (ours: IDLE, FORWARD_BACKWARD, SUMMON_FULL_PARAMS)."""
+        return _state_of(self).training_state
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)

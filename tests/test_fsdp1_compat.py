@@ -614,3 +614,69 @@ def test_hybrid_shard_zero2(dist_run: Callable[..., Any], strategy: str) -> None
         assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-5, abs=1e-6)
         assert r["max_weight_diff"] < 1e-4
         assert r["kept_after_forward"] == [strategy == "_HYBRID_SHARD_ZERO2"] * 3
+
+
+# ---------------------------------------------------------------------------- FSDP1's public surface
+def _surface() -> dict[str, Any]:
+    from torch.distributed.fsdp import FullyShardedDataParallel as TorchFSDP
+
+    from fsdp_composable import ShardingStrategy
+
+    public = sorted(n for n in set(dir(TorchFSDP)) - set(dir(nn.Module)) if not n.startswith("_"))
+    model = FullyShardedDataParallel(OddMLP(), auto_wrap_policy=ModuleWrapPolicy({nn.Linear}))
+    torch_model = TorchFSDP(OddMLP(), device_id=torch.device("cpu"))
+    attributes = sorted(
+        n for n in vars(torch_model) if not n.startswith("_") and n not in vars(nn.Module()) and n not in ("training",)
+    )
+    return {
+        "methods": public,
+        "missing_methods": [n for n in public if not hasattr(FullyShardedDataParallel, n)],
+        "attributes": attributes,
+        "missing_attributes": [n for n in attributes if not hasattr(model, n)],
+        "strategy": model.sharding_strategy is ShardingStrategy.NO_SHARD,  # one rank: nothing to shard
+        "is_root": model.check_is_root(),
+        "fsdp_modules": [type(m).__name__ for m in FullyShardedDataParallel.fsdp_modules(model)],
+        "buffers": [n for n, _ in FullyShardedDataParallel(nn.BatchNorm1d(3)).named_buffers()],
+    }
+
+
+def test_wrapper_has_fsdp1_public_surface(dist_run: Callable[..., Any]) -> None:
+    (r,) = dist_run(1, _surface)
+    assert r["methods"], "torch's list is empty: the test would prove nothing"
+    assert r["missing_methods"] == [], r["methods"]
+    assert r["missing_attributes"] == [], r["attributes"]
+    assert r["strategy"] and r["is_root"]
+    assert r["fsdp_modules"] == ["FullyShardedDataParallel"]
+    assert r["buffers"] == ["running_mean", "running_var", "num_batches_tracked"]
+
+
+def _unsupported_keywords() -> dict[str, str]:
+    model = FullyShardedDataParallel(OddMLP(), use_orig_params=True)
+    optim = torch.optim.SGD(model.parameters(), lr=0.1)
+    fsdp = FullyShardedDataParallel
+    return {
+        "optim_input": error_of(lambda: fsdp.full_optim_state_dict(model, optim, optim_input=list(model.parameters()))),
+        "named_optimizer": error_of(lambda: fsdp.optim_state_dict_to_load(model, optim, {}, is_named_optimizer=True)),
+        "group": error_of(lambda: fsdp.optim_state_dict(model, optim, group=object())),
+        "optim_config": error_of(
+            lambda: fsdp.set_state_dict_type(
+                model, __import__("fsdp_composable").StateDictType.FULL_STATE_DICT, None, _RankZeroOnly()
+            )
+        ),
+    }
+
+
+class _RankZeroOnly:
+    """Like torch's FullOptimStateDictConfig(rank0_only=True)."""
+
+    offload_to_cpu = False
+    rank0_only = True
+
+
+def test_wrapper_unsupported_fsdp1_keywords(dist_run: Callable[..., Any]) -> None:
+    (errors,) = dist_run(1, _unsupported_keywords)
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(errors["optim_input"], """ValueError: full_optim_state_dict: optim_input (deprecated in torch FSDP1) is not supported; pass optim=<the optimizer>""")
+    tc.assertExpectedInline(errors["named_optimizer"], """ValueError: FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
+    tc.assertExpectedInline(errors["group"], """ValueError: FullyShardedDataParallel.optim_state_dict: group is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
+    tc.assertExpectedInline(errors["optim_config"], """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""")
