@@ -23,6 +23,7 @@ def _run_as_main(argv: "list[str]") -> bool:
 _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
+    from fsdp_composable._comm_hooks import register_comm_hook
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
     from fsdp_composable._runtime_utils import register_fsdp_forward_method
@@ -86,6 +87,7 @@ __all__ = [
     "no_sync",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "register_comm_hook",
     "register_fsdp_forward_method",
     "state_dict_type",
     "summon_full_params",

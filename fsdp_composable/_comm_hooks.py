@@ -30,9 +30,10 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 import torch
+from torch import nn
 
 from fsdp_composable import _collectives
-from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state
 from fsdp_composable._flat_param import FlatParamHandle
 
@@ -62,7 +63,23 @@ def _compression_of(hook: Callable[..., Any]) -> Optional[torch.dtype]:
     return _LOW_PRECISION_HOOKS.get(getattr(target, "__name__", ""))
 
 
-def register_comm_hook(states: list[_FSDPState], hook_state: Any, hook: Any, where: str) -> None:
+def register_comm_hook(module: nn.Module, state: Any, hook: Callable[..., Any]) -> None:
+    """Reduce every unit's gradient under ``module`` (the root: the module `fully_shard` was called on
+    last, or the wrapper) with ``hook(state, grad, output)`` (sharded strategies) or ``hook(state, grad)``
+    (NO_SHARD) instead of our collective; torch's default hooks work. Before the first forward, once.
+    See [Note: communication hooks]."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_comm_hook argument 'module' must be an nn.Module, got {type(module).__name__}")
+    states = _get_fsdp_states(module)
+    if not states:
+        raise ValueError(
+            f"register_comm_hook: no fully_shard state on this {type(module).__name__} or its submodules; "
+            "call fully_shard(module) first"
+        )
+    _register(states, state, hook, "register_comm_hook")
+
+
+def _register(states: list[_FSDPState], hook_state: Any, hook: Any, where: str) -> None:
     """Attach ``hook`` (called with ``hook_state``) to every unit of ``states``; see [Note: communication
     hooks]. ``where`` names the caller in messages. Checked before anything is attached."""
     if not callable(hook):

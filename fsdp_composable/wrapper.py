@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_composable import _comm_hooks, _fsdp1_static
-from fsdp_composable._common_utils import FLAT_MODE, _FSDPState, _get_fsdp_states
+from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp2_names import _ignored_modules
@@ -264,7 +264,7 @@ class FullyShardedDataParallel(nn.Module):
         """FSDP1's communication hook: ``hook(state, grad, output)`` (sharded strategies) or
         ``hook(state, grad)`` (NO_SHARD) reduces every unit's gradient in place of ours; torch's default
         hooks work. On the root, before the first forward, once."""
-        _comm_hooks.register_comm_hook(_get_fsdp_states(self), state, hook, "register_comm_hook")
+        _comm_hooks.register_comm_hook(self, state, hook)
 
     # FSDP1's static methods for state dicts and optimizer state: see [Note: FSDP1's optimizer-state methods]
     set_state_dict_type = staticmethod(_fsdp1_static.set_state_dict_type)
