@@ -39,6 +39,7 @@ from fsdp_composable.api import MixedPrecision, ShardingStrategy
 __all__ = ["TorchPolicy", "read_torch_policy"]
 
 _TORCH_FSDP = "torch.distributed.fsdp"
+_TORCH_WRAP = "torch.distributed.fsdp.wrap"  # where FSDP1's policies live
 # FSDP1's CustomPolicy keyword -> ours; values are converted by `_override_value`
 _OVERRIDE_NAMES = {"sharding_strategy": "strategy", "strategy": "strategy", "mixed_precision": "mixed_precision"}
 _MIXED_PRECISION_FIELDS = (
@@ -94,7 +95,7 @@ def read_torch_policy(policy: Any) -> Optional[TorchPolicy]:
             return TorchPolicy("classes", f"torch ModuleWrapPolicy({{{names}}})", classes=classes)
         if cls.__name__ == "CustomPolicy" and callable(getattr(policy, "_lambda_fn", None)):
             return TorchPolicy("custom", "torch CustomPolicy", fn=policy._lambda_fn)
-        if not callable(policy):
+        if not callable(policy) and cls.__module__ == _TORCH_WRAP:
             raise TypeError(
                 f"the torch policy {cls.__name__} is not supported; use ModuleWrapPolicy, SizeBasedPolicy or "
                 "CustomPolicy from fsdp_composable, or torch's ModuleWrapPolicy, CustomPolicy or a function "

@@ -680,3 +680,16 @@ def test_wrapper_unsupported_fsdp1_keywords(dist_run: Callable[..., Any]) -> Non
     tc.assertExpectedInline(errors["named_optimizer"], """ValueError: FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
     tc.assertExpectedInline(errors["group"], """ValueError: FullyShardedDataParallel.optim_state_dict: group is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
     tc.assertExpectedInline(errors["optim_config"], """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""")
+
+
+def _estimate_with_torch_policy() -> tuple[list[str], list[str]]:
+    from fsdp_composable import estimate_memory
+
+    policy = _torch_policies()["size_100"]
+    estimate = estimate_memory(Stack(), policy=policy, world_size=2)
+    return sorted(u.fqn for u in estimate.plan.units), sorted(_torch_fsdp1_units(Stack(), policy) | {""})
+
+
+def test_estimate_memory_takes_torch_policies(dist_run: Callable[..., Any]) -> None:
+    (result,) = dist_run(1, _estimate_with_torch_policy)
+    assert result[0] == result[1], result
