@@ -676,10 +676,22 @@ class _RankZeroOnly:
 def test_wrapper_unsupported_fsdp1_keywords(dist_run: Callable[..., Any]) -> None:
     (errors,) = dist_run(1, _unsupported_keywords)
     tc = expecttest.TestCase()
-    tc.assertExpectedInline(errors["optim_input"], """ValueError: full_optim_state_dict: optim_input (deprecated in torch FSDP1) is not supported; pass optim=<the optimizer>""")
-    tc.assertExpectedInline(errors["named_optimizer"], """ValueError: FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
-    tc.assertExpectedInline(errors["group"], """ValueError: FullyShardedDataParallel.optim_state_dict: group is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""")
-    tc.assertExpectedInline(errors["optim_config"], """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""")
+    tc.assertExpectedInline(
+        errors["optim_input"],
+        """ValueError: full_optim_state_dict: optim_input (deprecated in torch FSDP1) is not supported; pass optim=<the optimizer>""",
+    )
+    tc.assertExpectedInline(
+        errors["named_optimizer"],
+        """ValueError: FullyShardedDataParallel.optim_state_dict_to_load: is_named_optimizer is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""",
+    )
+    tc.assertExpectedInline(
+        errors["group"],
+        """ValueError: FullyShardedDataParallel.optim_state_dict: group is not supported (the model's own process groups and a plain torch.optim.Optimizer are used); leave it out""",
+    )
+    tc.assertExpectedInline(
+        errors["optim_config"],
+        """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""",
+    )
 
 
 def _estimate_with_torch_policy() -> tuple[list[str], list[str]]:
