@@ -27,6 +27,7 @@ parameters, and a parameter shared inside one subtree counts once there. ``Modul
 
 from __future__ import annotations
 
+import enum
 import functools
 import inspect
 from dataclasses import dataclass
@@ -57,13 +58,17 @@ Children = Callable[[nn.Module], list[nn.Module]]
 Counted = Callable[[nn.Module], list[nn.Parameter]]
 
 
+class Kind(enum.Enum):
+    RECURSIVE = enum.auto()  # a callable run as FSDP1 runs it (``fn``)
+    CLASSES = enum.auto()  # FSDP1's ``ModuleWrapPolicy`` (``classes``)
+    CUSTOM = enum.auto()  # FSDP1's ``CustomPolicy`` (``fn``)
+
+
 @dataclass(frozen=True)
 class TorchPolicy:
-    """A torch FSDP1 policy: ``kind`` is ``"recursive"`` (a callable run as FSDP1 runs it, ``fn``),
-    ``"classes"`` (FSDP1's ``ModuleWrapPolicy``, ``classes``) or ``"custom"`` (FSDP1's
-    ``CustomPolicy``, ``fn``); ``name`` says which in messages."""
+    """A torch FSDP1 policy of one `Kind`; ``name`` says which in messages."""
 
-    kind: str
+    kind: Kind
     name: str
     fn: Optional[Callable[..., Any]] = None
     classes: tuple[type, ...] = ()
@@ -75,10 +80,10 @@ class TorchPolicy:
         self, root: nn.Module, fqns: dict[nn.Module, str], children: Children, counted: Counted
     ) -> dict[nn.Module, dict[str, Any]]:
         """The unit modules other than ``root``, each with our per-unit overrides."""
-        if self.kind == "recursive":
+        if self.kind is Kind.RECURSIVE:
             assert self.fn is not None
             return _fsdp1_recursion(self.fn, root, children, counted)
-        if self.kind == "classes":
+        if self.kind is Kind.CLASSES:
             return {m: {} for m in fqns if m is not root and isinstance(m, self.classes)}
         assert self.fn is not None
         return _custom(self.fn, root, fqns)
@@ -92,9 +97,9 @@ def read_torch_policy(policy: Any) -> Optional[TorchPolicy]:
         if cls.__name__ == "ModuleWrapPolicy" and hasattr(policy, "_module_classes"):
             classes = tuple(sorted(policy._module_classes, key=lambda c: c.__name__))
             names = ", ".join(c.__name__ for c in classes)
-            return TorchPolicy("classes", f"torch ModuleWrapPolicy({{{names}}})", classes=classes)
+            return TorchPolicy(Kind.CLASSES, f"torch ModuleWrapPolicy({{{names}}})", classes=classes)
         if cls.__name__ == "CustomPolicy" and callable(getattr(policy, "_lambda_fn", None)):
-            return TorchPolicy("custom", "torch CustomPolicy", fn=policy._lambda_fn)
+            return TorchPolicy(Kind.CUSTOM, "torch CustomPolicy", fn=policy._lambda_fn)
         if not callable(policy) and cls.__module__ == _TORCH_WRAP:
             raise TypeError(
                 f"the torch policy {cls.__name__} is not supported; use ModuleWrapPolicy, SizeBasedPolicy or "
@@ -102,7 +107,7 @@ def read_torch_policy(policy: Any) -> Optional[TorchPolicy]:
                 "policy(module, recurse, nonwrapped_numel)"
             )
     if callable(policy) and not isinstance(policy, type) and _has_fsdp1_signature(policy):
-        return TorchPolicy("recursive", _describe_callable(policy), fn=policy)
+        return TorchPolicy(Kind.RECURSIVE, _describe_callable(policy), fn=policy)
     return None
 
 

@@ -1,7 +1,8 @@
 """Wrap policies and `_get_submodule_to_states`: auto-wrapping that picks units without wrapping.
 
 [Note: which unit owns a parameter]
-The policy picks unit modules; the root of the call is always one. Each original parameter belongs
+The policy picks unit modules (ours are asked module by module, bottom-up; torch FSDP1's decide over
+the whole tree, see `_torch_policies`); the root of the call is always one. Each original parameter belongs
 to the deepest unit module that is an ancestor of *every* module registering it, so a parameter
 shared by several modules (tied embeddings) lands in their lowest common ancestor's unit and is
 flattened once. Modules already managed by an earlier `fully_shard` call (manual bottom-up nesting)
@@ -21,7 +22,6 @@ from fsdp_composable._torch_policies import Children, Counted, TorchPolicy, read
 from fsdp_composable.api import MixedPrecision, ShardingStrategy
 
 __all__ = ["CustomPolicy", "ModuleWrapPolicy", "Policy", "SizeBasedPolicy"]
-
 
 # The per-unit settings a `CustomPolicy` may override, with the type each must have.
 UNIT_OVERRIDES: dict[str, tuple[type, ...]] = {
