@@ -7,6 +7,7 @@ is compared with the unsharded model at 2 and 4 ranks (odd sizes: every shard is
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any, Callable
 
@@ -339,7 +340,7 @@ def _scaling_hook(state: _ScaleState, grad: torch.Tensor, output: Any = None) ->
         dist.reduce_scatter_tensor(output, grad)
 
 
-def _grads_with_hook(hook_name: str, strategy: str, world_size: int) -> dict[str, Any]:
+def _grads_with_hook(hook_name: str, strategy: str, world_size: int, accumulate: bool = False) -> dict[str, Any]:
     """One model with the hook, one plain unsharded reference: gradients after one backward, in full."""
     import torch.distributed as dist
     from torch.distributed.algorithms._comm_hooks import default_hooks
@@ -366,10 +367,12 @@ def _grads_with_hook(hook_name: str, strategy: str, world_size: int) -> dict[str
     }
     hook_state, hook = hooks[hook_name]
     model.register_comm_hook(hook_state, hook)
-    batch = mlp_batch(0, 2 * world_size)
-    mlp_loss(ref, batch).backward()
     rank = dist.get_rank()
-    mlp_loss(model, (batch[0][rank * 2 : rank * 2 + 2], batch[1][rank * 2 : rank * 2 + 2])).backward()
+    for step in range(2 if accumulate else 1):  # accumulate: the first micro-batch under no_sync
+        batch = mlp_batch(step, 2 * world_size)
+        mlp_loss(ref, batch).backward()
+        with model.no_sync() if accumulate and step == 0 else contextlib.nullcontext():
+            mlp_loss(model, (batch[0][rank * 2 : rank * 2 + 2], batch[1][rank * 2 : rank * 2 + 2])).backward()
     with unshard_params(model, with_grads=True):
         got = {n: p.grad.clone() for n, p in model.named_parameters()}
     want = {n: p.grad for n, p in ref.named_parameters()}
@@ -392,6 +395,14 @@ def test_comm_hooks_reduce_gradients(
             assert len(r["calls"]) == 4, r["calls"]  # the root unit (nothing) and l1, l2.0, l2.2, l3: 4 with params
             for full, shard in r["calls"]:
                 assert (shard == -1) if strategy == "NO_SHARD" else (full == shard * world_size), r["calls"]
+
+
+@pytest.mark.parametrize("strategy", ["FULL_SHARD", "NO_SHARD"])
+def test_comm_hook_with_no_sync(dist_run: Callable[..., Any], strategy: str) -> None:
+    """Micro-batches kept under no_sync reach the hook together with the synced one's gradient."""
+    for r in dist_run(2, _grads_with_hook, "scale", strategy, 2, True):
+        assert r["max_diff"] < 1e-5, r
+        assert len(r["calls"]) == 4, r["calls"]  # one reduction per unit, in the synced backward only
 
 
 def _comm_hook_errors() -> dict[str, str]:
@@ -453,9 +464,10 @@ def _ignored_states_train(kind: str) -> dict[str, Any]:
     return r
 
 
+@pytest.mark.parametrize("world_size", [2, 4])
 @pytest.mark.parametrize("kind", ["module", "params"])
-def test_wrapper_ignored_states(dist_run: Callable[..., Any], kind: str) -> None:
-    for r in dist_run(2, _ignored_states_train, kind):
+def test_wrapper_ignored_states(dist_run: Callable[..., Any], kind: str, world_size: int) -> None:
+    for r in dist_run(world_size, _ignored_states_train, kind):
         assert r["keys_equal"] and r["shapes_equal"]
         # one step: the ignored parameters' gradients are not reduced, so only the first loss is shared
         assert r["losses"][0] == pytest.approx(r["ref_losses"][0], rel=1e-6)
