@@ -231,9 +231,23 @@ class FullyShardedDataParallel(nn.Module):
         for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
             yield (prefix + ("." if prefix else "") + name[len(inner) :] if name.startswith(inner) else name), buf
 
-    def unshard_params(self, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
-        """See `fsdp_composable.unshard_params`."""
-        return _unshard_in_orig_mode(self, **kwargs)
+    def unshard_params(
+        self,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too)."""
+        return _unshard_in_orig_mode(
+            self,
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        )
 
     summon_full_params = unshard_params
 
