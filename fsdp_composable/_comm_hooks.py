@@ -124,49 +124,47 @@ def registered(handle: FlatParamHandle) -> Optional[CommHook]:
     return _get_module_state(handle.module, API_NAME)
 
 
+@torch.no_grad()
 def start(
     hook: CommHook,
     handle: FlatParamHandle,
     flat: torch.Tensor,
     kept: Optional[torch.Tensor],
     stream: Optional["torch.cuda.Stream"],
-) -> tuple[_collectives.InFlight, torch.Tensor]:
+) -> tuple[_collectives.InFlight, torch.Tensor, list[torch.Tensor]]:
     """Run ``hook`` on this backward's padded unsharded gradient ``flat`` where our collective would
-    run; returns the work and the tensor holding the result (the shard, or under NO_SHARD the whole)."""
+    run. Returns the work, the tensor holding the result (the shard, or under NO_SHARD the whole), and
+    the tensors to keep alive until the work is waited for: all are made here, on the compute stream
+    (see [Note: streams without record_stream] in `_collectives`)."""
     dtype = flat.dtype if hook.low_precision is not None else handle.reduce_dtype
     grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
-    if handle.layout.world_size == 1:  # NO_SHARD: the hook reduces in place
-        out = grad
-        work = _collectives.issue(stream, lambda: _call(hook, grad))
-    else:
-        out = torch.empty(handle.layout.shard_numel, dtype=dtype, device=grad.device)
-        work = _collectives.issue(stream, lambda: _call(hook, grad, out))
-    return work, out
+    sharded = handle.layout.world_size > 1
+    out = torch.empty(handle.layout.shard_numel, dtype=dtype, device=grad.device) if sharded else grad
+    if hook.low_precision is not None:  # torch's compress hooks, computed by `_compressed`
+        low = grad.to(hook.low_precision)
+        low_out = torch.empty(out.shape, dtype=hook.low_precision, device=grad.device) if sharded else low
+        work = _collectives.issue(stream, lambda: _compressed(hook.state, low, low_out, out))
+        return work, out, [flat, grad, low, low_out]
+    if sharded:
+        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad, out))
+    else:  # NO_SHARD: the hook reduces in place
+        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad))
+    return work, out, [flat, grad]
 
 
-def _call(hook: CommHook, grad: torch.Tensor, output: Optional[torch.Tensor] = None) -> None:
-    if hook.low_precision is not None:
-        _compressed(hook.low_precision, hook.state, grad, output)
-    elif output is None:
-        hook.hook(hook.state, grad)
-    else:
-        hook.hook(hook.state, grad, output)
-
-
-def _compressed(dtype: torch.dtype, state: Any, grad: torch.Tensor, output: Optional[torch.Tensor]) -> None:
-    """What torch's fp16/bf16 compress hooks compute, with our collectives: cast to ``dtype``, divide
-    by the state's pre-divide factor, reduce over its group, divide by its post-divide factor, cast back.
-    Ours because theirs calls ``record_stream`` (which our CUDA rules exclude, and which fails on CPU)."""
+def _compressed(state: Any, low: torch.Tensor, low_out: torch.Tensor, out: torch.Tensor) -> None:
+    """What torch's fp16/bf16 compress hooks compute, with our collectives: ``low`` (the gradient cast
+    to their dtype) divided by the state's pre-divide factor, reduced over its group (into ``low_out``:
+    the shard, or ``low`` itself under NO_SHARD), divided by its post-divide factor, cast back into
+    ``out``. Ours because theirs calls ``record_stream`` (which our CUDA rules exclude, and which fails
+    on CPU)."""
     group, pre, post = state.process_group, state.gradient_predivide_factor, state.gradient_postdivide_factor
-    low = grad.to(dtype)
     if pre > 1:
         low.div_(pre)
-    if output is None:
+    if low_out is low:
         _collectives.wait(_collectives.all_reduce(low, group), "the compressed gradient all-reduce")
-        result, target = low, grad
     else:
-        result, target = torch.empty(output.shape, dtype=dtype, device=output.device), output
-        _collectives.wait(_collectives.reduce_scatter(result, low, group), "the compressed gradient reduce-scatter")
+        _collectives.wait(_collectives.reduce_scatter(low_out, low, group), "the compressed gradient reduce-scatter")
     if post > 1:
-        result.div_(post)
-    target.copy_(result)
+        low_out.div_(post)
+    out.copy_(low_out)

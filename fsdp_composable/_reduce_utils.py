@@ -286,8 +286,8 @@ def start_reduce(handle: FlatParamHandle, stream: Optional[torch.cuda.Stream] = 
     grads.buffer = None
     if hook is not None:
         assert flat is not None
-        hooked, result = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
-        return PendingReduce(handle, hooked, result, [flat])
+        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
+        return PendingReduce(handle, hooked, result, keep)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with torch.no_grad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
