@@ -17,11 +17,10 @@ They need the optimizer itself (FSDP1's deprecated ``optim_input`` is refused, n
 
 from __future__ import annotations
 
-import contextlib
 import enum
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -120,26 +119,20 @@ def _need_optim(where: str, optim: Any, optim_input: Any) -> torch.optim.Optimiz
     return optim
 
 
-@contextlib.contextmanager
-def _as_type(model: nn.Module, sd_type: StateDictType, config: StateDictConfig) -> Iterator[None]:
-    with state_dict_type(model, sd_type, config):
-        yield
-
-
 def full_optim_state_dict(
     model: nn.Module, optim: torch.optim.Optimizer, optim_input: Any = None, rank0_only: bool = True, group: Any = None
 ) -> dict[str, Any]:
     """`optim_state_dict` under FULL_STATE_DICT (``rank0_only``: other ranks get ``{}``)."""
     optim = _need_optim("full_optim_state_dict", optim, optim_input)
     _check_group("full_optim_state_dict", group)
-    with _as_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=rank0_only)):
+    with state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=rank0_only)):
         return optim_state_dict(model, optim)
 
 
 def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, group: Any = None) -> dict[str, Any]:
     """`optim_state_dict` under SHARDED_STATE_DICT: ``DTensor`` values."""
     _check_group("sharded_optim_state_dict", group)
-    with _as_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()):
         return optim_state_dict(model, optim)
 
 

@@ -717,3 +717,30 @@ def _estimate_with_torch_policy() -> tuple[list[str], list[str]]:
 def test_estimate_memory_takes_torch_policies(dist_run: Callable[..., Any]) -> None:
     (result,) = dist_run(1, _estimate_with_torch_policy)
     assert result[0] == result[1], result
+
+
+def _torch_custom_overrides() -> list[tuple[str, str, Any]]:
+    """torch's CustomPolicy may set torch's ShardingStrategy and MixedPrecision per unit."""
+    from torch.distributed.fsdp import MixedPrecision as TorchMixedPrecision
+    from torch.distributed.fsdp import ShardingStrategy as TorchStrategy
+    from torch.distributed.fsdp import wrap
+
+    def per_unit(m: nn.Module) -> Any:
+        if m is model.l1:
+            return {"sharding_strategy": TorchStrategy.SHARD_GRAD_OP}
+        if m is model.l3:
+            return {"mixed_precision": TorchMixedPrecision(param_dtype=torch.bfloat16)}
+        return False
+
+    model = OddMLP()
+    fully_shard(model, wrap.CustomPolicy(per_unit))
+    return [(u.fqn, u.strategy.name, str(u.param_dtype)) for u in describe(model).units]
+
+
+def test_torch_custom_policy_overrides(dist_run: Callable[..., Any]) -> None:
+    for units in dist_run(2, _torch_custom_overrides):
+        assert units == [
+            ("", "FULL_SHARD", "None"),
+            ("l1", "SHARD_GRAD_OP", "None"),
+            ("l3", "FULL_SHARD", "torch.bfloat16"),
+        ], units
