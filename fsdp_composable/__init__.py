@@ -23,6 +23,7 @@ def _run_as_main(argv: "list[str]") -> bool:
 _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
+    from fsdp_composable._comm_hooks import register_comm_hook
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
     from fsdp_composable._runtime_utils import register_fsdp_forward_method
@@ -47,6 +48,7 @@ if not _RUN_AS_MAIN:
         StateTransitionError,
     )
     from fsdp_composable.checkpoint import (
+        CheckpointImpl,
         CheckpointWrapper,
         apply_activation_checkpointing,
         checkpoint,
@@ -54,13 +56,14 @@ if not _RUN_AS_MAIN:
     )
     from fsdp_composable.fully_shard import fully_shard
     from fsdp_composable.inspect import MemoryEstimate, ShardingPlan, UnitPlan, describe, estimate_memory
-    from fsdp_composable.wrapper import FullyShardedDataParallel
+    from fsdp_composable.wrapper import FullyShardedDataParallel, OptimStateKeyType, StateDictSettings
 
 __version__ = "0.1.0"
 
 __all__ = [
     "BackwardPrefetch",
     "CPUOffload",
+    "CheckpointImpl",
     "CheckpointWrapper",
     "CollectiveError",
     "CustomPolicy",
@@ -73,6 +76,7 @@ __all__ = [
     "MixedPrecision",
     "ModelEditedAfterShardingError",
     "ModuleWrapPolicy",
+    "OptimStateKeyType",
     "Policy",
     "RankMismatchError",
     "SizeBasedPolicy",
@@ -80,6 +84,7 @@ __all__ = [
     "ShardingPlan",
     "ShardingStrategy",
     "StateDictConfig",
+    "StateDictSettings",
     "StateDictType",
     "StateTransitionError",
     "UnitPlan",
@@ -94,6 +99,7 @@ __all__ = [
     "no_sync",
     "optim_state_dict",
     "optim_state_dict_to_load",
+    "register_comm_hook",
     "register_fsdp_forward_method",
     "state_dict_type",
     "summon_full_params",

@@ -32,6 +32,9 @@ from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, Sh
 
 __all__: list[str] = []
 
+# the strategies that replicate across a second group (FSDP1's _HYBRID_SHARD_ZERO2 keeps parameters after forward)
+_HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
+
 # [Note: API names in messages]
 # `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so
 # that a message names the argument the user wrote (the wrapper's differ for two of them).
@@ -92,7 +95,7 @@ def _init_process_group_state(
             "environment for you)"
         )
     shard, replicate = _split_process_group(process_group, api)
-    hybrid = strategy is ShardingStrategy.HYBRID_SHARD
+    hybrid = strategy in _HYBRID
     if hybrid and replicate is None:
         raise ValueError(
             "ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D "
@@ -419,7 +422,7 @@ def _init_param_handles_from_module(
         _check_unit_params(sub)
         config = state.config.with_overrides(sub.overrides)
         fqns = [_join(sub.fqn, holders[0][2]) for holders in sub.holders]
-        _tensor_parallel.check_supported(sub.fqn, sub.params, fqns, config.strategy is ShardingStrategy.HYBRID_SHARD)
+        _tensor_parallel.check_supported(sub.fqn, sub.params, fqns, config.strategy in _HYBRID)
         handles[unit_module] = [
             FlatParamHandle(
                 unit_module,
@@ -530,7 +533,7 @@ def _check_unit_overrides(
 ) -> None:
     """Before any unit is built: an override needing a group the call did not get is an error."""
     for sub in submodule_states.values():
-        if sub.overrides.get("strategy") is ShardingStrategy.HYBRID_SHARD and state.replicate_group is None:
+        if sub.overrides.get("strategy") in _HYBRID and state.replicate_group is None:
             raise ValueError(
                 f"CustomPolicy override strategy=HYBRID_SHARD for module '{sub.fqn}' needs a replicate group: "
                 f"pass process_group=(shard_group, replicate_group) or a 2-D DeviceMesh to {api}"

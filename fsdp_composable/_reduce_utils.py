@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _trace
+from fsdp_composable import _collectives, _comm_hooks, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
@@ -293,18 +293,23 @@ def start_reduce(
     grads = handle.grads
     world = dist.get_world_size(handle.process_group) * handle.replicas
     pre, post = divide_factors(world, handle.reduce_dtype)
+    hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
     else:
         parts = _take_backward_grads(handle)
         flat = None
-        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle):
+        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
             flat = _flat_of(handle, parts)
             if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
                 flat.add_(grads.kept)
     _set_state(handle, GradState.REDUCING)
     grads.buffer = None
+    if hook is not None:
+        assert flat is not None
+        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
+        return PendingReduce(handle, hooked, result, keep)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with torch.no_grad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are

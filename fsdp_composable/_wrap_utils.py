@@ -1,7 +1,8 @@
 """Wrap policies and `_get_submodule_to_states`: auto-wrapping that picks units without wrapping.
 
 [Note: which unit owns a parameter]
-The policy picks unit modules; the root of the call is always one. Each original parameter belongs
+The policy picks unit modules (ours are asked module by module, bottom-up; torch FSDP1's decide over
+the whole tree, see `_torch_policies`); the root of the call is always one. Each original parameter belongs
 to the deepest unit module that is an ancestor of *every* module registering it, so a parameter
 shared by several modules (tied embeddings) lands in their lowest common ancestor's unit and is
 flattened once. Modules already managed by an earlier `fully_shard` call (manual bottom-up nesting)
@@ -17,6 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _get_fsdp_state
+from fsdp_composable._torch_policies import Children, Counted, TorchPolicy, read_torch_policy
 from fsdp_composable.api import MixedPrecision, ShardingStrategy
 
 __all__ = ["CustomPolicy", "ModuleWrapPolicy", "Policy", "SizeBasedPolicy"]
@@ -37,6 +39,13 @@ class Policy:
         ``unassigned_numel`` counts the parameters in ``module``'s subtree not yet owned by a unit
         found deeper down (the policy sees modules bottom-up)."""
         raise NotImplementedError
+
+    def _select_units(
+        self, root: nn.Module, fqns: dict[nn.Module, str], children: Children, counted: Counted
+    ) -> Optional[dict[nn.Module, dict[str, Any]]]:
+        """A policy that decides over the whole tree at once returns the unit modules other than
+        ``root`` (with overrides); ``None`` (the default) means: ask `_unit_overrides` per module."""
+        return None
 
 
 @dataclass(frozen=True)
@@ -137,6 +146,27 @@ class _CallablePolicy(Policy):
 
 
 @dataclass(frozen=True)
+class _FromTorch(Policy):
+    """One of torch FSDP1's policies, picking the units FSDP1 would wrap (see `_torch_policies`)."""
+
+    torch_policy: TorchPolicy
+
+    def __repr__(self) -> str:
+        return repr(self.torch_policy)
+
+    def _unit_overrides(self, module: nn.Module, fqn: str, unassigned_numel: int) -> Optional[dict[str, Any]]:
+        raise AssertionError("torch policies pick units with _select_units")
+
+    def _select_units(
+        self, root: nn.Module, fqns: dict[nn.Module, str], children: Children, counted: Counted
+    ) -> Optional[dict[nn.Module, dict[str, Any]]]:
+        chosen = self.torch_policy.select(root, fqns, children, counted)
+        for module, overrides in chosen.items():
+            _check_overrides(overrides, fqns[module])
+        return chosen
+
+
+@dataclass(frozen=True)
 class _BatchNormInFullPrecision(Policy):
     """Under mixed precision every BatchNorm becomes its own full-precision unit: low-precision
     running statistics drift (see `_init_utils._warn_batchnorm_under_mixed_precision`)."""
@@ -147,6 +177,17 @@ class _BatchNormInFullPrecision(Policy):
         if isinstance(module, nn.modules.batchnorm._BatchNorm):
             return {"mixed_precision": None}
         return self.inner._unit_overrides(module, fqn, unassigned_numel) if self.inner is not None else None
+
+    def _select_units(
+        self, root: nn.Module, fqns: dict[nn.Module, str], children: Children, counted: Counted
+    ) -> Optional[dict[nn.Module, dict[str, Any]]]:
+        chosen = self.inner._select_units(root, fqns, children, counted) if self.inner is not None else None
+        if chosen is None:
+            return None
+        for module in fqns:
+            if module is not root and isinstance(module, nn.modules.batchnorm._BatchNorm):
+                chosen[module] = {"mixed_precision": None}
+        return chosen
 
 
 def _check_overrides(overrides: dict[str, Any], fqn: str) -> None:
@@ -174,6 +215,9 @@ def _as_policy(policy: Any, where: str = "policy") -> Optional[Policy]:
     """``policy`` as a `Policy`; ``where`` names it in messages (e.g. "fully_shard argument 'policy'")."""
     if policy is None or isinstance(policy, Policy):
         return policy
+    torch_policy = read_torch_policy(policy)
+    if torch_policy is not None:
+        return _FromTorch(torch_policy)
     if isinstance(policy, type):  # classes are callable, so they would pass for a policy function
         _raise_policy_class(policy, where)
     if callable(policy):
@@ -292,11 +336,20 @@ def _pick_units(
     chosen: dict[nn.Module, dict[str, Any]] = {root: {}}
     if policy is None:
         return chosen
+    whole_tree = policy._select_units(
+        root,
+        fqns,
+        lambda m: [c for c in m.children() if c in fqns and parents[c] is m],
+        lambda m: _counted_params(m, ignored_params),
+    )
+    if whole_tree is not None:
+        chosen.update(whole_tree)
+        return chosen
     unassigned: dict[nn.Module, int] = {m: 0 for m in fqns}
     seen: set[nn.Parameter] = set()
     for module in reversed(list(fqns)):  # reversed pre-order visits children before parents
-        for param in module._parameters.values():
-            if param is None or param in seen or param in ignored_params or getattr(param, FSDP_FLATTENED, False):
+        for param in _counted_params(module, ignored_params):
+            if param in seen:
                 continue
             seen.add(param)
             unassigned[module] += param.numel()
@@ -309,6 +362,15 @@ def _pick_units(
         if parent is not None:
             unassigned[parent] += unassigned[module]
     return chosen
+
+
+def _counted_params(module: nn.Module, ignored_params: set[nn.Parameter]) -> list[nn.Parameter]:
+    """``module``'s own parameters that a unit may take: not ignored, not in an earlier call's unit."""
+    return [
+        p
+        for p in module._parameters.values()
+        if p is not None and p not in ignored_params and not getattr(p, FSDP_FLATTENED, False)
+    ]
 
 
 def _nearest_unit(

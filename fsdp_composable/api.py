@@ -37,12 +37,15 @@ class ShardingStrategy(enum.Enum):
       optimizer state are sharded. No all-gather in backward.
     - ``NO_SHARD``: every rank holds everything; gradients are all-reduced (DDP semantics).
     - ``HYBRID_SHARD``: ``FULL_SHARD`` inside a shard group, replicated across groups.
+    - ``_HYBRID_SHARD_ZERO2``: ``SHARD_GRAD_OP`` inside a shard group, replicated across groups
+      (FSDP1's name: HYBRID_SHARD without resharding after forward).
     """
 
     FULL_SHARD = enum.auto()
     SHARD_GRAD_OP = enum.auto()
     NO_SHARD = enum.auto()
     HYBRID_SHARD = enum.auto()
+    _HYBRID_SHARD_ZERO2 = enum.auto()
 
 
 class BackwardPrefetch(enum.Enum):

@@ -44,10 +44,11 @@ problems, so it is the only mode we offer.
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
 import inspect
 import sys
-from typing import Any, Callable, Generator, Iterator
+from typing import Any, Callable, Generator, Iterator, Optional
 
 import torch
 from torch import nn
@@ -57,8 +58,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
+from fsdp_composable._wrap_utils import _get_submodule_to_states
 
-__all__ = ["CheckpointWrapper", "apply_activation_checkpointing", "checkpoint", "checkpoint_wrapper"]
+__all__ = ["CheckpointImpl", "CheckpointWrapper", "apply_activation_checkpointing", "checkpoint", "checkpoint_wrapper"]
 
 API_NAME = "checkpoint"
 
@@ -79,27 +81,94 @@ def _check_use_reentrant(use_reentrant: Any, where: str, why: str) -> None:
         raise ValueError(f"{where}(use_reentrant=True) is not supported{why}. Use use_reentrant=False (the default).")
 
 
+class CheckpointImpl(enum.Enum):
+    """FSDP1's names for the two checkpointing implementations; only ``NO_REENTRANT`` is offered
+    (see [Note: why not reentrant checkpointing]). Torch's own ``CheckpointImpl`` is accepted too."""
+
+    REENTRANT = enum.auto()
+    NO_REENTRANT = enum.auto()
+
+
+def _reentrant_of(checkpoint_impl: Any, use_reentrant: Optional[bool], where: str) -> Any:
+    """FSDP1's ``checkpoint_impl`` (ours or torch's enum, read by name) and our ``use_reentrant``, as
+    one ``use_reentrant`` value (checked by `_check_use_reentrant`). A bool in ``checkpoint_impl``'s
+    place is the ``use_reentrant`` our earlier signature took second."""
+    if isinstance(checkpoint_impl, bool):
+        checkpoint_impl, use_reentrant = None, checkpoint_impl if use_reentrant is None else use_reentrant
+    name = getattr(checkpoint_impl, "name", None)
+    if checkpoint_impl is not None and (type(checkpoint_impl).__name__ != "CheckpointImpl" or name not in _IMPLS):
+        raise TypeError(
+            f"{where} argument 'checkpoint_impl' must be CheckpointImpl.NO_REENTRANT, got {checkpoint_impl!r}"
+        )
+    if name == "REENTRANT":
+        raise ValueError(
+            f"{where}(checkpoint_impl=CheckpointImpl.REENTRANT) is not supported: {_REENTRANT_IN_NESTED_BACKWARD}. "
+            "Use CheckpointImpl.NO_REENTRANT (the default)."
+        )
+    from_impl = None if checkpoint_impl is None else False
+    if from_impl is not None and use_reentrant is not None and from_impl != use_reentrant:
+        raise ValueError(
+            f"{where} got checkpoint_impl={name} and use_reentrant={use_reentrant}, which disagree; pass one"
+        )
+    if from_impl is not None:
+        return from_impl
+    return False if use_reentrant is None else use_reentrant
+
+
+_IMPLS = ("REENTRANT", "NO_REENTRANT")
+# torch.utils.checkpoint.checkpoint's options a wrapper passes on (FSDP1's ``**checkpoint_fn_kwargs``)
+_CHECKPOINT_OPTIONS = ("preserve_rng_state", "context_fn", "determinism_check", "debug")
+
+
 class CheckpointWrapper(nn.Module):
     """Run ``module`` under non-reentrant activation checkpointing: its activations are freed after
     forward and recomputed in backward.
 
-    Attribute access falls through to the wrapped module, and state-dict keys have no wrapper prefix,
-    so a plain module's state dict loads into the wrapper and the reverse.
+    FSDP1's signature: ``checkpoint_impl`` (``CheckpointImpl.NO_REENTRANT``, ours or torch's) or our
+    ``use_reentrant=False``; ``checkpoint_fn_kwargs`` are options of ``torch.utils.checkpoint.checkpoint``
+    (e.g. ``preserve_rng_state=False``). Attribute access falls through to the wrapped module, and
+    state-dict keys have no wrapper prefix, so a plain module's state dict loads into the wrapper and
+    the reverse.
     """
 
-    def __init__(self, module: nn.Module, use_reentrant: bool = False) -> None:
+    def __init__(
+        self,
+        module: nn.Module,
+        checkpoint_impl: Any = None,
+        checkpoint_fn: Optional[Callable[..., Any]] = None,
+        *,
+        use_reentrant: Optional[bool] = None,
+        **checkpoint_fn_kwargs: Any,
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"CheckpointWrapper argument 'module' must be an nn.Module, got {type(module).__name__}")
+        reentrant = _reentrant_of(checkpoint_impl, use_reentrant, "CheckpointWrapper")
         _check_use_reentrant(
-            use_reentrant, "CheckpointWrapper", f": {_REENTRANT_IN_NESTED_BACKWARD} (and drops keyword arguments)"
+            reentrant, "CheckpointWrapper", f": {_REENTRANT_IN_NESTED_BACKWARD} (and drops keyword arguments)"
         )
+        if checkpoint_fn is not None:
+            raise ValueError(
+                "CheckpointWrapper argument 'checkpoint_fn' is not supported: the wrapper always runs "
+                "torch.utils.checkpoint.checkpoint(use_reentrant=False); pass its options as keywords "
+                f"({', '.join(_CHECKPOINT_OPTIONS)}), or use the composable checkpoint(module)"
+            )
+        unknown = sorted(set(checkpoint_fn_kwargs) - set(_CHECKPOINT_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"CheckpointWrapper got unexpected keyword arguments {unknown}; the options of "
+                f"torch.utils.checkpoint.checkpoint it passes on are {list(_CHECKPOINT_OPTIONS)}"
+            )
         super().__init__()
         self._checkpoint_wrapped_module = module
-        self.use_reentrant = use_reentrant
+        self.use_reentrant = reentrant
+        self.checkpoint_impl = CheckpointImpl.NO_REENTRANT
+        self._checkpoint_options = dict(checkpoint_fn_kwargs)
         _register_prefix_hooks(self, WRAPPED)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return _torch_checkpoint(self._checkpoint_wrapped_module, *args, use_reentrant=False, **kwargs)
+        return _torch_checkpoint(
+            self._checkpoint_wrapped_module, *args, use_reentrant=False, **self._checkpoint_options, **kwargs
+        )
 
     @property
     def module(self) -> nn.Module:
@@ -136,18 +205,36 @@ def _strip_wrapped(name: str) -> str:
     return name.replace(f"{WRAPPED}.", "")
 
 
-def checkpoint_wrapper(module: nn.Module, use_reentrant: bool = False) -> CheckpointWrapper:
-    """Wrap ``module`` in a `CheckpointWrapper`."""
-    return CheckpointWrapper(module, use_reentrant=use_reentrant)
+def checkpoint_wrapper(
+    module: nn.Module,
+    checkpoint_impl: Any = None,
+    checkpoint_fn: Optional[Callable[..., Any]] = None,
+    *,
+    use_reentrant: Optional[bool] = None,
+    **checkpoint_fn_kwargs: Any,
+) -> CheckpointWrapper:
+    """Wrap ``module`` in a `CheckpointWrapper` (FSDP1's signature; see there)."""
+    return CheckpointWrapper(
+        module, checkpoint_impl, checkpoint_fn, use_reentrant=use_reentrant, **checkpoint_fn_kwargs
+    )
+
+
+def _check_all(module: nn.Module) -> bool:
+    return True
 
 
 def apply_activation_checkpointing(
     model: nn.Module,
-    check_fn: Callable[[nn.Module], bool],
+    check_fn: Callable[[nn.Module], bool] = _check_all,
     checkpoint_wrapper_fn: Callable[[nn.Module], nn.Module] = checkpoint_wrapper,
+    auto_wrap_policy: Any = None,
 ) -> nn.Module:
     """Replace, in place, every submodule of ``model`` for which ``check_fn(submodule)`` is true by
     ``checkpoint_wrapper_fn(submodule)``; returns ``model``.
+
+    FSDP1's keywords work as written (``check_fn`` defaults to every submodule, as there).
+    ``auto_wrap_policy`` (any policy `fully_shard` takes, torch's included) picks the modules instead of
+    ``check_fn``: those it would make units.
 
     The outermost match wins (its descendants are not wrapped again), ``model`` itself is never
     replaced, and modules that are already a `CheckpointWrapper` are left alone, so applying it twice
@@ -161,6 +248,9 @@ def apply_activation_checkpointing(
     for name, fn in (("check_fn", check_fn), ("checkpoint_wrapper_fn", checkpoint_wrapper_fn)):
         if not callable(fn):
             raise TypeError(f"apply_activation_checkpointing argument {name!r} must be callable, got {fn!r}")
+    if auto_wrap_policy is not None:
+        chosen = set(_get_submodule_to_states(model, auto_wrap_policy, set(), set())) - {model}
+        check_fn = chosen.__contains__
     _wrap_children(model, "", check_fn, checkpoint_wrapper_fn)
     return model
 

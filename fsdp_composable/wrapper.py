@@ -17,9 +17,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_composable import _comm_hooks, _fsdp1_static
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._fsdp2_names import _ignored_modules
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
@@ -27,7 +29,10 @@ from fsdp_composable._unshard_param_utils import unshard_params
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable.fully_shard import _build_state
 
-__all__ = ["FullyShardedDataParallel"]
+__all__ = ["FullyShardedDataParallel", "OptimStateKeyType", "StateDictSettings"]
+
+OptimStateKeyType = _fsdp1_static.OptimStateKeyType
+StateDictSettings = _fsdp1_static.StateDictSettings
 
 WRAPPED = "_fsdp_wrapped_module"
 
@@ -83,6 +88,7 @@ class FullyShardedDataParallel(nn.Module):
         forward_prefetch: bool = False,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
+        ignored_states: Optional[Iterable[Union[nn.Parameter, nn.Module]]] = None,
         device_mesh: Any = None,
     ) -> None:
         if not isinstance(module, nn.Module):
@@ -92,6 +98,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel argument 'use_orig_params' must be True or False, got {use_orig_params!r}"
             )
         process_group = _group_or_mesh(process_group, device_mesh)
+        ignored_modules = _ignored_from_states(module, ignored_modules, ignored_states)
         _check_flat_mode_without_tensor_parallel(module, use_orig_params)
         super().__init__()
         self._fsdp_wrapped_module = module
@@ -128,6 +135,62 @@ class FullyShardedDataParallel(nn.Module):
         """The wrapped module."""
         return self._fsdp_wrapped_module
 
+    # FSDP1's public attributes, read from the state (FSDP1 sets them on the instance)
+    @property
+    def process_group(self) -> dist.ProcessGroup:
+        return _state_of(self).process_group
+
+    @property
+    def rank(self) -> int:
+        return _state_of(self).rank
+
+    @property
+    def world_size(self) -> int:
+        return _state_of(self).world_size
+
+    @property
+    def compute_device(self) -> torch.device:
+        return _state_of(self).device
+
+    @property
+    def sharding_strategy(self) -> ShardingStrategy:
+        """The root unit's strategy (``NO_SHARD`` on a group of one rank, as in FSDP1)."""
+        return _state_of(self).config.strategy
+
+    @property
+    def mixed_precision(self) -> MixedPrecision:
+        return _state_of(self).config.mixed_precision or MixedPrecision()
+
+    @property
+    def cpu_offload(self) -> CPUOffload:
+        return CPUOffload(offload_params=_state_of(self).config.offload_params)
+
+    @property
+    def backward_prefetch(self) -> Optional[BackwardPrefetch]:
+        return _state_of(self).backward_prefetch
+
+    @property
+    def forward_prefetch(self) -> bool:
+        return _state_of(self).forward_prefetch
+
+    @property
+    def limit_all_gathers(self) -> bool:
+        return _state_of(self).limit_all_gathers
+
+    @property
+    def use_orig_params(self) -> bool:
+        return _state_of(self).use_orig_params
+
+    @property
+    def params(self) -> list[nn.Parameter]:
+        """Every unit's flat parameter (FSDP1 lists those of this instance's own unit)."""
+        return [h.flat_param for h in _state_of(self).handles]
+
+    @property
+    def training_state(self) -> Any:
+        """The state's `TrainingState` (ours: IDLE, FORWARD_BACKWARD, SUMMON_FULL_PARAMS)."""
+        return _state_of(self).training_state
+
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
@@ -160,11 +223,72 @@ class FullyShardedDataParallel(nn.Module):
         """FSDP1's method: see `fsdp_composable.no_sync`."""
         return no_sync(self)
 
-    def unshard_params(self, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
-        """See `fsdp_composable.unshard_params`."""
-        return _unshard_in_orig_mode(self, **kwargs)
+    def named_buffers(
+        self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True
+    ) -> Iterator[tuple[str, torch.Tensor]]:
+        """As ``nn.Module.named_buffers``, without ``_fsdp_wrapped_module.`` (FSDP1's FQNs)."""
+        inner = f"{prefix}{'.' if prefix else ''}{WRAPPED}."
+        for name, buf in super().named_buffers(prefix, recurse, remove_duplicate):
+            yield (prefix + ("." if prefix else "") + name[len(inner) :] if name.startswith(inner) else name), buf
+
+    def unshard_params(
+        self,
+        recurse: bool = True,
+        writeback: bool = True,
+        rank0_only: bool = False,
+        offload_to_cpu: bool = False,
+        with_grads: bool = False,
+    ) -> contextlib.AbstractContextManager[None]:
+        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too)."""
+        return _unshard_in_orig_mode(
+            self,
+            recurse=recurse,
+            writeback=writeback,
+            rank0_only=rank0_only,
+            offload_to_cpu=offload_to_cpu,
+            with_grads=with_grads,
+        )
 
     summon_full_params = unshard_params
+
+    def apply(self, fn: Callable[[nn.Module], None]) -> "FullyShardedDataParallel":
+        """FSDP1's ``apply``: ``fn`` on every submodule and self (as ``nn.Module.apply``), with every
+        parameter unsharded to its full shape and written back afterwards (inside `unshard_params`).
+        Call it between steps, on every rank."""
+        with _unshard_in_orig_mode(self, writeback=True):
+            nn.Module.apply(self, fn)
+        return self
+
+    def check_is_root(self) -> bool:
+        """Whether this wrapper is the outermost sharded module (before the first forward: whether no
+        forward has made it part of another)."""
+        return _state_of(self).is_root is not False
+
+    @staticmethod
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
+        """The wrapper instances in ``module`` (itself included). Units picked by a policy are not wrapper
+        instances here (see `describe` for them); ``root_only`` keeps those not inside another."""
+        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+        if not root_only:
+            return found
+        inner = {id(sub) for m in found for sub in m.module.modules()}
+        return [m for m in found if id(m) not in inner]
+
+    def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
+        """FSDP1's communication hook: ``hook(state, grad, output)`` (sharded strategies) or
+        ``hook(state, grad)`` (NO_SHARD) reduces every unit's gradient in place of ours; torch's default
+        hooks work. On the root, before the first forward, once."""
+        _comm_hooks.register_comm_hook(self, state, hook)
+
+    # FSDP1's static methods for state dicts and optimizer state: see [Note: FSDP1's optimizer-state methods]
+    set_state_dict_type = staticmethod(_fsdp1_static.set_state_dict_type)
+    get_state_dict_type = staticmethod(_fsdp1_static.get_state_dict_type)
+    full_optim_state_dict = staticmethod(_fsdp1_static.full_optim_state_dict)
+    sharded_optim_state_dict = staticmethod(_fsdp1_static.sharded_optim_state_dict)
+    shard_full_optim_state_dict = staticmethod(_fsdp1_static.shard_full_optim_state_dict)
+    flatten_sharded_optim_state_dict = staticmethod(_fsdp1_static.flatten_sharded_optim_state_dict)
+    scatter_full_optim_state_dict = staticmethod(_fsdp1_static.scatter_full_optim_state_dict)
+    rekey_optim_state_dict = staticmethod(_fsdp1_static.rekey_optim_state_dict)
 
     @staticmethod
     def state_dict_type(
@@ -176,20 +300,72 @@ class FullyShardedDataParallel(nn.Module):
         return _state_dict_type(module, state_dict_type, state_dict_config)
 
     @staticmethod
-    def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[str, Any]:
-        """See `fsdp_composable.optim_state_dict`; works with flat parameters (``use_orig_params=False``)."""
+    def optim_state_dict(
+        module: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: Any = None, group: Any = None
+    ) -> dict[str, Any]:
+        """See `fsdp_composable.optim_state_dict`; works with flat parameters (``use_orig_params=False``).
+        FSDP1's ``optim_state_dict`` (for its ``NamedOptimizer``) and ``group`` are not supported."""
         from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
 
+        _refuse("optim_state_dict", optim_state_dict=optim_state_dict, group=group)
         return _optim_state_dict(module, optim)
 
     @staticmethod
     def optim_state_dict_to_load(
-        module: nn.Module, optim: torch.optim.Optimizer, optim_state_dict: dict[str, Any]
+        module: nn.Module,
+        optim: torch.optim.Optimizer,
+        optim_state_dict: dict[str, Any],
+        is_named_optimizer: bool = False,
+        load_directly: bool = False,
+        group: Any = None,
     ) -> dict[str, Any]:
-        """See `fsdp_composable.optim_state_dict_to_load`."""
+        """See `fsdp_composable.optim_state_dict_to_load`; ``load_directly=True`` also loads it into ``optim``."""
         from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
 
-        return _to_load(module, optim, optim_state_dict)
+        _refuse("optim_state_dict_to_load", is_named_optimizer=is_named_optimizer or None, group=group)
+        result = _to_load(module, optim, optim_state_dict)
+        if load_directly:
+            optim.load_state_dict(result)
+        return result
+
+
+def _refuse(where: str, **given: Any) -> None:
+    """FSDP1 keywords we do not offer: an error naming the keyword if one was given."""
+    for name, value in given.items():
+        if value is not None:
+            raise ValueError(
+                f"FullyShardedDataParallel.{where}: {name} is not supported (the model's own process groups and "
+                "a plain torch.optim.Optimizer are used); leave it out"
+            )
+
+
+def _state_of(wrapper: FullyShardedDataParallel) -> _FSDPState:
+    state: _FSDPState = object.__getattribute__(wrapper, "_fsdp_state")
+    return state
+
+
+def _ignored_from_states(
+    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], ignored_states: Any
+) -> Optional[Iterable[nn.Module]]:
+    """FSDP1's ``ignored_states`` (modules and/or parameters) as ``ignored_modules``: a parameter is
+    ignored through the modules all of whose parameters are ignored, as `fully_shard`'s ``ignored_params``."""
+    if ignored_states is None:
+        return ignored_modules
+    where = "FullyShardedDataParallel argument 'ignored_states'"
+    if ignored_modules is not None:
+        raise ValueError(f"{where} and 'ignored_modules' were both given; pass one")
+    if isinstance(ignored_states, (torch.Tensor, nn.Module)) or not isinstance(ignored_states, Iterable):
+        raise TypeError(f"{where} must be a list of parameters and/or modules, got {type(ignored_states).__name__}")
+    states = list(ignored_states)
+    modules = [m for m in states if isinstance(m, nn.Module)]
+    params = [p for p in states if not isinstance(p, nn.Module)]
+    if not params:
+        return modules
+    try:
+        return [*modules, *(_ignored_modules(module, None, params) or [])]
+    except (TypeError, ValueError) as e:
+        message = str(e).replace("fully_shard argument 'ignored_params'", where).replace("ignored_params ", "it ")
+        raise type(e)(message.replace("fully_shard ", "FullyShardedDataParallel ")) from None
 
 
 @contextlib.contextmanager

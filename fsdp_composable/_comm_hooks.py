@@ -1,0 +1,170 @@
+"""FSDP1's communication hooks: `register_comm_hook` and the call-out that runs a hook in place of a
+unit's gradient collective.
+
+[Note: communication hooks]
+A hook replaces the reduction of every unit's gradient, FSDP1's way. `_reduce_utils.start_reduce`
+asks `registered(handle)` and, for a hooked unit, hands it the whole padded unsharded flat gradient of
+this backward (plus what ``no_sync`` kept) instead of issuing its own collective:
+- sharded strategies: ``hook(state, grad, output)``, with ``output`` an empty tensor of the unit's
+  shard size that the hook fills (torch's ``reduce_scatter_hook``);
+- NO_SHARD: ``hook(state, grad)``, which reduces ``grad`` in place (torch's ``allreduce_hook``).
+The hook divides as it likes (torch's default hooks average over their state's process group); ours
+divides nothing more. The result then goes the usual way: added to the sharded gradient once the
+backward succeeded, in the parameters' dtype. ``grad`` is a tensor of its own, so a hook may change
+it in place. It runs where our collective would have run (on CUDA, the post-backward stream).
+
+FSDP1's rules, kept: register on the root, before the first forward, once; not with HYBRID_SHARD (the
+replica all-reduce has no place in the hook's signature). The gradient is in the reduce dtype of
+``MixedPrecision``, except for torch's ``fp16_compress_hook`` / ``bf16_compress_hook``, which cast
+and cast back themselves: they get the gradient as computed, and together with a ``reduce_dtype``
+they are refused, since both would choose the reduction's precision.
+
+The hook is attached to each unit module through the registry under its own name, so the state and
+the handles stay as they are; `registered` reads it back.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from fsdp_composable import _collectives
+from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
+from fsdp_composable._composable_state import _get_module_state, _insert_module_state
+from fsdp_composable._flat_param import FlatParamHandle
+
+__all__ = ["register_comm_hook"]
+
+API_NAME = "comm_hook"
+_LOW_PRECISION_HOOKS = {"fp16_compress_hook": torch.float16, "bf16_compress_hook": torch.bfloat16}
+_TORCH_HOOKS_MODULE = "torch.distributed.algorithms._comm_hooks"
+_HYBRID = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
+
+
+@dataclass(frozen=True)
+class CommHook:
+    """A registered hook and the state object it is called with."""
+
+    state: Any
+    hook: Callable[..., Any]
+    # torch's fp16/bf16 compress hooks: the dtype they reduce in (they cast the gradient themselves)
+    low_precision: Optional[torch.dtype]
+
+
+def _compression_of(hook: Callable[..., Any]) -> Optional[torch.dtype]:
+    target = hook.func if isinstance(hook, functools.partial) else hook
+    module = getattr(target, "__module__", "") or ""
+    if not module.startswith(_TORCH_HOOKS_MODULE):
+        return None
+    return _LOW_PRECISION_HOOKS.get(getattr(target, "__name__", ""))
+
+
+def register_comm_hook(module: nn.Module, state: Any, hook: Callable[..., Any]) -> None:
+    """Reduce every unit's gradient under ``module`` (the root: the module `fully_shard` was called on
+    last, or the wrapper) with ``hook(state, grad, output)`` (sharded strategies) or ``hook(state, grad)``
+    (NO_SHARD) instead of our collective; torch's default hooks work. Before the first forward, once.
+    See [Note: communication hooks]."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_comm_hook argument 'module' must be an nn.Module, got {type(module).__name__}")
+    states = _get_fsdp_states(module)
+    if not states:
+        raise ValueError(
+            f"register_comm_hook: no fully_shard state on this {type(module).__name__} or its submodules; "
+            "call fully_shard(module) first"
+        )
+    _register(states, state, hook, "register_comm_hook")
+
+
+def _register(states: list[_FSDPState], hook_state: Any, hook: Any, where: str) -> None:
+    """Attach ``hook`` (called with ``hook_state``) to every unit of ``states``; see [Note: communication
+    hooks]. ``where`` names the caller in messages. Checked before anything is attached."""
+    if not callable(hook):
+        raise TypeError(f"{where}: the communication hook must be callable, got {type(hook).__name__}")
+    low_precision = _compression_of(hook)
+    for state in states:
+        if state.is_root is False:
+            raise RuntimeError(
+                f"{where}: call it on the root (the outermost sharded module), not on the "
+                f"{type(state.module).__name__} inside it"
+            )
+        if state.ctx is not None:
+            raise RuntimeError(
+                f"{where}: register the communication hook before the first forward; this "
+                f"{type(state.module).__name__} has already run one"
+            )
+        for handle in state.handles:
+            unit = handle.unit_fqn or "<root>"
+            if _get_module_state(handle.module, API_NAME) is not None:
+                raise RuntimeError(
+                    f"{where}: a communication hook is already registered (unit '{unit}'); register one, once"
+                )
+            if handle.config.strategy.name in _HYBRID:
+                raise ValueError(
+                    f"{where}: communication hooks are not supported with {handle.config.strategy.name} (unit "
+                    f"'{unit}'): the all-reduce across replicas has no place in the hook's signature"
+                )
+            mp = handle.config.mixed_precision
+            if low_precision is not None and mp is not None and mp.reduce_dtype is not None:
+                raise ValueError(
+                    f"{where}: {getattr(hook, '__name__', 'the hook')} casts gradients itself, but unit '{unit}' "
+                    f"has MixedPrecision(reduce_dtype={mp.reduce_dtype}); use one of them, not both"
+                )
+    registered_hook = CommHook(hook_state, hook, low_precision)
+    for state in states:
+        for module in {h.module for h in state.handles}:
+            _insert_module_state(module, API_NAME, registered_hook)
+
+
+def registered(handle: FlatParamHandle) -> Optional[CommHook]:
+    """The hook registered for ``handle``'s unit, if any."""
+    return _get_module_state(handle.module, API_NAME)
+
+
+@torch.no_grad()
+def start(
+    hook: CommHook,
+    handle: FlatParamHandle,
+    flat: torch.Tensor,
+    kept: Optional[torch.Tensor],
+    stream: Optional["torch.cuda.Stream"],
+) -> tuple[_collectives.InFlight, torch.Tensor, list[torch.Tensor]]:
+    """Run ``hook`` on this backward's padded unsharded gradient ``flat`` where our collective would
+    run. Returns the work, the tensor holding the result (the shard, or under NO_SHARD the whole), and
+    the tensors to keep alive until the work is waited for: all are made here, on the compute stream
+    (see [Note: streams without record_stream] in `_collectives`)."""
+    dtype = flat.dtype if hook.low_precision is not None else handle.reduce_dtype
+    grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
+    sharded = handle.layout.world_size > 1
+    out = torch.empty(handle.layout.shard_numel, dtype=dtype, device=grad.device) if sharded else grad
+    if hook.low_precision is not None:  # torch's compress hooks, computed by `_compressed`
+        low = grad.to(hook.low_precision)
+        low_out = torch.empty(out.shape, dtype=hook.low_precision, device=grad.device) if sharded else low
+        work = _collectives.issue(stream, lambda: _compressed(hook.state, low, low_out, out))
+        return work, out, [flat, grad, low, low_out]
+    if sharded:
+        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad, out))
+    else:  # NO_SHARD: the hook reduces in place
+        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad))
+    return work, out, [flat, grad]
+
+
+def _compressed(state: Any, low: torch.Tensor, low_out: torch.Tensor, out: torch.Tensor) -> None:
+    """What torch's fp16/bf16 compress hooks compute, with our collectives: ``low`` (the gradient cast
+    to their dtype) divided by the state's pre-divide factor, reduced over its group (into ``low_out``:
+    the shard, or ``low`` itself under NO_SHARD), divided by its post-divide factor, cast back into
+    ``out``. Ours because theirs calls ``record_stream`` (which our CUDA rules exclude, and which fails
+    on CPU)."""
+    group, pre, post = state.process_group, state.gradient_predivide_factor, state.gradient_postdivide_factor
+    if pre > 1:
+        low.div_(pre)
+    if low_out is low:
+        _collectives.wait(_collectives.all_reduce(low, group), "the compressed gradient all-reduce")
+    else:
+        _collectives.wait(_collectives.reduce_scatter(low_out, low, group), "the compressed gradient reduce-scatter")
+    if post > 1:
+        low_out.div_(post)
+    out.copy_(low_out)
