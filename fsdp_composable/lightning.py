@@ -28,6 +28,13 @@ from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
 
 import torch
 import torch.distributed.checkpoint as dcp
+
+try:
+    import lightning  # noqa: F401
+except ImportError as e:  # a clear message instead of "No module named 'lightning'" further down
+    raise ImportError(
+        "fsdp_composable.lightning needs Lightning: pip install 'fsdp_composable[lightning]' (or pip install lightning)"
+    ) from e
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallel
 from lightning.fabric.strategies.strategy import _BackwardSyncControl
