@@ -143,6 +143,49 @@ def test_fabric_no_backward_sync_skips_the_reduction(dist_run: Any) -> None:
         assert r["enabled=False"] > 0 and r["after"] == r["enabled=False"], r
 
 
+def _by_hand(model: nn.Module, mesh: Any) -> nn.Module:
+    from fsdp_composable import fully_shard
+
+    fully_shard(model.l2, process_group=mesh["data_parallel"])  # bottom-up: a unit, then the root
+    return fully_shard(model, process_group=mesh["data_parallel"])
+
+
+def _fabric_parallelize_fn() -> dict[str, Any]:
+    import copy
+
+    from harness import error_of
+
+    with _lightning_rank():
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(parallelize_fn=_by_hand))
+        fabric.launch()
+        torch.manual_seed(0)
+        plain = OddMLP()
+        model = fabric.setup_module(copy.deepcopy(plain))
+        optim = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.1))
+        ref_optim = torch.optim.SGD(plain.parameters(), lr=0.1)
+        _fabric_train(fabric, model, optim, range(2))
+        for step in range(2):  # the unsharded model on the global batch
+            x, y = mlp_batch(step, 8)
+            nn.functional.mse_loss(plain(x), y).backward()
+            ref_optim.step()
+            ref_optim.zero_grad()
+        got = _full(model)
+        max_diff = max(float((got[k] - v).abs().max()) for k, v in plain.state_dict().items())
+        lazy = FabricStrategy(parallelize_fn=lambda m, mesh: m)  # forgets fully_shard
+        error = error_of(lambda: lazy._shard(OddMLP(), fabric.strategy.device_mesh))
+    return {"max_diff": max_diff, "error": error}
+
+
+def test_fabric_parallelize_fn_trains_like_the_unsharded_model(dist_run: Any) -> None:
+    results = dist_run(2, _fabric_parallelize_fn, timeout=300)
+    for r in results:
+        assert r["max_diff"] < 1e-6, r
+        assert r["error"] == (
+            "TypeError: FabricStrategy: parallelize_fn must call fully_shard on the module (or its submodules) "
+            "and return the module, got OddMLP with no fully_shard state"
+        ), r
+
+
 def _fabric_bad_args() -> list[str]:
     out = []
     for make in (
