@@ -143,12 +143,12 @@ def start(
     if hook.low_precision is not None:  # torch's compress hooks, computed by `_compressed`
         low = grad.to(hook.low_precision)
         low_out = torch.empty(out.shape, dtype=hook.low_precision, device=grad.device) if sharded else low
-        work = _collectives.issue(stream, lambda: _compressed(hook.state, low, low_out, out))
+        work = _collectives.issue(stream, lambda _async_op: _compressed(hook.state, low, low_out, out))
         return work, out, [flat, grad, low, low_out]
     if sharded:
-        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad, out))
+        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad, out))
     else:  # NO_SHARD: the hook reduces in place
-        work = _collectives.issue(stream, lambda: hook.hook(hook.state, grad))
+        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad))
     return work, out, [flat, grad]
 
 

@@ -24,6 +24,7 @@ __all__ = [
     "ShardingStrategy",
     "StateDictConfig",
     "StateDictType",
+    "ShardedModelWrappedError",
     "StateTransitionError",
 ]
 
@@ -196,3 +197,8 @@ class ModelEditedAfterShardingError(FSDPError, RuntimeError):
 
 class StateTransitionError(FSDPError, RuntimeError):
     """An illegal transition of a `TrainingState`, `HandleTrainingState` or `GradState`."""
+
+
+class ShardedModelWrappedError(FSDPError, RuntimeError):
+    """DistributedDataParallel (also through accelerate's ``prepare``) was asked to wrap a model that
+    fully_shard already shards."""

@@ -9,6 +9,7 @@ with ``torch.multiprocessing.spawn`` under ``if __name__ == "__main__":``.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -24,6 +25,8 @@ DOC_FILES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 INLINE_CODE = re.compile(r"`+[^`\n]*`+")
+# Blocks for an optional framework import it: they skip when the extra is not installed.
+OPTIONAL = re.compile(r"^\s*(?:from|import)\s+(?:fsdp_composable\.)?(lightning|accelerate)\b", re.M)
 
 
 def _blocks_of(text: str) -> list[tuple[str, str]]:
@@ -47,6 +50,9 @@ PYTHON_BLOCKS = _python_blocks()
 
 @pytest.mark.parametrize("body", [b for _, b in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
 def test_python_block_runs(body: str, tmp_path: Path) -> None:
+    for extra in sorted(set(OPTIONAL.findall(body))):
+        if importlib.util.find_spec(extra) is None:
+            pytest.skip(f"{extra} is not installed: pip install -e '.[{extra}]'")
     script = tmp_path / "block.py"
     script.write_text(body, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}

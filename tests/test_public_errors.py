@@ -25,6 +25,7 @@ from fsdp_composable import (
     ModelEditedAfterShardingError,
     ModuleWrapPolicy,
     RankMismatchError,
+    ShardedModelWrappedError,
     StateTransitionError,
     _collectives,
     fully_shard,
@@ -36,6 +37,7 @@ PUBLIC_ERRORS = {
     "ExecutionOrderError": RuntimeError,
     "ModelEditedAfterShardingError": RuntimeError,
     "RankMismatchError": RuntimeError,
+    "ShardedModelWrappedError": RuntimeError,
     "StateTransitionError": RuntimeError,
 }
 NOT_IMPORTED = {"fsdp_composable.__main__"}  # importing it runs the main job
@@ -126,6 +128,12 @@ def _state_transition() -> tuple[str, bool, str]:
     return _raised(lambda: handle.set_training_state(HandleTrainingState.BACKWARD_POST))
 
 
+def _ddp_wrapped() -> tuple[str, bool, str]:
+    """DistributedDataParallel around a sharded model (as in test_accelerate)."""
+    model = _gpt()
+    return _raised(lambda: torch.nn.parallel.DistributedDataParallel(model))
+
+
 def _collective_failed() -> tuple[str, bool, str]:
     """A send that fails as gloo's does when the peer is gone (as in test_collectives)."""
 
@@ -144,6 +152,7 @@ def _collective_failed() -> tuple[str, bool, str]:
         (_rank_mismatch, RankMismatchError),
         (_model_edited, ModelEditedAfterShardingError),
         (_state_transition, StateTransitionError),
+        (_ddp_wrapped, ShardedModelWrappedError),
     ],
     ids=lambda v: getattr(v, "__name__", ""),
 )

@@ -1,0 +1,58 @@
+"""Refuse `DistributedDataParallel` around a model that `fully_shard` manages, on every rank.
+
+[Note: DDP around a sharded model]
+A sharded model's parameters are 1-D views of this rank's shard, so DDP (also through accelerate's
+``prepare(model)`` or Lightning's DDP strategy) would average shards of different parameters, and
+its constructor's collectives go wrong first: the cross-rank shape check fails on ranks whose shard
+is shorter while the others wait in it until the timeout, and with equal shards rank 0's shard is
+broadcast over everyone's. The constructor registers the module with ``self.module = module``
+before any collective; torch's global module-registration hook sees that assignment on every rank,
+and raises here when the module is, holds or sits inside a sharded unit. The hook runs for every
+submodule registration in the process, so it returns after one ``isinstance`` for anything but DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from torch import nn
+from torch.nn.modules import module as _module_hooks
+from torch.nn.parallel import DistributedDataParallel
+
+from fsdp_composable._common_utils import _get_fsdp_states, _is_inside_unit
+from fsdp_composable.api import ShardedModelWrappedError
+
+__all__ = ["ShardedModelWrappedError"]
+
+
+def _sharded_part(module: nn.Module) -> Optional[str]:
+    """How ``module`` relates to fully_shard, or None when it does not."""
+    states = _get_fsdp_states(module)
+    if states:
+        root = states[0].module
+        if root is module:
+            return f"this {type(module).__name__} was passed to fully_shard"
+        fqn = next((name for name, m in module.named_modules() if m is root), None)
+        if fqn is not None:
+            return f"its submodule '{fqn}' ({type(root).__name__}) was passed to fully_shard"
+        return f"this {type(module).__name__} is a unit of the {type(root).__name__} passed to fully_shard"
+    if _is_inside_unit(module):
+        return f"this {type(module).__name__}'s parameters belong to a fully_shard unit"
+    return None
+
+
+def _refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) -> None:
+    if not isinstance(parent, DistributedDataParallel) or name != "module":
+        return
+    why = _sharded_part(submodule)
+    if why is not None:
+        raise ShardedModelWrappedError(
+            f"DistributedDataParallel cannot wrap a model sharded by fully_shard ({why}): fully_shard already "
+            "reduce-scatters the gradients across the ranks, and DDP would mix different ranks' shards. Train "
+            "the sharded model as it is, without DDP; with accelerate, pass only the optimizer, dataloaders and "
+            "scheduler to accelerator.prepare (not the model); with Lightning, use "
+            "fsdp_composable.lightning's strategies instead of the DDP strategy"
+        )
+
+
+_module_hooks.register_module_module_registration_hook(_refuse_ddp_of_sharded)
