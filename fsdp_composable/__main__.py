@@ -53,8 +53,9 @@ INT_RANGES = {
     "seed": (0, 2**32 - 1),
     "checkpoint_every": (0, 10**9),
 }
-# The largest accepted value of each float option (all must be finite and above 0).
-FLOAT_MAX = {"lr": math.inf, "timeout": 7 * 24 * 3600.0}  # a process-group timeout of a week at most
+# The largest accepted value of each float option (all must be finite and above 0): AdamW only
+# diverges beyond a learning rate of 10, and a process-group timeout beyond a week is a typo.
+FLOAT_MAX = {"lr": 10.0, "timeout": 7 * 24 * 3600.0}
 
 
 class _Parser(argparse.ArgumentParser):
@@ -93,7 +94,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="sequences per step over all ranks, split evenly; must be a multiple of the world size (default 16)",
     )
     p.add_argument("--vocab", type=int, default=64, help="vocabulary size (default 64)")
-    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
+    p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate, at most 10 (default 3e-3)")
     p.add_argument(
         "--strategy",
         choices=STRATEGIES,
@@ -260,8 +261,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     for name, highest in FLOAT_MAX.items():
         value = getattr(args, name)
         if not (math.isfinite(value) and 0 < value <= highest):
-            at_most = f" and at most {highest:g}" if math.isfinite(highest) else ""
-            parser.error(f"--{name} must be a finite number above 0{at_most}, got {value}")
+            parser.error(f"--{name} must be a finite number above 0 and at most {highest:g}, got {value}")
     if args.d_model % args.heads:
         parser.error(f"--heads {args.heads} must divide --d-model {args.d_model}")
     if (args.resume or args.checkpoint_every) and not args.checkpoint_dir:

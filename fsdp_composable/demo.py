@@ -490,7 +490,8 @@ def summary(ctx: RunContext, memory: list[tuple[float, float]]) -> list[str]:
         saves = f"{ctx.saves} checkpoint save{'s' if ctx.saves != 1 else ''}"
         lines.append(
             f"time: {time.time() - start:.1f}s in all: {ctx.loop_start_time - start:.1f}s starting up, "
-            f"{ctx.train_seconds:.2f}s training, {ctx.save_seconds:.2f}s for {saves}"
+            f"{ctx.train_seconds:.2f}s training"
+            + (f", {ctx.save_seconds:.2f}s for {saves}" if ctx.args.checkpoint_dir else "")
         )
     return lines
 

@@ -10,6 +10,7 @@ import math
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -17,31 +18,49 @@ import time
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 from expecttest import TestCase
 
-from fsdp_composable.__main__ import parse_args
+from fsdp_composable import _job_processes
+from fsdp_composable.__main__ import build_parser, describe_run, model_params, parse_args
 from fsdp_composable.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
+STARTING_2 = "starting 2 ranks: each imports torch, then they join one process group"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d\d)s$")
 SMALL = ["--d-model", "32", "--layers", "2", "--seq", "16", "--global-batch", "8"]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+COLUMNS = 100
 
 
-def _run_job(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+def _job_env(env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(env_extra or {})
+    return env
+
+
+def _run_job(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120.0, cwd: Path = REPO
+) -> tuple[str, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_composable", *args],
-        cwd=REPO,
-        env=env,
+        cwd=cwd,
+        env=_job_env(env_extra),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    _assert_fits(proc.stdout + proc.stderr)
     return proc.stdout, proc.stderr
+
+
+def _assert_fits(output: str) -> None:
+    """Every line the job printed fits the 100 columns it promises."""
+    wide = [line for line in output.splitlines() if len(line) > COLUMNS]
+    assert not wide, f"{len(wide)} lines wider than {COLUMNS} columns:\n" + "\n".join(wide)
 
 
 def _losses(stdout: str) -> list[float]:
@@ -62,7 +81,7 @@ def test_default_job_two_ranks_without_numpy_prints_first_line_fast(tmp_path: Pa
     test extras bring it in): trains, reports each rank's peak memory and a summary. The first line
     comes before torch is imported; with stdout not a terminal, no progress bar is drawn."""
     _fake_package(tmp_path, "numpy")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
     start = time.monotonic()
     proc = subprocess.Popen(
@@ -77,26 +96,31 @@ def test_default_job_two_ranks_without_numpy_prints_first_line_fast(tmp_path: Pa
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
     assert first.startswith("fsdp_composable demo: GPT with 4 blocks"), first
     assert first_line_s < 2.0, f"first line after {first_line_s:.2f}s"
+    _assert_fits(out + err)
     losses = _losses(out)
     assert len(losses) == 4, out
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"the synthetic task is learnable, loss should drop: {losses}"
+    # the silent start says what it is doing: a line per rank, then the group
+    head = out.split("ShardingPlan:")[0].splitlines()
+    assert head[1:3] == ["FULL_SHARD on 2 CPU ranks (gloo, starting them)", STARTING_2], head
+    for rank in (0, 1):
+        assert any(re.match(rf"rank {rank} \(pid \d+\) imported torch after \d+\.\ds; joining$", x) for x in head), head
+    assert re.match(r"process group up: 2 ranks after \d+\.\ds; building and sharding the model$", head[-1]), head
     assert re.search(r"^rank 0 peak RSS \d+\.\d MiB$", out, re.M), out
     assert re.search(r"^rank 1 peak RSS \d+\.\d MiB$", out, re.M), out
-    summary = out.strip().splitlines()[-1]
-    pattern = (
-        r"summary: 4 steps in \d+\.\d\ds of training \(\d+\.\ds in all, startup included\), \d+\.\d\d steps/s, "
-        r"[\d,]+ tokens/s, peak RSS per rank \[\d+, \d+\] MiB, final loss \d\.\d{4}$"
-    )
+    summary, times = out.strip().splitlines()[-2:]
+    pattern = r"summary: 4 steps in \d+\.\d\ds of training, \d+\.\d\d steps/s, [\d,]+ tokens/s, final loss \d\.\d{4}$"
     assert re.match(pattern, summary), summary
-    assert "train:" not in err and "\r" not in out + err, "no progress bar frames off a terminal"
+    assert re.match(r"time: \d+\.\ds in all: \d+\.\ds starting up, \d+\.\d\ds training$", times), times
+    assert "train [" not in err and "\r" not in out + err, "no progress bar frames off a terminal"
 
 
 def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
     """--help and a bad option answer without importing torch (a stub torch that fails to import is
     first on the path), and the first line of a run is printed before torch is imported."""
     _fake_package(tmp_path, "torch")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -109,11 +133,13 @@ def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
     assert helped.returncode == 0 and "--global-batch" in helped.stdout, helped.stderr
     bad = run("--lr", "nan")
     assert bad.returncode == 2 and bad.stdout == ""
-    expected = "python -m fsdp_composable: error: --lr must be a positive finite number, got nan (see --help)\n"
+    expected = "python -m fsdp_composable: error: --lr must be a finite number above 0 and at most 10, got nan (see --help)\n"
     assert bad.stderr == expected
     started = run("--steps", "1")
     assert started.stdout.startswith("fsdp_composable demo: GPT with 4 blocks"), started.stdout
-    assert "torch is not installed (test stub)" in started.stderr  # it got that far before importing torch
+    assert STARTING_2 in started.stdout  # the main process starts the ranks without torch ...
+    assert "torch is not installed (test stub)" in started.stderr  # ... which the ranks then import
+    assert started.returncode == 1 and "rank 0 " in started.stderr, started.stderr
 
 
 def test_progress_bar_only_on_a_terminal() -> None:
@@ -165,6 +191,7 @@ def _fake_checkpoint(root: Path, step: int, **job: object) -> None:
     record.update(job)
     (root / f"step_{step}").mkdir(parents=True)
     (root / f"step_{step}" / "job.json").write_text(json.dumps(record))
+    (root / f"step_{step}" / ".metadata").write_bytes(b"")
     (root / "latest").write_text(f"step_{step}\n")
 
 
@@ -189,6 +216,9 @@ class TestArguments(TestCase):
             ["--lr", "nan"],
             ["--lr", "-1"],
             ["--timeout", "inf"],
+            ["--timeout", "1e300"],
+            ["--seed", "-1"],
+            ["--steps", "1e3"],
             ["--resume"],
             ["--checkpoint-dir", "ckpt", "--checkpoint-every", "-1"],
             ["--checkpoint-dir", "/nonexistent/ckpt", "--resume"],
@@ -202,14 +232,17 @@ class TestArguments(TestCase):
         self.assertExpectedInline(
             self._errors(bad),
             """\
---world-size must be at least 1, got 0
+--world-size must be from 1 to 4096, got 0
 --heads 4 must divide --d-model 30
---steps must be at least 1, got 0
---lr must be a positive finite number, got nan
---lr must be a positive finite number, got -1.0
---timeout must be a positive finite number, got inf
+--steps must be from 1 to 1000000000, got 0
+--lr must be a finite number above 0 and at most 10, got nan
+--lr must be a finite number above 0 and at most 10, got -1.0
+--timeout must be a finite number above 0 and at most 604800, got inf
+--timeout must be a finite number above 0 and at most 604800, got 1e+300
+--seed must be from 0 to 4294967295, got -1
+argument --steps: invalid int value: '1e3'
 --resume and --checkpoint-every need --checkpoint-dir DIR
---checkpoint-every must be at least 0, got -1
+--checkpoint-every must be from 0 to 1000000000, got -1
 --resume: no checkpoint in '/nonexistent/ckpt' (no latest file); save one first with --checkpoint-dir
 --global-batch 6 must be a multiple of the world size 4 (every rank takes an equal slice)
 --shard-group-size is only for --strategy HYBRID_SHARD, not FULL_SHARD
@@ -218,6 +251,105 @@ class TestArguments(TestCase):
 --plot /: is a directory; give a file name such as loss.png
 --checkpoint-dir /dev/null: exists and is not a directory""",  # noqa: E501
         )
+
+    def test_every_numeric_option_refuses_what_is_out_of_range(self) -> None:
+        """Negative, zero, nan, inf and absurdly large values of every numeric option: exit status 2 and
+        one line naming the option, before any rank starts (never a traceback from the ranks)."""
+        numeric = [a for a in build_parser()._actions if a.type in (int, float)]
+        self.assertEqual(len(numeric), 14)
+        for action in numeric:
+            option = action.option_strings[0]
+            for value in ["-1", "0", "nan", "inf", "-inf", "1e300", str(10**20)]:
+                argv = [option, value]
+                if option == "--checkpoint-every":
+                    argv += ["--checkpoint-dir", "ckpt"]
+                if option == "--shard-group-size":
+                    argv += ["--strategy", "HYBRID_SHARD"]
+                if value == "0" and option in ("--seed", "--checkpoint-every"):
+                    continue  # in range
+                with self.subTest(argv=argv):
+                    message = self._errors([argv])
+                    self.assertIn(option, message)
+
+    def test_model_that_cannot_be_built_on_this_machine(self) -> None:
+        self.assertEqual(model_params(parse_args(["--world-size", "1"])), 210_304)  # the demo GPT's count
+        self.assertEqual(sum(p.numel() for p in GPT(vocab=64, d_model=64, n_layers=4, seq=32, n_heads=4).parameters()), 210_304)
+        with mock.patch("fsdp_composable.__main__._physical_memory", return_value=2**30):
+            message = self._errors([["--d-model", "4096", "--layers", "8"]])
+        self.assertExpectedInline(message, """the model has 1,611,661,312 parameters and each of the 2 ranks on this machine builds it whole (4 bytes a parameter) before sharding: 12.0 GiB, more than the machine's 1.0 GiB; lower --d-model, --layers or --vocab""")  # noqa: E501
+
+    def test_malformed_launcher_environment(self) -> None:
+        """RANK and WORLD_SIZE set: the launcher's variables are checked like options (exit 2, one line)."""
+        good = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        cases = [
+            {**good, "WORLD_SIZE": "two"},
+            {**good, "WORLD_SIZE": "0"},
+            {**good, "RANK": "2"},
+            {**good, "RANK": "-1"},
+            {**good, "LOCAL_WORLD_SIZE": "0"},
+            {**good, "LOCAL_WORLD_SIZE": "3"},
+            {**good, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"},
+            {**good, "MASTER_PORT": "70000"},
+            {k: v for k, v in good.items() if k != "MASTER_ADDR"},
+            {"RANK": "1"},
+        ]
+        messages = []
+        for env in cases:
+            with mock.patch.dict(os.environ):
+                for name in LAUNCHER_VARS:
+                    os.environ.pop(name, None)
+                os.environ.update(env)
+                messages.append(self._errors([["--strategy", "HYBRID_SHARD"]]))
+        self.assertExpectedInline("\n".join(messages), """\
+environment variable WORLD_SIZE='two' is not an integer; the launcher (torchrun) sets it
+environment variable WORLD_SIZE=0 must be from 1 to 4096
+environment variable RANK=2 must be from 0 to 1
+environment variable RANK=-1 must be from 0 to 1
+environment variable LOCAL_WORLD_SIZE=0 must be from 1 to 2
+environment variable LOCAL_WORLD_SIZE=3 must be from 1 to 2
+environment variable LOCAL_RANK=1 must be from 0 to 0
+environment variable MASTER_PORT=70000 must be from 0 to 65535
+RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not: the env:// rendezvous needs all four (torchrun sets them)
+environment variable RANK is set but WORLD_SIZE is not: a launcher such as torchrun sets both; unset RANK to have this command start the ranks""")  # noqa: E501
+        with mock.patch.dict(os.environ, {**good, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}):
+            args = parse_args(["--strategy", "HYBRID_SHARD"])
+        self.assertEqual((args.world_size, args.shard_group_size), (2, 2))
+
+    def test_first_lines_say_what_actually_runs(self) -> None:
+        """A group of one rank shards nothing (`fully_shard` runs it as NO_SHARD, no collective): the
+        first lines say so for world size 1 and for HYBRID_SHARD's default shard group at 2 ranks."""
+        runs = [
+            ["--world-size", "1"],
+            ["--world-size", "1", "--strategy", "SHARD_GRAD_OP"],
+            ["--strategy", "HYBRID_SHARD"],
+            ["--strategy", "HYBRID_SHARD", "--shard-group-size", "2"],
+            ["--strategy", "HYBRID_SHARD", "--world-size", "4"],
+            ["--strategy", "NO_SHARD", "--world-size", "4"],
+        ]
+        text = "\n\n".join("\n".join(describe_run(parse_args(argv))[1:]) for argv in runs)
+        self.assertExpectedInline(text, """\
+FULL_SHARD on 1 CPU rank (gloo, in this process)
+with 1 rank there is nothing to shard or reduce: every unit runs as NO_SHARD, without communication
+
+SHARD_GRAD_OP on 1 CPU rank (gloo, in this process)
+with 1 rank there is nothing to shard or reduce: every unit runs as NO_SHARD, without communication
+
+HYBRID_SHARD (2 replicas x shard group 1) on 2 CPU ranks (gloo, starting them)
+a shard group of 1 rank shards nothing: this runs as NO_SHARD over 2 ranks (as DDP does)
+
+HYBRID_SHARD (1 replica x shard group 2) on 2 CPU ranks (gloo, starting them)
+1 replica replicates nothing: this runs as FULL_SHARD over 2 ranks
+
+HYBRID_SHARD (2 replicas x shard group 2) on 4 CPU ranks (gloo, starting them)
+
+NO_SHARD on 4 CPU ranks (gloo, starting them)""")
+
+    def test_help_fits_100_columns(self) -> None:
+        for columns in ("60", "100", "300"):
+            with mock.patch.dict(os.environ, {"COLUMNS": columns}):
+                text = build_parser().format_help()
+            _assert_fits(text)
+            self.assertIn("--checkpoint-every", text)
 
     def test_plot_without_matplotlib(self) -> None:
         real = importlib.util.find_spec
@@ -254,6 +386,71 @@ class TestArguments(TestCase):
 --resume: TMP/ckpt/step_10 was saved for a different model (--d-model 32 there, 64 here; --layers 4 there, 2 here); pass the same options
 --resume: TMP/ckpt/step_10 is already at step 10 and --steps is 10: nothing to train; pass --steps greater than 10
 --checkpoint-dir: TMP/other/latest names 'step_3', but TMP/other/step_3/job.json cannot be read ([Errno 2] No such file or directory: 'TMP/other/step_3/job.json')""")  # noqa: E501
+
+    def test_corrupt_or_escaping_checkpoint_is_refused_in_one_line(self) -> None:
+        """A hand-edited or damaged checkpoint directory: ``job.json`` with non-numbers, wrong types,
+        missing keys or no JSON at all, ``latest`` naming ``..``, an absolute path or a symbolic link
+        out of the directory, a save without its metadata: exit 2 and one line, before any rank starts."""
+        good = {"vocab": 64, "d_model": 64, "layers": 4, "heads": 4, "seq": 32, "step": 10, "global_batch": 16}
+        jobs = [
+            '{"step": Infinity}',
+            '{"step": NaN, "vocab": 64}',
+            json.dumps({**good, "step": "10"}),
+            json.dumps({**good, "step": True}),
+            json.dumps({**good, "step": 10**30}),
+            json.dumps({**good, "world_size": 2.5}),
+            json.dumps({k: v for k, v in good.items() if k != "d_model"}),
+            json.dumps([good]),
+            "step=10",
+            "[" * 100_000,
+        ]
+        with tempfile.TemporaryDirectory() as tmp:
+            cases = []
+            for i, text in enumerate(jobs):
+                root = Path(tmp, f"job{i}")
+                _fake_checkpoint(root, 10)
+                (root / "step_10" / "job.json").write_text(text)
+                cases.append(root)
+            outside = Path(tmp, "outside")
+            _fake_checkpoint(outside, 10)
+            for i, name in enumerate(["..", "../outside/step_10", str(outside / "step_10"), "escape", "."]):
+                root = Path(tmp, f"pointer{i}")
+                root.mkdir()
+                (root / "escape").symlink_to(outside / "step_10")
+                (root / "latest").write_text(name + "\n")
+                cases.append(root)
+            root = Path(tmp, "linked_latest")
+            root.mkdir()
+            (root / "latest").symlink_to(outside / "latest")
+            cases.append(root)
+            root = Path(tmp, "unfinished")
+            _fake_checkpoint(root, 10)
+            (root / "step_10" / ".metadata").unlink()
+            cases.append(root)
+            message = self._errors([["--checkpoint-dir", str(root), "--resume"] for root in cases])
+            linked = Path(tmp, "linked")  # a step directory that is a link inside the directory is fine
+            _fake_checkpoint(linked, 10)
+            (linked / "step_12").symlink_to(linked / "step_10")
+            (linked / "latest").write_text("step_12\n")
+            self.assertEqual(parse_args(["--checkpoint-dir", str(linked), "--resume"]).checkpoint_dir, str(linked))
+        self.assertExpectedInline(message.replace(os.path.realpath(tmp), "TMP").replace(tmp, "TMP"), """\
+--checkpoint-dir: TMP/job0/latest names 'step_10', but TMP/job0/step_10/job.json cannot be read (Infinity is not a number a step or a size can be)
+--checkpoint-dir: TMP/job1/latest names 'step_10', but TMP/job1/step_10/job.json cannot be read (NaN is not a number a step or a size can be)
+--checkpoint-dir: TMP/job2/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got '10'
+--checkpoint-dir: TMP/job3/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got True
+--checkpoint-dir: TMP/job4/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got 1000000000000000000000000000000
+--checkpoint-dir: TMP/job5/step_10/job.json is not the job's record: 'world_size' must be an integer from 1 to 1000000000, got 2.5
+--checkpoint-dir: TMP/job6/step_10/job.json is not the job's record: 'd_model' is missing
+--checkpoint-dir: TMP/job7/step_10/job.json is not the job's record: a JSON object was expected, got list
+--checkpoint-dir: TMP/job8/latest names 'step_10', but TMP/job8/step_10/job.json cannot be read (Expecting value: line 1 column 1 (char 0))
+--checkpoint-dir: TMP/job9/latest names 'step_10', but TMP/job9/step_10/job.json cannot be read (maximum recursion depth exceeded while decoding a JSON array from a unicode string)
+--checkpoint-dir: TMP/pointer0/latest names '..', which is not the name of a directory in TMP/pointer0
+--checkpoint-dir: TMP/pointer1/latest names '../outside/step_10', which is not the name of a directory in TMP/pointer1
+--checkpoint-dir: TMP/pointer2/latest names 'TMP/outside/step_10', which is not the name of a directory in TMP/pointer2
+--checkpoint-dir: TMP/pointer3/latest names 'escape', which resolves to TMP/outside/step_10, outside TMP/pointer3
+--checkpoint-dir: TMP/pointer4/latest names '.', which is not the name of a directory in TMP/pointer4
+--checkpoint-dir: TMP/linked_latest/latest is not a regular file (the job writes it as one)
+--checkpoint-dir: TMP/unfinished/step_10 has no .metadata: its save did not complete""")  # noqa: E501
 
     def test_defaults(self) -> None:
         args = parse_args([])
