@@ -7,6 +7,7 @@ import importlib.util
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
 import shutil
@@ -133,7 +134,8 @@ def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
     assert helped.returncode == 0 and "--global-batch" in helped.stdout, helped.stderr
     bad = run("--lr", "nan")
     assert bad.returncode == 2 and bad.stdout == ""
-    expected = "python -m fsdp_composable: error: --lr must be a finite number above 0 and at most 10, got nan (see --help)\n"
+    expected = "python -m fsdp_composable: error: --lr must be a finite number above 0 and at most 10, got nan"
+    expected += " (see --help)\n"
     assert bad.stderr == expected
     started = run("--steps", "1")
     assert started.stdout.startswith("fsdp_composable demo: GPT with 4 blocks"), started.stdout
@@ -165,6 +167,10 @@ def test_torchrun_environment_runs_in_place_with_bf16_and_shard_grad_op(tmp_path
     assert len(losses) == 3 and math.isfinite(losses[-1]), out
     assert "rank 1" not in out
     assert plot.stat().st_size > 0
+    # world size 1 shards nothing: the first lines and describe()'s table agree on what ran
+    assert "SHARD_GRAD_OP on 1 CPU rank (gloo, under torchrun)\nwith 1 rank there is nothing to shard" in out, out
+    units = [line for line in out.splitlines() if line.startswith(("<root>", "blocks."))]
+    assert len(units) == 3 and all(" NO_SHARD " in line and "bfloat16" in line for line in units), out
 
 
 def test_synthetic_data_is_deterministic_and_split_by_rank() -> None:
@@ -273,10 +279,11 @@ argument --steps: invalid int value: '1e3'
 
     def test_model_that_cannot_be_built_on_this_machine(self) -> None:
         self.assertEqual(model_params(parse_args(["--world-size", "1"])), 210_304)  # the demo GPT's count
-        self.assertEqual(sum(p.numel() for p in GPT(vocab=64, d_model=64, n_layers=4, seq=32, n_heads=4).parameters()), 210_304)
+        gpt = GPT(vocab=64, d_model=64, n_layers=4, seq=32, n_heads=4)
+        self.assertEqual(sum(p.numel() for p in gpt.parameters()), 210_304)
         with mock.patch("fsdp_composable.__main__._physical_memory", return_value=2**30):
             message = self._errors([["--d-model", "4096", "--layers", "8"]])
-        self.assertExpectedInline(message, """the model has 1,611,661,312 parameters and each of the 2 ranks on this machine builds it whole (4 bytes a parameter) before sharding: 12.0 GiB, more than the machine's 1.0 GiB; lower --d-model, --layers or --vocab""")  # noqa: E501
+        self.assertExpectedInline(message, """the model has 1,611,702,272 parameters and each of the 2 ranks on this machine builds it whole (4 bytes a parameter) before sharding: 12.0 GiB, more than the machine's 1.0 GiB; lower --d-model, --layers or --vocab""")  # noqa: E501
 
     def test_malformed_launcher_environment(self) -> None:
         """RANK and WORLD_SIZE set: the launcher's variables are checked like options (exit 2, one line)."""
@@ -470,18 +477,23 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     """Save at steps 2 and 3 with 2 ranks, resume to step 5 with 2 ranks (and from step 3 with 4 ranks,
     the same global batch): steps 4 and 5 match a run that never stopped. Each save has its own
     directory and `latest` moves only once a save is complete. The job also prints describe()'s
-    table and can checkpoint activations."""
-    straight, _ = _run_job(["--steps", "5", *SMALL])
+    table and can checkpoint activations; its time line counts the saves apart from training."""
+    straight, _ = _run_job(["--steps", "5", *SMALL], cwd=tmp_path)
     assert "ShardingPlan: 3 units, world size 2, rank 0" in straight, straight
     ckpt = tmp_path / "ckpt"
-    args = ["--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--activation-checkpointing"]
-    first, _ = _run_job([*args, *SMALL])
-    assert f"saved checkpoint at step 2 to {ckpt / 'step_2'}" in first
-    assert f"saved checkpoint at step 3 to {ckpt / 'step_3'}" in first
+    args = ["--steps", "3", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--activation-checkpointing"]
+    first, _ = _run_job([*args, *SMALL], cwd=tmp_path)
+    assert re.search(r"^saved checkpoint at step 2 to ckpt/step_2 in \d+\.\d\ds$", first, re.M), first
+    assert re.search(r"^saved checkpoint at step 3 to ckpt/step_3 in \d+\.\d\ds$", first, re.M), first
+    pattern = r"^time: (\d+\.\d)s in all: (\d+\.\d)s starting up, (\d+\.\d\d)s training, (\d+\.\d\d)s for 2 checkpoint"
+    times = re.search(pattern + " saves$", first, re.M)
+    assert times, first
+    total, *parts = map(float, times.groups())
+    assert sum(parts) <= total + 0.2, times.group(0)  # disjoint spans of one run (printed rounded)
     assert (ckpt / "latest").read_text() == "step_3\n"
     shutil.copytree(ckpt, tmp_path / "ckpt4")
-    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", str(ckpt), "--resume", *SMALL])
-    assert f"resumed from {ckpt / 'step_3'} at step 3 (saved by 2 ranks, now 2)" in resumed
+    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", "ckpt", "--resume", *SMALL], cwd=tmp_path)
+    assert "resumed from ckpt/step_3 at step 3 (saved by 2 ranks, now 2)" in resumed
     assert (ckpt / "latest").read_text() == "step_5\n"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_2", "step_3", "step_5"]
     assert json.loads((ckpt / "step_5" / "job.json").read_text())["step"] == 5
@@ -489,10 +501,119 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     assert sorted(got) == [4, 5], resumed
     for step in (4, 5):
         assert abs(got[step] - expected[step]) < 1e-4, (step, got[step], expected[step])
-    args = ["--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt4"), "--resume", "--world-size", "4", *SMALL]
-    four, _ = _run_job(args)
+    args = ["--steps", "4", "--checkpoint-dir", "ckpt4", "--resume", "--world-size", "4", *SMALL]
+    four, _ = _run_job(args, cwd=tmp_path)
     assert "(saved by 2 ranks, now 4)" in four
     assert abs(_step_losses(four)[4] - expected[4]) < 1e-4, four
+
+
+def _session_alive(session: int) -> list[int]:
+    """The processes of ``session`` (Linux: /proc) that are still running (zombies do not count)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
+def test_a_signal_to_the_main_process_stops_every_rank(signame: str) -> None:
+    """SIGTERM to the main process while the ranks train, and Ctrl-C (SIGINT to the whole process
+    group) while the ranks are still importing torch: one line on stderr, no traceback, exit status
+    128 + the signal, and every process the job started gone within seconds (no rank trains on as an
+    orphan). The SIGTERM run is HYBRID_SHARD at 2 ranks, whose first lines say it runs as NO_SHARD."""
+    sig = signal.Signals[signame]
+    args = ["--steps", "100000", *SMALL] + (["--strategy", "HYBRID_SHARD"] if sig == signal.SIGTERM else [])
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_composable", *args],
+        cwd=REPO, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+    assert proc.stdout is not None
+    try:
+        seen = []
+        wait_for = "step 1 " if sig == signal.SIGTERM else STARTING_2
+        while not (seen and seen[-1].startswith(wait_for)):
+            line = proc.stdout.readline()
+            assert line, f"the job ended early:\n{''.join(seen)}"
+            seen.append(line)
+        if sig == signal.SIGTERM:
+            assert "a shard group of 1 rank shards nothing: this runs as NO_SHARD over 2 ranks" in "".join(seen)
+            assert " NO_SHARD " in next(line for line in seen if line.startswith("blocks.0"))
+            os.kill(proc.pid, sig)  # the main process only
+        else:
+            time.sleep(1.0)  # the ranks are importing torch now
+            os.killpg(proc.pid, sig)  # what Ctrl-C at a terminal does
+        out, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while _session_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = _session_alive(proc.pid)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans, f"still running after the main process ended: {orphans}"
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    line = rf"python -m fsdp_composable: interrupted by {signame}; (stopped all 2 ranks|no rank had started)\n"
+    assert re.fullmatch(line, err), err
+    assert "Traceback" not in out + err
+
+
+def _rank_entry_for_test(rank: int, seconds: float) -> None:
+    """Rank 0 fails at once; the others would sleep for ``seconds``."""
+    if rank == 0:
+        raise ValueError("rank 0 fails on purpose")
+    time.sleep(seconds)
+
+
+def test_a_failing_rank_stops_the_others() -> None:
+    """The first rank that fails ends the run: the others are stopped (not waited for) and its
+    traceback comes back to the main process."""
+    with pytest.raises(_job_processes.RankFailed) as info:
+        _job_processes.run_ranks(f"{__name__}:_rank_entry_for_test", 2, (600.0,))
+    assert info.value.rank == 0
+    assert info.value.details.startswith("failed:\nTraceback"), info.value.details
+    assert "ValueError: rank 0 fails on purpose" in info.value.details
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_on_a_terminal_a_progress_bar_and_no_leaked_semaphore() -> None:
+    """Run with stdout and stderr on a terminal (a pseudo-terminal): rank 0 draws its bar, every line
+    fits 100 columns, and nothing is printed after the job ends (multiprocessing's resource tracker
+    used to warn about a leaked semaphore, tqdm's lock, once the prompt was back)."""
+    import pty
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_composable", "--steps", "3", *SMALL],
+        cwd=REPO, env=_job_env({"COLUMNS": "100"}), stdin=subprocess.DEVNULL, stdout=child, stderr=child,
+    )
+    os.close(child)
+    chunks = []
+    while True:  # until every holder of the terminal (the resource tracker too) has closed it
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=120) == 0
+    text = b"".join(chunks).decode()
+    assert "train [####" in text and "3/3 steps" in text, text
+    assert "leaked" not in text and "Warning" not in text, text
+    assert text.rstrip().splitlines()[-1].startswith("time: "), text
+    _assert_fits(re.sub(r"\r(\x1b\[K)?", "\n", text))
 
 
 def test_ci_runs_the_readme_first_command_in_a_bare_virtualenv() -> None:
