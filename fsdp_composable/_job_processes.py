@@ -145,7 +145,7 @@ def _how_it_ended(exitcode: int, error_file: str) -> str:
         name = signal.Signals(-exitcode).name
         why = " (the system may have run out of memory)" if -exitcode == signal.SIGKILL else ""
         return f"was killed by {name}{why}"
-    return f"exited with status {exitcode}"
+    return f"exited with status {exitcode} (its output above says why)"  # before it ran ``entry``
 
 
 def _stop(procs: list[Any]) -> None:
