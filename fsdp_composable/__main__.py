@@ -25,6 +25,7 @@ import signal
 import socket
 import sys
 import time
+import warnings
 from typing import NoReturn, Optional
 
 from fsdp_composable import _job_checkpoint as job_ckpt
@@ -35,6 +36,7 @@ __all__ = ["build_parser", "main", "parse_args"]
 START_TIME = time.time()  # the summary's total time counts from here
 DEFAULT_WORLD_SIZE = 2
 STRATEGIES = ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD", "HYBRID_SHARD"]
+NUMPY_WARNING = "Failed to initialize NumPy"  # torch's, see `_quiet_numpy_warning`
 COLUMNS = 100  # every line the job prints fits this width (error lines aside: they are one line)
 MAX_RANKS = 4096
 # The accepted range of each integer option. The upper bounds keep the data's seed arithmetic and
@@ -409,9 +411,19 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _quiet_numpy_warning() -> None:
+    """torch warns on import, in every rank, that it failed to initialise numpy when numpy is not
+    installed; the job does not use numpy (see `demo.gather_peak_memory`), so the warning (a line of
+    200 columns per rank) is noise. Filtered here and, through the environment, in the ranks."""
+    warnings.filterwarnings("ignore", message=NUMPY_WARNING, category=UserWarning)
+    option = f"ignore:{NUMPY_WARNING}:UserWarning"
+    os.environ["PYTHONWARNINGS"] = ",".join(filter(None, [os.environ.get("PYTHONWARNINGS"), option]))
+
+
 def launch(args: argparse.Namespace) -> None:
     """Run this process as the only rank or one torchrun rank, or start ``args.world_size`` ranks and
     wait for them (see [Note: how the main job stops its ranks] in ``_job_processes.py``)."""
+    _quiet_numpy_warning()
     if _launched_by_torchrun():
         from fsdp_composable.demo import run_rank  # torch: after the first lines
 

@@ -71,6 +71,13 @@ def _losses(stdout: str) -> list[float]:
     return [loss for _, loss in steps]
 
 
+def _readline(proc: subprocess.Popen[bytes]) -> str:
+    """One line of an unbuffered (``bufsize=0``) stdout: a byte at a time, so that nothing is read
+    ahead into a buffer that a later ``communicate()``, which reads the pipe itself, would not see."""
+    assert proc.stdout is not None
+    return proc.stdout.readline().decode()
+
+
 def _fake_package(root: Path, name: str) -> None:
     """A package ``name`` whose import fails, as if it were not installed."""
     (root / name).mkdir(parents=True)
@@ -87,12 +94,11 @@ def test_default_job_two_ranks_without_numpy_prints_first_line_fast(tmp_path: Pa
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_composable", "--steps", "4"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,  # see _readline
     )
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
+    first = _readline(proc)
     first_line_s = time.monotonic() - start
-    rest, err = proc.communicate(timeout=120)
+    rest, err = (b.decode() for b in proc.communicate(timeout=120))
     out = first + rest
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
     assert first.startswith("fsdp_composable demo: GPT with 4 blocks"), first
@@ -535,14 +541,13 @@ def test_a_signal_to_the_main_process_stops_every_rank(signame: str) -> None:
     args = ["--steps", "100000", *SMALL] + (["--strategy", "HYBRID_SHARD"] if sig == signal.SIGTERM else [])
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_composable", *args],
-        cwd=REPO, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        cwd=REPO, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
     )
-    assert proc.stdout is not None
     try:
         seen = []
         wait_for = "step 1 " if sig == signal.SIGTERM else STARTING_2
         while not (seen and seen[-1].startswith(wait_for)):
-            line = proc.stdout.readline()
+            line = _readline(proc)
             assert line, f"the job ended early:\n{''.join(seen)}"
             seen.append(line)
         if sig == signal.SIGTERM:
@@ -552,7 +557,7 @@ def test_a_signal_to_the_main_process_stops_every_rank(signame: str) -> None:
         else:
             time.sleep(1.0)  # the ranks are importing torch now
             os.killpg(proc.pid, sig)  # what Ctrl-C at a terminal does
-        out, err = proc.communicate(timeout=60)
+        out, err = (b.decode() for b in proc.communicate(timeout=60))
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
