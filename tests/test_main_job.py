@@ -10,6 +10,7 @@ import math
 import multiprocessing
 import os
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -637,3 +638,24 @@ def test_ci_runs_the_readme_first_command_in_a_bare_virtualenv() -> None:
     for needed in steps:
         assert needed in ci, needed
     assert 'bash -euo pipefail -c "$first_command"' in ci
+
+
+def test_docs_give_a_quick_test_subset_and_say_checkpoints_must_be_trusted() -> None:
+    """getting-started.md's quick test commands name test files that exist and markers that are
+    registered (a renamed file would otherwise leave new users a command that collects nothing);
+    training.md warns that loading a checkpoint unpickles its metadata."""
+    text = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    section = text.split("## Running the tests", 1)[1].split("\n## ", 1)[0]
+    assert "about 5 minutes on 2 CPU cores" in section, section
+    commands = [shlex.split(line.split("#")[0]) for line in section.splitlines() if line.startswith("python -m pytest")]
+    assert len(commands) >= 1, section
+    markers = (REPO / "pyproject.toml").read_text(encoding="utf-8").split("markers = [", 1)[1].split("]")[0]
+    for words in commands:
+        files = [w for w in words if w.startswith("tests/")]
+        assert files and all((REPO / f).is_file() for f in files), words
+        for expression in (w for i, w in enumerate(words) if i > 3 and words[i - 1] == "-m"):  # after python -m pytest
+            marker = expression.removeprefix("not ")
+            assert f'"{marker}:' in markers, (marker, markers)
+    training = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
+    assert "## Checkpoints come from trusted directories only" in training
+    assert "pickle" in training.split("## Checkpoints come from trusted", 1)[1].split("\n## ", 1)[0]
