@@ -8,10 +8,12 @@ the launcher describes. New options go in `build_parser` and are checked in `par
 [Note: the main job checks everything before it imports torch]
 This module imports only the standard library at the top (the package skips its own imports too,
 see [Note: python -m fsdp_composable starts fast] in ``__init__.py``), so ``--help`` and a bad
-option answer at once, and the first line of a run is printed before torch is imported (which
-takes seconds). Every option, every path and the checkpoint to resume is checked in `parse_args`,
-before any rank starts: a mistake is one line on stderr and exit status 2, never a traceback from
-N ranks after a minute of training.
+option answer at once, and the first lines of a run are printed before torch is imported (which
+takes seconds); a process that starts the ranks never imports torch at all (on CPU), the ranks do.
+Every option (its range too), the launcher's environment, every path and the checkpoint to resume
+are checked in `parse_args`, before any rank starts: a mistake is one line on stderr and exit status
+2, never a traceback from N ranks after a minute of training. Everything else the job prints fits
+`COLUMNS`.
 """
 
 from __future__ import annotations

@@ -482,8 +482,8 @@ def summary(ctx: RunContext, memory: list[tuple[float, float]]) -> list[str]:
     seconds = max(ctx.train_seconds, 1e-9)
     tokens = steps * ctx.args.global_batch * ctx.args.seq
     lines.append(
-        f"summary: {steps} steps in {ctx.train_seconds:.2f}s of training, {steps / seconds:.2f} steps/s, "
-        f"{tokens / seconds:,.0f} tokens/s" + (f", final loss {ctx.losses[-1]:.4f}" if ctx.losses else "")
+        f"summary: {steps} steps, {steps / seconds:.2f} steps/s, {tokens / seconds:,.0f} tokens/s"
+        + (f", final loss {ctx.losses[-1]:.4f}" if ctx.losses else "")
     )
     start = getattr(ctx.args, "start_time", None)
     if start is not None:
