@@ -279,20 +279,22 @@ def train(args: argparse.Namespace, local_rank: int = 0) -> list[float]:
     ctx = RunContext(args, rank, world_size, device, model, build_optimizer(model, args))
     after_setup(ctx)
     ctx.start_step = resume(ctx)
-    bar = ProgressBar(args.steps, ctx.start_step) if rank == 0 and use_progress_bar() else None
+    bar = ProgressBar(args.steps) if rank == 0 and use_progress_bar() else None
     ctx.loop_start_time = time.time()
     loop_start = time.perf_counter()
     for step in range(ctx.start_step + 1, args.steps + 1):
+        if bar is not None:
+            bar.show(step - 1)
         with _profile_last_step(ctx, step):
             loss, seconds = train_step(ctx, step)
+        if bar is not None:
+            bar.hide()
         ctx.losses.append(loss)
         ctx.step_times.append(seconds)
         if rank == 0:
-            _log_step(bar, step, loss, seconds)
+            print(f"step {step} loss {loss:.4f} time {seconds:.2f}s", flush=True)
         after_step(ctx, step)
     ctx.train_seconds = time.perf_counter() - loop_start - ctx.save_seconds  # saves are reported apart
-    if bar is not None:
-        bar.close()
     after_train(ctx)
     report(ctx)
     if rank == 0 and args.plot:
@@ -366,45 +368,27 @@ def use_progress_bar(stdout: Any = None, stderr: Any = None) -> bool:
 
 
 class ProgressBar:
-    """Rank 0's one-line bar on stderr (a terminal), redrawn under each step line. Ours, not tqdm's:
-    tqdm's lock is a multiprocessing semaphore, and a rank ends with ``os._exit`` (see
-    `spawned_rank`), so the semaphore was never released and multiprocessing's resource tracker
-    warned about it after the job had ended."""
+    """Rank 0's one-line bar on stderr (a terminal), shown only while a step runs, so that every line
+    printed (a step, a save) starts on a clean line. Ours, not tqdm's: tqdm's lock is a
+    multiprocessing semaphore, and a rank ends with ``os._exit`` (see `spawned_rank`), so the
+    semaphore was never released and multiprocessing's resource tracker warned about it after the
+    job had ended."""
 
     WIDTH = 40
 
-    def __init__(self, total: int, done: int, stream: Any = None) -> None:
-        self.total, self.done = total, done
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total = total
         self.stream = stream or sys.stderr
-        self._draw()
 
-    def _draw(self) -> None:
-        filled = self.WIDTH * self.done // max(self.total, 1)
+    def show(self, done: int) -> None:
+        filled = self.WIDTH * done // max(self.total, 1)
         bar = "#" * filled + "." * (self.WIDTH - filled)
-        self.stream.write(f"\rtrain [{bar}] {self.done}/{self.total} steps")
+        self.stream.write(f"\rtrain [{bar}] {done}/{self.total} steps")
         self.stream.flush()
 
-    def clear(self) -> None:
+    def hide(self) -> None:
         self.stream.write("\r\x1b[K")  # back to the line's start, erase it
         self.stream.flush()
-
-    def update(self, line: str) -> None:
-        """One more step: print its ``line`` on stdout above the bar."""
-        self.clear()
-        print(line, flush=True)
-        self.done += 1
-        self._draw()
-
-    def close(self) -> None:
-        self.clear()
-
-
-def _log_step(bar: Optional[ProgressBar], step: int, loss: float, seconds: float) -> None:
-    line = f"step {step} loss {loss:.4f} time {seconds:.2f}s"
-    if bar is None:
-        print(line, flush=True)
-    else:
-        bar.update(line)
 
 
 def _count(n: int) -> str:
