@@ -532,34 +532,46 @@ def _session_alive(session: int) -> list[int]:
     return alive
 
 
+STOP_CASES = {  # signal, sent to the main process or its whole process group, the job's options
+    "SIGTERM-main-hybrid": ("SIGTERM", "main", ["--strategy", "HYBRID_SHARD"]),
+    "SIGINT-group-starting": ("SIGINT", "group", []),
+    "SIGINT-group-world-size-1": ("SIGINT", "group", ["--world-size", "1"]),
+    "SIGKILL-main": ("SIGKILL", "main", []),
+}
+
+
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
-@pytest.mark.parametrize("signame", ["SIGTERM", "SIGINT"])
-def test_a_signal_to_the_main_process_stops_every_rank(signame: str) -> None:
-    """SIGTERM to the main process while the ranks train, and Ctrl-C (SIGINT to the whole process
-    group) while the ranks are being started or import torch: one line on stderr, no traceback, exit status
-    128 + the signal, and every process the job started gone within seconds (no rank trains on as an
-    orphan). The SIGTERM run is HYBRID_SHARD at 2 ranks, whose first lines say it runs as NO_SHARD."""
+@pytest.mark.parametrize("case", list(STOP_CASES))
+def test_a_signal_to_the_main_process_stops_every_rank(case: str) -> None:
+    """SIGTERM to the main process while the ranks train, Ctrl-C (SIGINT to the whole process group)
+    while the ranks are being started or import torch, and Ctrl-C while one rank trains in this
+    process: one line on stderr, no traceback, exit status 128 + the signal. After any of these,
+    and after SIGKILL to the main process (which nothing can catch), every process the job started
+    is gone within seconds: no rank trains on as an orphan. The SIGTERM run is HYBRID_SHARD at 2
+    ranks, whose first lines say it runs as NO_SHARD."""
+    signame, target, options = STOP_CASES[case]
     sig = signal.Signals[signame]
-    args = ["--steps", "100000", *SMALL] + (["--strategy", "HYBRID_SHARD"] if sig == signal.SIGTERM else [])
     proc = subprocess.Popen(
-        [sys.executable, "-m", "fsdp_composable", *args],
+        [sys.executable, "-m", "fsdp_composable", "--steps", "100000", *SMALL, *options],
         cwd=REPO, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
     )
     watchdog = threading.Timer(300.0, os.killpg, (proc.pid, signal.SIGKILL))  # a hung job fails, not hangs
     watchdog.start()
     try:
         seen = []
-        wait_for = "step 1 " if sig == signal.SIGTERM else "fsdp_composable demo:"
+        wait_for = "fsdp_composable demo:" if case == "SIGINT-group-starting" else "step 1 "
         while not (seen and seen[-1].startswith(wait_for)):
             line = _readline(proc)
             assert line, f"the job ended early:\n{''.join(seen)}"
             seen.append(line)
-        if sig == signal.SIGTERM:
+        if case == "SIGTERM-main-hybrid":
             assert "a shard group of 1 rank shards nothing: this runs as NO_SHARD over 2 ranks" in "".join(seen)
             assert " NO_SHARD " in next(line for line in seen if line.startswith("blocks.0"))
-            os.kill(proc.pid, sig)  # the main process only
-        else:
+        if case == "SIGINT-group-starting":
             time.sleep(1.5)  # the ranks are being started or are importing torch
+        if target == "main":
+            os.kill(proc.pid, sig)
+        else:
             os.killpg(proc.pid, sig)  # what Ctrl-C at a terminal does
         out, err = (b.decode() for b in proc.communicate(timeout=60))
     finally:
@@ -573,9 +585,12 @@ def test_a_signal_to_the_main_process_stops_every_rank(signame: str) -> None:
     for pid in orphans:
         os.kill(pid, signal.SIGKILL)
     assert not orphans, f"still running after the main process ended: {orphans}"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        return
     assert proc.returncode == 128 + sig, (proc.returncode, err)
-    line = rf"python -m fsdp_composable: interrupted by {signame}; (stopped all 2 ranks|no rank had started)\n"
-    assert re.fullmatch(line, err), err
+    what = "rank 0 stopped" if "--world-size" in options else "(stopped all 2 ranks|no rank had started)"
+    assert re.fullmatch(rf"python -m fsdp_composable: interrupted by {signame}; {what}\n", err), err
     assert "Traceback" not in out + err
 
 
