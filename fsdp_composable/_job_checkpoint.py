@@ -23,6 +23,10 @@ __all__: list[str] = []
 
 LATEST = "latest"
 JOB_FILE = "job.json"
+METADATA_FILE = ".metadata"  # torch.distributed.checkpoint writes it last, once every shard is written
+MAX_POINTER_CHARS = 4096
+MAX_JOB_CHARS = 1 << 20
+MAX_INT = 10**9  # larger than any step or size the job accepts
 # the options that fix the model's parameter shapes: a checkpoint only loads into the same ones
 MODEL_SHAPE_OPTIONS = ("vocab", "d_model", "layers", "heads", "seq")
 
@@ -64,21 +68,67 @@ def _write_atomically(path: str, text: str) -> None:
 
 def latest(root: str) -> Optional[SavedCheckpoint]:
     """The checkpoint ``root/latest`` names, or None when there is none; raises ValueError when
-    ``latest`` names something that is not a complete checkpoint."""
+    ``latest`` names something that is not a complete checkpoint directly inside ``root``."""
     pointer = os.path.join(root, LATEST)
-    if not os.path.isfile(pointer):
+    if not os.path.lexists(pointer):
         return None
-    with open(pointer, encoding="utf-8") as f:
-        name = f.read().strip()
-    path = os.path.join(root, name)
+    if os.path.islink(pointer) or not os.path.isfile(pointer):
+        raise ValueError(f"{pointer} is not a regular file (the job writes it as one)")
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read(MAX_POINTER_CHARS).strip()
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{pointer} cannot be read ({e})") from None
+    path = _inside(root, name, pointer)
     job_file = os.path.join(path, JOB_FILE)
     try:
         with open(job_file, encoding="utf-8") as f:
-            job = json.load(f)
-        step = int(job["step"])
-    except (OSError, ValueError, KeyError, TypeError) as e:
+            job = json.loads(f.read(MAX_JOB_CHARS), parse_constant=_refuse_constant)
+    except (OSError, ValueError, RecursionError) as e:
         raise ValueError(f"{pointer} names {name!r}, but {job_file} cannot be read ({e})") from None
-    return SavedCheckpoint(path, step, job)
+    problem = _job_problem(job)
+    if problem:
+        raise ValueError(f"{job_file} is not the job's record: {problem}")
+    if not os.path.isfile(os.path.join(path, METADATA_FILE)):
+        raise ValueError(f"{path} has no {METADATA_FILE}: its save did not complete")
+    return SavedCheckpoint(path, job["step"], job)
+
+
+def _inside(root: str, name: str, pointer: str) -> str:
+    """``root/name`` when ``name`` is one directory name that resolves (symbolic links followed)
+    directly inside ``root``; a pointer must never lead a resume, or a save beside it, elsewhere."""
+    separators = {os.sep, os.altsep or os.sep, "\0"}
+    if not name or name in (os.curdir, os.pardir) or any(c in name for c in separators):
+        raise ValueError(f"{pointer} names {name!r}, which is not the name of a directory in {root}")
+    path = os.path.join(root, name)
+    resolved = os.path.realpath(path)
+    if os.path.dirname(resolved) != os.path.realpath(root):
+        raise ValueError(f"{pointer} names {name!r}, which resolves to {resolved}, outside {root}")
+    return path
+
+
+def _short(text: str, limit: int = 40) -> str:
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _refuse_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number a step or a size can be")
+
+
+def _job_problem(job: Any) -> str:
+    """'' when ``job`` has what `job_record` writes and `python -m fsdp_composable` reads, else why not."""
+    if not isinstance(job, dict):
+        return f"a JSON object was expected, got {type(job).__name__}"
+    required = ("step", *MODEL_SHAPE_OPTIONS)
+    for key in (*required, "global_batch", "world_size"):
+        value = job.get(key)
+        if value is None and key not in required:
+            continue  # written by every save, read only for messages
+        if key not in job:
+            return f"{key!r} is missing"
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_INT:
+            return f"{key!r} must be an integer from 1 to {MAX_INT}, got {_short(repr(value))}"
+    return ""
 
 
 def shape_mismatch(saved: SavedCheckpoint, args: argparse.Namespace) -> str:

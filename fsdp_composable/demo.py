@@ -131,14 +131,17 @@ class RunContext:
     start_step: int = 0  # steps already done before this run (a resumed run sets it)
     losses: list[float] = field(default_factory=list)  # mean loss over ranks, one per step run here
     step_times: list[float] = field(default_factory=list)
-    train_seconds: float = 0.0  # wall time of the training loop on this rank, saves included
+    train_seconds: float = 0.0  # wall time of the training loop on this rank, saves excluded
+    save_seconds: float = 0.0  # wall time of the checkpoint saves on this rank (every rank waits for all)
+    saves: int = 0
+    loop_start_time: float = 0.0  # time.time() when the first step started
 
 
 def after_setup(ctx: RunContext) -> None:
     """The model is sharded and the optimizer built: rank 0 shows how the model is sharded."""
     plan = describe(ctx.model)  # local, no communication
     if ctx.rank == 0:
-        print(plan, flush=True)
+        print("\n".join(plan_lines(plan)), flush=True)
 
 
 def resume(ctx: RunContext) -> int:
@@ -174,6 +177,7 @@ def save_checkpoint(ctx: RunContext, step: int) -> None:
     see [Note: the main job's checkpoint directory]."""
     import torch.distributed.checkpoint as dcp
 
+    start = time.perf_counter()
     root = ctx.args.checkpoint_dir
     path = job_ckpt.step_dir(root, step)
     with state_dict_type(ctx.model, StateDictType.SHARDED_STATE_DICT):
@@ -182,8 +186,12 @@ def save_checkpoint(ctx: RunContext, step: int) -> None:
     if ctx.rank == 0:
         job_ckpt.write_job(path, job_ckpt.job_record(ctx.args, step, ctx.world_size))
         job_ckpt.point_latest(root, path)
-        print(f"saved checkpoint at step {step} to {path}", flush=True)
     dist.barrier()  # no rank reads `latest` (a later resume) before it names the new checkpoint
+    seconds = time.perf_counter() - start
+    ctx.save_seconds += seconds
+    ctx.saves += 1
+    if ctx.rank == 0:
+        print(f"saved checkpoint at step {step} to {path} in {seconds:.2f}s", flush=True)
 
 
 def after_step(ctx: RunContext, step: int) -> None:
@@ -271,19 +279,22 @@ def train(args: argparse.Namespace, local_rank: int = 0) -> list[float]:
     ctx = RunContext(args, rank, world_size, device, model, build_optimizer(model, args))
     after_setup(ctx)
     ctx.start_step = resume(ctx)
-    bar = _progress_bar(ctx)
+    bar = ProgressBar(args.steps) if rank == 0 and use_progress_bar() else None
+    ctx.loop_start_time = time.time()
     loop_start = time.perf_counter()
     for step in range(ctx.start_step + 1, args.steps + 1):
+        if bar is not None:
+            bar.show(step - 1)
         with _profile_last_step(ctx, step):
             loss, seconds = train_step(ctx, step)
+        if bar is not None:
+            bar.hide()
         ctx.losses.append(loss)
         ctx.step_times.append(seconds)
         if rank == 0:
-            _log_step(bar, step, loss, seconds)
+            print(f"step {step} loss {loss:.4f} time {seconds:.2f}s", flush=True)
         after_step(ctx, step)
-    ctx.train_seconds = time.perf_counter() - loop_start
-    if bar is not None:
-        bar.close()
+    ctx.train_seconds = time.perf_counter() - loop_start - ctx.save_seconds  # saves are reported apart
     after_train(ctx)
     report(ctx)
     if rank == 0 and args.plot:
@@ -303,6 +314,9 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
         world_size=args.world_size,
         timeout=datetime.timedelta(seconds=args.timeout),
     )
+    if rank == 0:
+        ranks = f"{args.world_size} rank{'s' if args.world_size != 1 else ''}"
+        print(f"process group up: {ranks} after {_since_start(args)}; building and sharding the model", flush=True)
     try:
         train(args, rank if local_rank is None else local_rank)
     finally:
@@ -317,11 +331,18 @@ def spawned_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
     group, it ends without the interpreter's teardown. Gloo's worker threads can still hold tensors
     then, and freeing them while the interpreter finalises aborts the process now and then (SIGABRT
     after a finished run, about 1 run in 12 on a loaded 2-core machine). An error still propagates to
-    ``mp.spawn`` as usual."""
+    ``python -m fsdp_composable`` as usual (`fsdp_composable._job_processes`)."""
+    print(f"rank {rank} (pid {os.getpid()}) imported torch after {_since_start(args)}; joining", flush=True)
     run_rank(rank, args, init_method)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _since_start(args: argparse.Namespace) -> str:
+    """Seconds since ``python -m fsdp_composable`` started, for the lines of the silent start."""
+    start = getattr(args, "start_time", None)
+    return "?" if start is None else f"{time.time() - start:.1f}s"
 
 
 # ---------------------------------------------------------------------------- reporting
@@ -346,25 +367,73 @@ def use_progress_bar(stdout: Any = None, stderr: Any = None) -> bool:
     return all(getattr(s, "isatty", lambda: False)() for s in streams)
 
 
-def _progress_bar(ctx: RunContext) -> Any:
-    if ctx.rank != 0 or not use_progress_bar():
-        return None
-    try:
-        from tqdm import tqdm  # rank 0 only: the other ranks never draw
-    except ImportError:
-        return None
-    return tqdm(total=ctx.args.steps, initial=ctx.start_step, desc="train", unit="step", file=sys.stderr)
+class ProgressBar:
+    """Rank 0's one-line bar on stderr (a terminal), shown only while a step runs, so that every line
+    printed (a step, a save) starts on a clean line. Ours, not tqdm's: tqdm's lock is a
+    multiprocessing semaphore, and a rank ends with ``os._exit`` (see `spawned_rank`), so the
+    semaphore was never released and multiprocessing's resource tracker warned about it after the
+    job had ended."""
+
+    WIDTH = 40
+
+    def __init__(self, total: int, stream: Any = None) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+
+    def show(self, done: int) -> None:
+        filled = self.WIDTH * done // max(self.total, 1)
+        bar = "#" * filled + "." * (self.WIDTH - filled)
+        self.stream.write(f"\rtrain [{bar}] {done}/{self.total} steps")
+        self.stream.flush()
+
+    def hide(self) -> None:
+        self.stream.write("\r\x1b[K")  # back to the line's start, erase it
+        self.stream.flush()
 
 
-def _log_step(bar: Any, step: int, loss: float, seconds: float) -> None:
-    line = f"step {step} loss {loss:.4f} time {seconds:.2f}s"
-    if bar is None:
-        print(line, flush=True)
-        return
-    bar.set_postfix(loss=f"{loss:.4f}", step_time=f"{seconds:.2f}s", refresh=False)
-    bar.update(1)
-    bar.write(line, file=sys.stdout)
-    sys.stdout.flush()
+def _count(n: int) -> str:
+    """Exact below ten million, then three significant figures: a table column stays narrow."""
+    if n < 10**7:
+        return f"{n:,}"
+    return f"{n / 1e6:.1f}M" if n < 10**9 else f"{n / 1e9:.1f}G"
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.2f} {unit}" if unit != "B" else f"{int(nbytes)} B"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def plan_lines(plan: Any) -> list[str]:
+    """`describe()`'s plan as the job prints it: its first line, then a table of the columns that can
+    differ in this job, so every line fits 100 columns (the demo never offloads and sets no reduce dtype)."""
+    headers = ("unit", "params", "numel", "shard", "dtype", "strategy", "compute", "shard bytes")
+    rows = [
+        (
+            u.fqn or "<root>",
+            str(u.num_params),
+            _count(u.numel),
+            _count(u.shard_numel),
+            str(u.dtype).removeprefix("torch."),
+            u.strategy.name,
+            str(u.param_dtype or u.dtype).removeprefix("torch."),
+            _size(u.shard_bytes),
+        )
+        for u in plan.units
+    ]
+    total = ("total", str(sum(u.num_params for u in plan.units)), _count(plan.numel), _count(plan.shard_numel))
+    rows.append((*total, "", "", "", _size(plan.sharded_param_bytes)))
+    widths = [max(len(row[i]) for row in [headers, *rows]) for i in range(len(headers))]
+    right = {1, 2, 3, 7}
+
+    def line(cells: tuple[str, ...]) -> str:
+        padded = (c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+        return "  ".join(padded).rstrip()
+
+    rule = "  ".join("-" * w for w in widths)
+    return [str(plan).splitlines()[0], line(headers), rule, *map(line, rows[:-1]), rule, line(rows[-1])]
 
 
 def peak_rss_mib() -> float:
@@ -388,21 +457,26 @@ def gather_peak_memory(ctx: RunContext) -> list[tuple[float, float]]:
 
 
 def summary(ctx: RunContext, memory: list[tuple[float, float]]) -> list[str]:
-    """The last lines of a run: each rank's peak memory, then time, throughput and the peaks."""
+    """The last lines of a run: each rank's peak memory, the throughput of the training steps, and
+    where the time went: starting up, training, checkpoint saves (the whole run counted once)."""
     lines = []
     for rank, (rss, cuda) in enumerate(memory):
         lines.append(f"rank {rank} peak RSS {rss:.1f} MiB" + (f" peak CUDA {cuda:.1f} MiB" if cuda >= 0 else ""))
     steps = len(ctx.losses)
     seconds = max(ctx.train_seconds, 1e-9)
     tokens = steps * ctx.args.global_batch * ctx.args.seq
-    start = getattr(ctx.args, "start_time", None)
-    total = f" ({time.time() - start:.1f}s in all, startup included)" if start is not None else ""
-    peak = ", ".join(f"{rss:.0f}" for rss, _ in memory)
     lines.append(
-        f"summary: {steps} steps in {seconds:.2f}s of training{total}, "
-        f"{steps / seconds:.2f} steps/s, {tokens / seconds:,.0f} tokens/s, peak RSS per rank [{peak}] MiB"
+        f"summary: {steps} steps, {steps / seconds:.2f} steps/s, {tokens / seconds:,.0f} tokens/s"
         + (f", final loss {ctx.losses[-1]:.4f}" if ctx.losses else "")
     )
+    start = getattr(ctx.args, "start_time", None)
+    if start is not None:
+        saves = f"{ctx.saves} checkpoint save{'s' if ctx.saves != 1 else ''}"
+        lines.append(
+            f"time: {time.time() - start:.1f}s in all: {ctx.loop_start_time - start:.1f}s starting up, "
+            f"{ctx.train_seconds:.2f}s training"
+            + (f", {ctx.save_seconds:.2f}s for {saves}" if ctx.args.checkpoint_dir else "")
+        )
     return lines
 
 

@@ -7,41 +7,63 @@ import importlib.util
 import io
 import json
 import math
+import multiprocessing
 import os
 import re
+import shlex
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 from expecttest import TestCase
 
-from fsdp_composable.__main__ import parse_args
+from fsdp_composable import _job_processes
+from fsdp_composable.__main__ import build_parser, describe_run, model_params, parse_args
 from fsdp_composable.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
+STARTING_2 = "starting 2 ranks: each imports torch, then they join one process group"
 STEP_LINE = re.compile(r"^step (\d+) loss (\S+) time (\d+\.\d\d)s$")
 SMALL = ["--d-model", "32", "--layers", "2", "--seq", "16", "--global-batch", "8"]
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+COLUMNS = 100
 
 
-def _run_job(args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120.0) -> tuple[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+def _job_env(env_extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.update(env_extra or {})
+    return env
+
+
+def _run_job(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 120.0, cwd: Path = REPO
+) -> tuple[str, str]:
     proc = subprocess.run(
         [sys.executable, "-m", "fsdp_composable", *args],
-        cwd=REPO,
-        env=env,
+        cwd=cwd,
+        env=_job_env(env_extra),
         capture_output=True,
         text=True,
         timeout=timeout,
     )
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-4000:]}"
+    _assert_fits(proc.stdout + proc.stderr)
     return proc.stdout, proc.stderr
+
+
+def _assert_fits(output: str) -> None:
+    """Every line the job printed fits the 100 columns it promises."""
+    wide = [line for line in output.splitlines() if len(line) > COLUMNS]
+    assert not wide, f"{len(wide)} lines wider than {COLUMNS} columns:\n" + "\n".join(wide)
 
 
 def _losses(stdout: str) -> list[float]:
@@ -49,6 +71,13 @@ def _losses(stdout: str) -> list[float]:
     steps = [(int(m.group(1)), float(m.group(2))) for m in matches if m]
     assert [s for s, _ in steps] == list(range(1, len(steps) + 1)), stdout
     return [loss for _, loss in steps]
+
+
+def _readline(proc: subprocess.Popen[bytes]) -> str:
+    """One line of an unbuffered (``bufsize=0``) stdout: a byte at a time, so that nothing is read
+    ahead into a buffer that a later ``communicate()``, which reads the pipe itself, would not see."""
+    assert proc.stdout is not None
+    return proc.stdout.readline().decode()
 
 
 def _fake_package(root: Path, name: str) -> None:
@@ -62,41 +91,45 @@ def test_default_job_two_ranks_without_numpy_prints_first_line_fast(tmp_path: Pa
     test extras bring it in): trains, reports each rank's peak memory and a summary. The first line
     comes before torch is imported; with stdout not a terminal, no progress bar is drawn."""
     _fake_package(tmp_path, "numpy")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
     start = time.monotonic()
     proc = subprocess.Popen(
         [sys.executable, "-m", "fsdp_composable", "--steps", "4"],
-        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0,  # see _readline
     )
-    assert proc.stdout is not None
-    first = proc.stdout.readline()
+    first = _readline(proc)
     first_line_s = time.monotonic() - start
-    rest, err = proc.communicate(timeout=120)
+    rest, err = (b.decode() for b in proc.communicate(timeout=120))
     out = first + rest
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
     assert first.startswith("fsdp_composable demo: GPT with 4 blocks"), first
     assert first_line_s < 2.0, f"first line after {first_line_s:.2f}s"
+    _assert_fits(out + err)
     losses = _losses(out)
     assert len(losses) == 4, out
     assert all(math.isfinite(x) for x in losses), losses
     assert losses[-1] < losses[0], f"the synthetic task is learnable, loss should drop: {losses}"
+    # the silent start says what it is doing: a line per rank, then the group
+    head = out.split("ShardingPlan:")[0].splitlines()
+    assert head[1:3] == ["FULL_SHARD on 2 CPU ranks (gloo, starting them)", STARTING_2], head
+    for rank in (0, 1):
+        assert any(re.match(rf"rank {rank} \(pid \d+\) imported torch after \d+\.\ds; joining$", x) for x in head), head
+    assert re.match(r"process group up: 2 ranks after \d+\.\ds; building and sharding the model$", head[-1]), head
     assert re.search(r"^rank 0 peak RSS \d+\.\d MiB$", out, re.M), out
     assert re.search(r"^rank 1 peak RSS \d+\.\d MiB$", out, re.M), out
-    summary = out.strip().splitlines()[-1]
-    pattern = (
-        r"summary: 4 steps in \d+\.\d\ds of training \(\d+\.\ds in all, startup included\), \d+\.\d\d steps/s, "
-        r"[\d,]+ tokens/s, peak RSS per rank \[\d+, \d+\] MiB, final loss \d\.\d{4}$"
-    )
+    summary, times = out.strip().splitlines()[-2:]
+    pattern = r"summary: 4 steps, \d+\.\d\d steps/s, [\d,]+ tokens/s, final loss \d\.\d{4}$"
     assert re.match(pattern, summary), summary
-    assert "train:" not in err and "\r" not in out + err, "no progress bar frames off a terminal"
+    assert re.match(r"time: \d+\.\ds in all: \d+\.\ds starting up, \d+\.\d\ds training$", times), times
+    assert "train [" not in err and "\r" not in out + err, "no progress bar frames off a terminal"
 
 
 def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
     """--help and a bad option answer without importing torch (a stub torch that fails to import is
     first on the path), and the first line of a run is printed before torch is imported."""
     _fake_package(tmp_path, "torch")
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env = _job_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), str(REPO)])
 
     def run(*argv: str) -> subprocess.CompletedProcess[str]:
@@ -109,11 +142,16 @@ def test_help_and_bad_options_do_not_import_torch(tmp_path: Path) -> None:
     assert helped.returncode == 0 and "--global-batch" in helped.stdout, helped.stderr
     bad = run("--lr", "nan")
     assert bad.returncode == 2 and bad.stdout == ""
-    expected = "python -m fsdp_composable: error: --lr must be a positive finite number, got nan (see --help)\n"
+    expected = "python -m fsdp_composable: error: --lr must be a finite number above 0 and at most 10, got nan"
+    expected += " (see --help)\n"
     assert bad.stderr == expected
     started = run("--steps", "1")
     assert started.stdout.startswith("fsdp_composable demo: GPT with 4 blocks"), started.stdout
-    assert "torch is not installed (test stub)" in started.stderr  # it got that far before importing torch
+    assert STARTING_2 in started.stdout  # the main process starts the ranks without torch ...
+    assert "torch is not installed (test stub)" in started.stderr  # ... which the ranks then import
+    assert started.returncode == 1, started.stderr
+    ended = r"^rank \d exited with status 1 \(its output above says why\)$"
+    assert re.search(ended, started.stderr, re.M), started.stderr
 
 
 def test_progress_bar_only_on_a_terminal() -> None:
@@ -139,6 +177,10 @@ def test_torchrun_environment_runs_in_place_with_bf16_and_shard_grad_op(tmp_path
     assert len(losses) == 3 and math.isfinite(losses[-1]), out
     assert "rank 1" not in out
     assert plot.stat().st_size > 0
+    # world size 1 shards nothing: the first lines and describe()'s table agree on what ran
+    assert "SHARD_GRAD_OP on 1 CPU rank (gloo, under torchrun)\nwith 1 rank there is nothing to shard" in out, out
+    units = [line for line in out.splitlines() if line.startswith(("<root>", "blocks."))]
+    assert len(units) == 3 and all(" NO_SHARD " in line and "bfloat16" in line for line in units), out
 
 
 def test_synthetic_data_is_deterministic_and_split_by_rank() -> None:
@@ -165,6 +207,7 @@ def _fake_checkpoint(root: Path, step: int, **job: object) -> None:
     record.update(job)
     (root / f"step_{step}").mkdir(parents=True)
     (root / f"step_{step}" / "job.json").write_text(json.dumps(record))
+    (root / f"step_{step}" / ".metadata").write_bytes(b"")
     (root / "latest").write_text(f"step_{step}\n")
 
 
@@ -189,6 +232,9 @@ class TestArguments(TestCase):
             ["--lr", "nan"],
             ["--lr", "-1"],
             ["--timeout", "inf"],
+            ["--timeout", "1e300"],
+            ["--seed", "-1"],
+            ["--steps", "1e3"],
             ["--resume"],
             ["--checkpoint-dir", "ckpt", "--checkpoint-every", "-1"],
             ["--checkpoint-dir", "/nonexistent/ckpt", "--resume"],
@@ -202,14 +248,17 @@ class TestArguments(TestCase):
         self.assertExpectedInline(
             self._errors(bad),
             """\
---world-size must be at least 1, got 0
+--world-size must be from 1 to 4096, got 0
 --heads 4 must divide --d-model 30
---steps must be at least 1, got 0
---lr must be a positive finite number, got nan
---lr must be a positive finite number, got -1.0
---timeout must be a positive finite number, got inf
+--steps must be from 1 to 1000000000, got 0
+--lr must be a finite number above 0 and at most 10, got nan
+--lr must be a finite number above 0 and at most 10, got -1.0
+--timeout must be a finite number above 0 and at most 604800, got inf
+--timeout must be a finite number above 0 and at most 604800, got 1e+300
+--seed must be from 0 to 4294967295, got -1
+argument --steps: invalid int value: '1e3'
 --resume and --checkpoint-every need --checkpoint-dir DIR
---checkpoint-every must be at least 0, got -1
+--checkpoint-every must be from 0 to 1000000000, got -1
 --resume: no checkpoint in '/nonexistent/ckpt' (no latest file); save one first with --checkpoint-dir
 --global-batch 6 must be a multiple of the world size 4 (every rank takes an equal slice)
 --shard-group-size is only for --strategy HYBRID_SHARD, not FULL_SHARD
@@ -218,6 +267,106 @@ class TestArguments(TestCase):
 --plot /: is a directory; give a file name such as loss.png
 --checkpoint-dir /dev/null: exists and is not a directory""",  # noqa: E501
         )
+
+    def test_every_numeric_option_refuses_what_is_out_of_range(self) -> None:
+        """Negative, zero, nan, inf and absurdly large values of every numeric option: exit status 2 and
+        one line naming the option, before any rank starts (never a traceback from the ranks)."""
+        numeric = [a for a in build_parser()._actions if a.type in (int, float)]
+        self.assertEqual(len(numeric), 14)
+        for action in numeric:
+            option = action.option_strings[0]
+            for value in ["-1", "0", "nan", "inf", "-inf", "1e300", str(10**20)]:
+                argv = [option, value]
+                if option == "--checkpoint-every":
+                    argv += ["--checkpoint-dir", "ckpt"]
+                if option == "--shard-group-size":
+                    argv += ["--strategy", "HYBRID_SHARD"]
+                if value == "0" and option in ("--seed", "--checkpoint-every"):
+                    continue  # in range
+                with self.subTest(argv=argv):
+                    message = self._errors([argv])
+                    self.assertIn(option, message)
+
+    def test_model_that_cannot_be_built_on_this_machine(self) -> None:
+        self.assertEqual(model_params(parse_args(["--world-size", "1"])), 210_304)  # the demo GPT's count
+        gpt = GPT(vocab=64, d_model=64, n_layers=4, seq=32, n_heads=4)
+        self.assertEqual(sum(p.numel() for p in gpt.parameters()), 210_304)
+        with mock.patch("fsdp_composable.__main__._physical_memory", return_value=2**30):
+            message = self._errors([["--d-model", "4096", "--layers", "8"]])
+        self.assertExpectedInline(message, """the model has 1,611,702,272 parameters and each of the 2 ranks on this machine builds it whole (4 bytes a parameter) before sharding: 12.0 GiB, more than the machine's 1.0 GiB; lower --d-model, --layers or --vocab""")  # noqa: E501
+
+    def test_malformed_launcher_environment(self) -> None:
+        """RANK and WORLD_SIZE set: the launcher's variables are checked like options (exit 2, one line)."""
+        good = {"RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29500"}
+        cases = [
+            {**good, "WORLD_SIZE": "two"},
+            {**good, "WORLD_SIZE": "0"},
+            {**good, "RANK": "2"},
+            {**good, "RANK": "-1"},
+            {**good, "LOCAL_WORLD_SIZE": "0"},
+            {**good, "LOCAL_WORLD_SIZE": "3"},
+            {**good, "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1"},
+            {**good, "MASTER_PORT": "70000"},
+            {k: v for k, v in good.items() if k != "MASTER_ADDR"},
+            {"RANK": "1"},
+        ]
+        messages = []
+        for env in cases:
+            with mock.patch.dict(os.environ):
+                for name in LAUNCHER_VARS:
+                    os.environ.pop(name, None)
+                os.environ.update(env)
+                messages.append(self._errors([["--strategy", "HYBRID_SHARD"]]))
+        self.assertExpectedInline("\n".join(messages), """\
+environment variable WORLD_SIZE='two' is not an integer; the launcher (torchrun) sets it
+environment variable WORLD_SIZE=0 must be from 1 to 4096
+environment variable RANK=2 must be from 0 to 1
+environment variable RANK=-1 must be from 0 to 1
+environment variable LOCAL_WORLD_SIZE=0 must be from 1 to 2
+environment variable LOCAL_WORLD_SIZE=3 must be from 1 to 2
+environment variable LOCAL_RANK=1 must be from 0 to 0
+environment variable MASTER_PORT=70000 must be from 0 to 65535
+RANK and WORLD_SIZE are set but MASTER_ADDR or MASTER_PORT is not: the env:// rendezvous needs all four (torchrun sets them)
+environment variable RANK is set but WORLD_SIZE is not: a launcher such as torchrun sets both; unset RANK to have this command start the ranks""")  # noqa: E501
+        with mock.patch.dict(os.environ, {**good, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}):
+            args = parse_args(["--strategy", "HYBRID_SHARD"])
+        self.assertEqual((args.world_size, args.shard_group_size), (2, 2))
+
+    def test_first_lines_say_what_actually_runs(self) -> None:
+        """A group of one rank shards nothing (`fully_shard` runs it as NO_SHARD, no collective): the
+        first lines say so for world size 1 and for HYBRID_SHARD's default shard group at 2 ranks."""
+        runs = [
+            ["--world-size", "1"],
+            ["--world-size", "1", "--strategy", "SHARD_GRAD_OP"],
+            ["--strategy", "HYBRID_SHARD"],
+            ["--strategy", "HYBRID_SHARD", "--shard-group-size", "2"],
+            ["--strategy", "HYBRID_SHARD", "--world-size", "4"],
+            ["--strategy", "NO_SHARD", "--world-size", "4"],
+        ]
+        text = "\n\n".join("\n".join(describe_run(parse_args(argv))[1:]) for argv in runs)
+        self.assertExpectedInline(text, """\
+FULL_SHARD on 1 CPU rank (gloo, in this process)
+with 1 rank there is nothing to shard or reduce: every unit runs as NO_SHARD, without communication
+
+SHARD_GRAD_OP on 1 CPU rank (gloo, in this process)
+with 1 rank there is nothing to shard or reduce: every unit runs as NO_SHARD, without communication
+
+HYBRID_SHARD (2 replicas x shard group 1) on 2 CPU ranks (gloo, starting them)
+a shard group of 1 rank shards nothing: this runs as NO_SHARD over 2 ranks (as DDP does)
+
+HYBRID_SHARD (1 replica x shard group 2) on 2 CPU ranks (gloo, starting them)
+1 replica replicates nothing: this runs as FULL_SHARD over 2 ranks
+
+HYBRID_SHARD (2 replicas x shard group 2) on 4 CPU ranks (gloo, starting them)
+
+NO_SHARD on 4 CPU ranks (gloo, starting them)""")
+
+    def test_help_fits_100_columns(self) -> None:
+        for columns in ("60", "100", "300"):
+            with mock.patch.dict(os.environ, {"COLUMNS": columns}):
+                text = build_parser().format_help()
+            _assert_fits(text)
+            self.assertIn("--checkpoint-every", text)
 
     def test_plot_without_matplotlib(self) -> None:
         real = importlib.util.find_spec
@@ -255,6 +404,71 @@ class TestArguments(TestCase):
 --resume: TMP/ckpt/step_10 is already at step 10 and --steps is 10: nothing to train; pass --steps greater than 10
 --checkpoint-dir: TMP/other/latest names 'step_3', but TMP/other/step_3/job.json cannot be read ([Errno 2] No such file or directory: 'TMP/other/step_3/job.json')""")  # noqa: E501
 
+    def test_corrupt_or_escaping_checkpoint_is_refused_in_one_line(self) -> None:
+        """A hand-edited or damaged checkpoint directory: ``job.json`` with non-numbers, wrong types,
+        missing keys or no JSON at all, ``latest`` naming ``..``, an absolute path or a symbolic link
+        out of the directory, a save without its metadata: exit 2 and one line, before any rank starts."""
+        good = {"vocab": 64, "d_model": 64, "layers": 4, "heads": 4, "seq": 32, "step": 10, "global_batch": 16}
+        jobs = [
+            '{"step": Infinity}',
+            '{"step": NaN, "vocab": 64}',
+            json.dumps({**good, "step": "10"}),
+            json.dumps({**good, "step": True}),
+            json.dumps({**good, "step": 10**30}),
+            json.dumps({**good, "world_size": 2.5}),
+            json.dumps({k: v for k, v in good.items() if k != "d_model"}),
+            json.dumps([good]),
+            "step=10",
+            "[" * 100_000,
+        ]
+        with tempfile.TemporaryDirectory() as tmp:
+            cases = []
+            for i, text in enumerate(jobs):
+                root = Path(tmp, f"job{i}")
+                _fake_checkpoint(root, 10)
+                (root / "step_10" / "job.json").write_text(text)
+                cases.append(root)
+            outside = Path(tmp, "outside")
+            _fake_checkpoint(outside, 10)
+            for i, name in enumerate(["..", "../outside/step_10", str(outside / "step_10"), "escape", "."]):
+                root = Path(tmp, f"pointer{i}")
+                root.mkdir()
+                (root / "escape").symlink_to(outside / "step_10")
+                (root / "latest").write_text(name + "\n")
+                cases.append(root)
+            root = Path(tmp, "linked_latest")
+            root.mkdir()
+            (root / "latest").symlink_to(outside / "latest")
+            cases.append(root)
+            root = Path(tmp, "unfinished")
+            _fake_checkpoint(root, 10)
+            (root / "step_10" / ".metadata").unlink()
+            cases.append(root)
+            message = self._errors([["--checkpoint-dir", str(root), "--resume"] for root in cases])
+            linked = Path(tmp, "linked")  # a step directory that is a link inside the directory is fine
+            _fake_checkpoint(linked, 10)
+            (linked / "step_12").symlink_to(linked / "step_10")
+            (linked / "latest").write_text("step_12\n")
+            self.assertEqual(parse_args(["--checkpoint-dir", str(linked), "--resume"]).checkpoint_dir, str(linked))
+        self.assertExpectedInline(message.replace(os.path.realpath(tmp), "TMP").replace(tmp, "TMP"), """\
+--checkpoint-dir: TMP/job0/latest names 'step_10', but TMP/job0/step_10/job.json cannot be read (Infinity is not a number a step or a size can be)
+--checkpoint-dir: TMP/job1/latest names 'step_10', but TMP/job1/step_10/job.json cannot be read (NaN is not a number a step or a size can be)
+--checkpoint-dir: TMP/job2/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got '10'
+--checkpoint-dir: TMP/job3/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got True
+--checkpoint-dir: TMP/job4/step_10/job.json is not the job's record: 'step' must be an integer from 1 to 1000000000, got 1000000000000000000000000000000
+--checkpoint-dir: TMP/job5/step_10/job.json is not the job's record: 'world_size' must be an integer from 1 to 1000000000, got 2.5
+--checkpoint-dir: TMP/job6/step_10/job.json is not the job's record: 'd_model' is missing
+--checkpoint-dir: TMP/job7/step_10/job.json is not the job's record: a JSON object was expected, got list
+--checkpoint-dir: TMP/job8/latest names 'step_10', but TMP/job8/step_10/job.json cannot be read (Expecting value: line 1 column 1 (char 0))
+--checkpoint-dir: TMP/job9/latest names 'step_10', but TMP/job9/step_10/job.json cannot be read (maximum recursion depth exceeded while decoding a JSON array from a unicode string)
+--checkpoint-dir: TMP/pointer0/latest names '..', which is not the name of a directory in TMP/pointer0
+--checkpoint-dir: TMP/pointer1/latest names '../outside/step_10', which is not the name of a directory in TMP/pointer1
+--checkpoint-dir: TMP/pointer2/latest names 'TMP/outside/step_10', which is not the name of a directory in TMP/pointer2
+--checkpoint-dir: TMP/pointer3/latest names 'escape', which resolves to TMP/outside/step_10, outside TMP/pointer3
+--checkpoint-dir: TMP/pointer4/latest names '.', which is not the name of a directory in TMP/pointer4
+--checkpoint-dir: TMP/linked_latest/latest is not a regular file (the job writes it as one)
+--checkpoint-dir: TMP/unfinished/step_10 has no .metadata: its save did not complete""")  # noqa: E501
+
     def test_defaults(self) -> None:
         args = parse_args([])
         self.assertEqual(
@@ -273,18 +487,23 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     """Save at steps 2 and 3 with 2 ranks, resume to step 5 with 2 ranks (and from step 3 with 4 ranks,
     the same global batch): steps 4 and 5 match a run that never stopped. Each save has its own
     directory and `latest` moves only once a save is complete. The job also prints describe()'s
-    table and can checkpoint activations."""
-    straight, _ = _run_job(["--steps", "5", *SMALL])
+    table and can checkpoint activations; its time line counts the saves apart from training."""
+    straight, _ = _run_job(["--steps", "5", *SMALL], cwd=tmp_path)
     assert "ShardingPlan: 3 units, world size 2, rank 0" in straight, straight
     ckpt = tmp_path / "ckpt"
-    args = ["--steps", "3", "--checkpoint-dir", str(ckpt), "--checkpoint-every", "2", "--activation-checkpointing"]
-    first, _ = _run_job([*args, *SMALL])
-    assert f"saved checkpoint at step 2 to {ckpt / 'step_2'}" in first
-    assert f"saved checkpoint at step 3 to {ckpt / 'step_3'}" in first
+    args = ["--steps", "3", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--activation-checkpointing"]
+    first, _ = _run_job([*args, *SMALL], cwd=tmp_path)
+    assert re.search(r"^saved checkpoint at step 2 to ckpt/step_2 in \d+\.\d\ds$", first, re.M), first
+    assert re.search(r"^saved checkpoint at step 3 to ckpt/step_3 in \d+\.\d\ds$", first, re.M), first
+    pattern = r"^time: (\d+\.\d)s in all: (\d+\.\d)s starting up, (\d+\.\d\d)s training, (\d+\.\d\d)s for 2 checkpoint"
+    times = re.search(pattern + " saves$", first, re.M)
+    assert times, first
+    total, *parts = map(float, times.groups())
+    assert sum(parts) <= total + 0.2, times.group(0)  # disjoint spans of one run (printed rounded)
     assert (ckpt / "latest").read_text() == "step_3\n"
     shutil.copytree(ckpt, tmp_path / "ckpt4")
-    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", str(ckpt), "--resume", *SMALL])
-    assert f"resumed from {ckpt / 'step_3'} at step 3 (saved by 2 ranks, now 2)" in resumed
+    resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", "ckpt", "--resume", *SMALL], cwd=tmp_path)
+    assert "resumed from ckpt/step_3 at step 3 (saved by 2 ranks, now 2)" in resumed
     assert (ckpt / "latest").read_text() == "step_5\n"
     assert sorted(p.name for p in ckpt.iterdir()) == ["latest", "step_2", "step_3", "step_5"]
     assert json.loads((ckpt / "step_5" / "job.json").read_text())["step"] == 5
@@ -292,10 +511,136 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     assert sorted(got) == [4, 5], resumed
     for step in (4, 5):
         assert abs(got[step] - expected[step]) < 1e-4, (step, got[step], expected[step])
-    args = ["--steps", "4", "--checkpoint-dir", str(tmp_path / "ckpt4"), "--resume", "--world-size", "4", *SMALL]
-    four, _ = _run_job(args)
+    args = ["--steps", "4", "--checkpoint-dir", "ckpt4", "--resume", "--world-size", "4", *SMALL]
+    four, _ = _run_job(args, cwd=tmp_path)
     assert "(saved by 2 ranks, now 4)" in four
     assert abs(_step_losses(four)[4] - expected[4]) < 1e-4, four
+
+
+def _session_alive(session: int) -> list[int]:
+    """The processes of ``session`` (Linux: /proc) that are still running (zombies do not count)."""
+    alive = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path("/proc", entry, "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == session and fields[0] != "Z":
+            alive.append(int(entry))
+    return alive
+
+
+STOP_CASES = {  # signal, sent to the main process or its whole process group, the job's options
+    "SIGTERM-main-hybrid": ("SIGTERM", "main", ["--strategy", "HYBRID_SHARD"]),
+    "SIGINT-group-starting": ("SIGINT", "group", []),
+    "SIGINT-group-world-size-1": ("SIGINT", "group", ["--world-size", "1"]),
+    "SIGKILL-main": ("SIGKILL", "main", []),
+}
+
+
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="finds the ranks through /proc")
+@pytest.mark.parametrize("case", list(STOP_CASES))
+def test_a_signal_to_the_main_process_stops_every_rank(case: str) -> None:
+    """SIGTERM to the main process while the ranks train, Ctrl-C (SIGINT to the whole process group)
+    while the ranks are being started or import torch, and Ctrl-C while one rank trains in this
+    process: one line on stderr, no traceback, exit status 128 + the signal. After any of these,
+    and after SIGKILL to the main process (which nothing can catch), every process the job started
+    is gone within seconds: no rank trains on as an orphan. The SIGTERM run is HYBRID_SHARD at 2
+    ranks, whose first lines say it runs as NO_SHARD."""
+    signame, target, options = STOP_CASES[case]
+    sig = signal.Signals[signame]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_composable", "--steps", "100000", *SMALL, *options],
+        cwd=REPO, env=_job_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, bufsize=0, start_new_session=True,
+    )
+    watchdog = threading.Timer(300.0, os.killpg, (proc.pid, signal.SIGKILL))  # a hung job fails, not hangs
+    watchdog.start()
+    try:
+        seen = []
+        wait_for = "fsdp_composable demo:" if case == "SIGINT-group-starting" else "step 1 "
+        while not (seen and seen[-1].startswith(wait_for)):
+            line = _readline(proc)
+            assert line, f"the job ended early:\n{''.join(seen)}"
+            seen.append(line)
+        if case == "SIGTERM-main-hybrid":
+            assert "a shard group of 1 rank shards nothing: this runs as NO_SHARD over 2 ranks" in "".join(seen)
+            assert " NO_SHARD " in next(line for line in seen if line.startswith("blocks.0"))
+        if case == "SIGINT-group-starting":
+            time.sleep(1.5)  # the ranks are being started or are importing torch
+        if target == "main":
+            os.kill(proc.pid, sig)
+        else:
+            os.killpg(proc.pid, sig)  # what Ctrl-C at a terminal does
+        out, err = (b.decode() for b in proc.communicate(timeout=60))
+    finally:
+        watchdog.cancel()
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10.0
+    while _session_alive(proc.pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    orphans = _session_alive(proc.pid)
+    for pid in orphans:
+        os.kill(pid, signal.SIGKILL)
+    assert not orphans, f"still running after the main process ended: {orphans}"
+    if sig == signal.SIGKILL:
+        assert proc.returncode == -signal.SIGKILL
+        return
+    assert proc.returncode == 128 + sig, (proc.returncode, err)
+    what = "rank 0 stopped" if "--world-size" in options else "(stopped all 2 ranks|no rank had started)"
+    assert re.fullmatch(rf"python -m fsdp_composable: interrupted by {signame}; {what}\n", err), err
+    assert "Traceback" not in out + err
+
+
+def _rank_entry_for_test(rank: int, seconds: float) -> None:
+    """Rank 0 fails at once; the others would sleep for ``seconds``."""
+    if rank == 0:
+        raise ValueError("rank 0 fails on purpose")
+    time.sleep(seconds)
+
+
+def test_a_failing_rank_stops_the_others() -> None:
+    """The first rank that fails ends the run: the others are stopped (not waited for) and its
+    traceback comes back to the main process."""
+    with pytest.raises(_job_processes.RankFailed) as info:
+        _job_processes.run_ranks(f"{__name__}:_rank_entry_for_test", 2, (600.0,))
+    assert info.value.rank == 0
+    assert info.value.details.startswith("failed:\nTraceback"), info.value.details
+    assert "ValueError: rank 0 fails on purpose" in info.value.details
+    assert multiprocessing.active_children() == []
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
+def test_on_a_terminal_a_progress_bar_and_no_leaked_semaphore() -> None:
+    """Run with stdout and stderr on a terminal (a pseudo-terminal): rank 0 draws its bar, every line
+    fits 100 columns, and nothing is printed after the job ends (multiprocessing's resource tracker
+    used to warn about a leaked semaphore, tqdm's lock, once the prompt was back)."""
+    import pty
+
+    main, child = pty.openpty()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "fsdp_composable", "--steps", "3", *SMALL],
+        cwd=REPO, env=_job_env({"COLUMNS": "100"}), stdin=subprocess.DEVNULL, stdout=child, stderr=child,
+    )
+    os.close(child)
+    chunks = []
+    while True:  # until every holder of the terminal (the resource tracker too) has closed it
+        try:
+            chunk = os.read(main, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        chunks.append(chunk)
+    os.close(main)
+    assert proc.wait(timeout=120) == 0
+    text = b"".join(chunks).decode()
+    assert "leaked" not in text and "Warning" not in text, text
+    assert "train [" in text and "2/3 steps" in text, text
+    assert text.rstrip().splitlines()[-1].startswith("time: "), text
+    _assert_fits(re.sub(r"\r(\x1b\[K)?", "\n", text))
 
 
 def test_ci_runs_the_readme_first_command_in_a_bare_virtualenv() -> None:
@@ -312,3 +657,24 @@ def test_ci_runs_the_readme_first_command_in_a_bare_virtualenv() -> None:
     for needed in steps:
         assert needed in ci, needed
     assert 'bash -euo pipefail -c "$first_command"' in ci
+
+
+def test_docs_give_a_quick_test_subset_and_say_checkpoints_must_be_trusted() -> None:
+    """getting-started.md's quick test commands name test files that exist and markers that are
+    registered (a renamed file would otherwise leave new users a command that collects nothing);
+    training.md warns that loading a checkpoint unpickles its metadata."""
+    text = (REPO / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    section = text.split("## Running the tests", 1)[1].split("\n## ", 1)[0]
+    assert "about 5 minutes on 2 CPU cores" in section, section
+    commands = [shlex.split(line.split("#")[0]) for line in section.splitlines() if line.startswith("python -m pytest")]
+    assert len(commands) >= 1, section
+    markers = (REPO / "pyproject.toml").read_text(encoding="utf-8").split("markers = [", 1)[1].split("]")[0]
+    for words in commands:
+        files = [w for w in words if w.startswith("tests/")]
+        assert files and all((REPO / f).is_file() for f in files), words
+        for expression in (w for i, w in enumerate(words) if i > 3 and words[i - 1] == "-m"):  # after python -m pytest
+            marker = expression.removeprefix("not ")
+            assert f'"{marker}:' in markers, (marker, markers)
+    training = (REPO / "docs" / "training.md").read_text(encoding="utf-8")
+    assert "## Checkpoints come from trusted directories only" in training
+    assert "pickle" in training.split("## Checkpoints come from trusted", 1)[1].split("\n## ", 1)[0]
