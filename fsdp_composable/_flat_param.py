@@ -32,7 +32,6 @@ from torch import nn
 
 from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._root_context import UnitStep
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
 from fsdp_composable.api import ShardingStrategy
@@ -130,8 +129,8 @@ class FlatParamHandle:
     """Owns one unit's flat parameter, its unsharded buffer, and their transitions.
 
     The runtime decides *when* (`_runtime_utils`); the handle knows *how*. Its gradients are
-    ``grads``, driven by `_reduce_utils`; its per-step counters are ``step``, cleared with the root
-    context's (see [Note: the root context]).
+    ``grads``, driven by `_reduce_utils`; its per-step counters belong to the root context (see
+    [Note: the root context]).
     """
 
     grads: "UnitGrads"  # set by `_reduce_utils.init_grads` when the state is built
@@ -182,13 +181,7 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
-        # CUDA side streams for all-gathers and gradient reductions (set at lazy init; None on CPU)
-        self.unshard_stream: Optional[torch.cuda.Stream] = None
-        self.reduce_stream: Optional[torch.cuda.Stream] = None
         self.is_unsharded = False
-        self.step = UnitStep()
-        # the handles of the same unit (one per dtype/requires_grad group), this one included
-        self.siblings: list[FlatParamHandle] = [self]
         self._init_views()
         self.use_sharded_views()
 
@@ -241,10 +234,6 @@ class FlatParamHandle:
         return out
 
     @property
-    def ran_pre_backward(self) -> bool:
-        return self.step.ran_pre_backward
-
-    @property
     def replicas(self) -> int:
         return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
 
@@ -276,8 +265,10 @@ class FlatParamHandle:
         return self._unshard_work is not None
 
     @_trace.method("unshard", "_unsharded")
-    def unshard(self) -> None:
-        """Start gathering (and casting) the full flat parameter; `wait_unshard` finishes it."""
+    def unshard(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Start gathering (and casting) the full flat parameter on ``stream`` (the root context's
+        unshard stream on CUDA; None: the compute stream, or async on the CPU); `wait_unshard`
+        finishes it."""
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
             return
         assert self._unsharded is not None
@@ -292,7 +283,7 @@ class FlatParamHandle:
         self._unshard_src = src
         unsharded = self._unsharded
         self._unshard_work = _collectives.issue(
-            self.unshard_stream, lambda: _collectives.all_gather(unsharded, src, self.process_group)
+            stream, lambda: _collectives.all_gather(unsharded, src, self.process_group)
         )
 
     @_trace.method("wait_unshard")

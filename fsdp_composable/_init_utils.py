@@ -424,7 +424,6 @@ def _init_param_handles_from_module(
         ]
     for group in handles.values():
         for handle in group:
-            handle.siblings = group
             handle.tp_group = tp_group
     if sync_module_states:
         buffers = [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)]

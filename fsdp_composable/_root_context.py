@@ -68,10 +68,8 @@ class RootContext:
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
+    # each unit's counters for the current step; the only place they live
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
-
-    def step_of(self, handle: "FlatParamHandle") -> UnitStep:
-        return self.steps[handle]
 
     def reset_counters(self) -> None:
         """The one place per-step bookkeeping is cleared."""

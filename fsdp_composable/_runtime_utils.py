@@ -58,7 +58,7 @@ from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._reduce_utils import GradState
-from fsdp_composable._root_context import RootContext
+from fsdp_composable._root_context import RootContext, UnitStep
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
@@ -117,14 +117,13 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         state_of={h: s for s in states for h in s.handles},
         unshard_stream=streams[0],
         reduce_stream=streams[1],
-        steps={h: h.step for h in handles},
+        # a unit that ran by itself before the root's first forward keeps its counters
+        steps={h: s.ctx.steps[h] if s.ctx is not None else UnitStep() for s in states for h in s.handles},
     )
     for s in states:
         s.is_root = s is state
         s.root_state = state
         s.ctx = ctx
-    for handle in handles:
-        handle.unshard_stream, handle.reduce_stream = streams
     fqn_of = {m: name for name, m in root_module.named_modules()}
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
@@ -195,6 +194,11 @@ def _buffer_dtype_state_dict_hook(
         value = state_dict.get(prefix + fqn)
         if isinstance(value, torch.Tensor) and value.dtype != dtype:
             state_dict[prefix + fqn] = value.to(dtype)
+
+
+def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
+    """The handles of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
+    return [h for h in state.handles if h.module is handle.module]
 
 
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
@@ -272,12 +276,12 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         _abort_step(ctx)
         nested = False
     if nested:  # the unit's module calls itself inside a registered method: it is already whole
-        handle.step.forward_depth += 1
+        ctx.steps[handle].forward_depth += 1
     else:
         handle.set_training_state(HandleTrainingState.FORWARD)
-        handle.step.forward_depth = 1
+        ctx.steps[handle].forward_depth = 1
         ctx.exec_order.record_pre_forward(handle)
-        for sibling in handle.siblings:  # a unit's groups gather together, then each waits for its own
+        for sibling in _unit_handles(state, handle):  # a unit's groups gather together, each waits for its own
             _unshard(state, sibling)
         if state.forward_prefetch:
             _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
@@ -294,10 +298,11 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
-    if handle.step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
-        handle.step.forward_depth -= 1
+    step = _ctx(state).steps[handle]
+    if step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
+        step.forward_depth -= 1
     else:
-        handle.step.forward_depth = 0
+        step.forward_depth = 0
         _ctx(state).exec_order.record_post_forward(handle)
         if _reshard_after_forward(state, handle):
             handle.reshard()
@@ -319,10 +324,10 @@ def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
 # ---------------------------------------------------------------------------- backward
 @_trace.hook("pre_backward")
 def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
-    step = handle.step
+    ctx = _ctx(state)
+    step = ctx.steps[handle]
     if step.ran_pre_backward:
         return
-    ctx = _ctx(state)
     if not ctx.final_callback_queued:
         ctx.final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, ctx))
@@ -478,7 +483,7 @@ def _settle_unfinished_step(state: _FSDPState) -> None:
 
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    handle.unshard()
+    handle.unshard(state.ctx.unshard_stream if state.ctx is not None else None)
     if state.ctx is not None:
         state.ctx.limiter.record(state.ctx.non_root_handles)
 
@@ -496,7 +501,9 @@ def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) 
 
 def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if state.ctx is not None:
-        _prefetch(state, state.ctx.exec_order.backward_prefetch_target(handle), "backward")
+        steps = state.ctx.steps
+        target = state.ctx.exec_order.backward_prefetch_target(handle, lambda h: steps[h].ran_pre_backward)
+        _prefetch(state, target, "backward")
 
 
 # ---------------------------------------------------------------------------- other forward methods
@@ -587,10 +594,11 @@ def _attach_post_backward_trigger(
     # also for frozen groups: post-backward is where they reshard once the unit's backward is done
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    step = _ctx(state).steps[handle]
     if not positions:
-        handle.step.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
+        step.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
         return args, kwargs
-    handle.step.pending_triggers += 1
+    step.pending_triggers += 1
     outs = _PostBackwardTrigger.apply(functools.partial(_on_trigger, state, handle), *(flat[i] for i in positions))
     outs = (outs,) if isinstance(outs, torch.Tensor) else outs
     for i, out in zip(positions, outs):
@@ -599,7 +607,7 @@ def _attach_post_backward_trigger(
 
 
 def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
-    step = handle.step
+    step = _ctx(state).steps[handle]
     step.pending_triggers -= 1
     # A call without a trigger (inputs needing no grad) may still have backward to run after the
     # last trigger fires; then only the final callback knows the unit is done.

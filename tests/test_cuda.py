@@ -36,8 +36,8 @@ def test_world_size_1_parity_and_side_streams(nccl_world_1, strategy: str) -> No
             gpt_loss(m, batch).backward()
             o.step()
             o.zero_grad()
-    handles = fully_shard.state(model).handles
-    assert all(h.unshard_stream is not None and h.reduce_stream is not None for h in handles)
+    ctx = fully_shard.state(model).ctx
+    assert ctx is not None and ctx.unshard_stream is not None and ctx.reduce_stream is not None
     sd = model.state_dict()
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(sd[k], v)
