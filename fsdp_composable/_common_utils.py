@@ -71,9 +71,7 @@ class _FSDPState:
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     training_state: TrainingState = TrainingState.IDLE
-    # Set by the root's lazy init: whether this is the root, and what every state under it shares.
-    is_root: Optional[bool] = None
-    root_state: Optional["_FSDPState"] = None
+    # Set by the root's lazy init: what every state under the root shares (see [Note: the root context]).
     ctx: Optional["RootContext"] = None
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
@@ -87,7 +85,16 @@ class _FSDPState:
             f"rank={self.rank}/{self.world_size}, training_state={self.training_state.name})"
         )
 
-    # Read-only views of the root context, for callers that predate it.
+    # Read-only views of the root context.
+    @property
+    def is_root(self) -> Optional[bool]:
+        """Whether this state is its root's (None before the root's lazy init)."""
+        return self.ctx.root is self if self.ctx is not None else None
+
+    @property
+    def root_state(self) -> Optional["_FSDPState"]:
+        return self.ctx.root if self.ctx is not None else None
+
     @property
     def all_states(self) -> list["_FSDPState"]:
         return self.ctx.states if self.ctx is not None else []

@@ -18,7 +18,7 @@ callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `cli
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
@@ -53,12 +53,9 @@ class RootContext:
     """Shared by every state under one root; see [Note: the root context]."""
 
     root: "_FSDPState"
-    states: list["_FSDPState"]
-    handles: list["FlatParamHandle"]  # every unit's handles, root first then pre-order
+    states: list["_FSDPState"]  # outermost first; each owns its handles (root unit first, pre-order)
     exec_order: "_ExecOrderData"
     limiter: "_AllGatherLimiter"
-    non_root_handles: list["FlatParamHandle"]
-    state_of: dict["FlatParamHandle", "_FSDPState"]  # the state owning each handle
     unshard_stream: Optional[torch.cuda.Stream] = None
     reduce_stream: Optional[torch.cuda.Stream] = None
     # gradient reductions issued this backward: in flight, then finished but not yet committed (their
@@ -70,6 +67,22 @@ class RootContext:
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
     # each unit's counters for the current step; the only place they live
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
+
+    @property
+    def handles(self) -> list["FlatParamHandle"]:
+        """Every unit's handles, root first then pre-order (derived from the states, which own them)."""
+        return [h for s in self.states for h in s.handles]
+
+    @property
+    def non_root_handles(self) -> list["FlatParamHandle"]:
+        """The handles the all-gather limiter counts: every unit's but the root unit's."""
+        return [h for s in self.states for h in s.handles if h.module is not self.root.module]
+
+    def units(self) -> Iterator[tuple["_FSDPState", "FlatParamHandle"]]:
+        """Every (state, handle) pair, in the order of `handles`."""
+        for s in self.states:
+            for h in s.handles:
+                yield s, h
 
     def reset_counters(self) -> None:
         """The one place per-step bookkeeping is cleared."""

@@ -100,30 +100,25 @@ def _register_hooks(state: _FSDPState) -> None:
 def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     """On the first forward: the state whose module runs first is the root; build the root context
     every state below it shares ([Note: the root context])."""
-    if state.is_root is not None:
+    if state.ctx is not None:
         return
     states = _get_fsdp_states(root_module)
-    handles = [h for s in states for h in s.handles]
     streams: tuple[Optional[torch.cuda.Stream], Optional[torch.cuda.Stream]] = (None, None)
     if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
         streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
     ctx = RootContext(
         root=state,
         states=states,
-        handles=handles,
         exec_order=_ExecOrderData(state.process_group),
         limiter=_AllGatherLimiter(),
-        non_root_handles=[h for h in handles if h.module is not root_module],
-        state_of={h: s for s in states for h in s.handles},
         unshard_stream=streams[0],
         reduce_stream=streams[1],
         # a unit that ran by itself before the root's first forward keeps its counters
         steps={h: s.ctx.steps[h] if s.ctx is not None else UnitStep() for s in states for h in s.handles},
     )
     for s in states:
-        s.is_root = s is state
-        s.root_state = state
         s.ctx = ctx
+    handles = ctx.handles
     fqn_of = {m: name for name, m in root_module.named_modules()}
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
@@ -371,12 +366,12 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
 
 def _post_backward_final_callback(ctx: RootContext) -> None:
     """End of backward: reduce units whose trigger did not run, finish every reduction, go IDLE."""
-    for handle in ctx.handles:
+    for state, handle in ctx.units():
         if handle.training_state is HandleTrainingState.BACKWARD_PRE:
-            _post_backward(ctx.state_of[handle], handle)
-    for handle in ctx.handles:
+            _post_backward(state, handle)
+    for state, handle in ctx.units():
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
-        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.state_of[handle].sync_gradients:
+        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and state.sync_gradients:
             ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
     _end_step(ctx)
 
@@ -444,7 +439,7 @@ def _wait_reductions(ctx: RootContext) -> None:
 def _live_forward(ctx: RootContext) -> bool:
     """Whether a root forward is running on this thread's stack now (an entry point called from
     inside it), as opposed to one left open by a ``BaseException``."""
-    roots = {id(s.module) for s in ctx.states if s.is_root}
+    roots = {id(ctx.root.module)}
     for frame in _frames():
         if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in roots:
             return True
