@@ -25,8 +25,8 @@ from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 

@@ -13,6 +13,18 @@ A step is *unfinished* when a forward is open (``open_forwards``) or a backward 
 `KeyboardInterrupt`), which skips torch's ``always_call`` forward hooks and autograd's final
 callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `clip_grad_norm_`,
 `unshard_params`), which aborts the step first.
+
+[Note: a step that stops midway]
+A step is opened by the root pre-forward and closed by `_end_step` (the final callback, or the root
+post-forward when no backward follows). When forward or backward raises, `_abort_step` closes it
+instead: it waits for every collective already posted (each rank that failed at the same point
+posted the same ones, so nothing stays half-matched), drops everything the step produced for the
+gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
+while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
+root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
+(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
+backward, where autograd skips the final callback), from the next entry point that finds the step
+unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -22,12 +34,15 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
+from fsdp_composable import _rank_agreement
+from fsdp_composable import _reduce_utils as grads
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._reduce_utils import GradState, PendingReduce
+
 if TYPE_CHECKING:
-    from fsdp_composable._common_utils import _FSDPState
     from fsdp_composable._exec_order_utils import _ExecOrderData
-    from fsdp_composable._flat_param import FlatParamHandle
     from fsdp_composable._limiter_utils import _AllGatherLimiter
-    from fsdp_composable._reduce_utils import PendingReduce
 
 __all__ = ["RootContext", "UnitStep"]
 
@@ -103,3 +118,63 @@ class RootContext:
 
     def __eq__(self, other: Any) -> bool:
         return self is other
+
+
+def _end_step(ctx: RootContext) -> None:
+    """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
+    _wait_reductions(ctx)
+    for handle in ctx.handles:
+        if handle.is_unsharded or handle.unshard_in_flight:
+            handle.reshard()
+        if handle.training_state is not HandleTrainingState.IDLE:
+            handle.set_training_state(HandleTrainingState.IDLE)
+    finished, ctx.finished_reductions = ctx.finished_reductions, []
+    for reduction in finished:
+        reduction.commit()
+    for handle in ctx.handles:
+        if handle.grads.state is GradState.STAGED:
+            grads.commit_staged(handle)
+    for s in ctx.states:
+        if s.training_state is TrainingState.FORWARD_BACKWARD:
+            _set_training_state(s, TrainingState.IDLE)
+    ctx.reset_counters()
+    ctx.exec_order.next_iter()
+
+
+def _abort_step(ctx: RootContext) -> None:
+    """Close a step that stopped midway; see [Note: a step that stops midway]."""
+    # tell the peers first: one still inside a collective of this step raises instead of waiting
+    _rank_agreement.leave_step(g for h in ctx.handles for g in (h.process_group, h.replicate_group))
+    error: Optional[BaseException] = None
+    reductions = ctx.pending_reductions + ctx.finished_reductions
+    ctx.pending_reductions, ctx.finished_reductions = [], []
+    for reduction in reductions:
+        try:
+            reduction.wait()  # its buffers must outlive the collective; its result is dropped
+        except Exception as e:  # a peer died: still reset everything, then report it
+            error = error or e
+    for handle in ctx.handles:
+        # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
+        # check) must not bring the cleared gradients back as .grad below.
+        grads.release_cleared_grads(handle)
+        grads.abort(handle)
+        try:
+            handle.reshard()  # waits for an all-gather in flight
+        except Exception as e:
+            error = error or e
+        handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
+        grads.expose_sharded_grads(handle)
+    for s in ctx.states:
+        if s.training_state is TrainingState.FORWARD_BACKWARD:
+            s.training_state = TrainingState.IDLE  # a reset, not a transition
+    ctx.reset_counters()
+    if error is not None:
+        raise error
+
+
+def _wait_reductions(ctx: RootContext) -> None:
+    """Finish the reductions in flight; their results wait for the end of backward."""
+    pending, ctx.pending_reductions = ctx.pending_reductions, []
+    for reduction in pending:
+        reduction.wait()
+        ctx.finished_reductions.append(reduction)

@@ -15,18 +15,6 @@ gradients of the module's *inputs* are computed. Pre-forward passes the inputs t
 through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
 triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
 trigger never runs reduce in the final callback.
-
-[Note: a step that stops midway]
-A step is opened by the root pre-forward and closed by `_end_step` (the final callback, or the root
-post-forward when no backward follows). When forward or backward raises, `_abort_step` closes it
-instead: it waits for every collective already posted (each rank that failed at the same point
-posted the same ones, so nothing stays half-matched), drops everything the step produced for the
-gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
-while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
-root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
-(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
-backward, where autograd skips the final callback), from the next entry point that finds the step
-unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -34,31 +22,24 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from fsdp_composable import _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
+from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating
-from fsdp_composable._common_utils import (
-    TrainingState,
-    _FSDPState,
-    _get_fsdp_state,
-    _get_fsdp_states,
-    _is_inside_unit,
-    _set_training_state,
-)
-from fsdp_composable._config import UnitConfig
-from fsdp_composable._exec_order_utils import _ExecOrderData
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
+from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
-from fsdp_composable._limiter_utils import _AllGatherLimiter
+from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
 from fsdp_composable._model_edit_checks import check_model_unchanged
+from fsdp_composable._prefetch import _prefetch, _prefetch_for_backward, _unshard
 from fsdp_composable._reduce_utils import GradState
-from fsdp_composable._root_context import RootContext, UnitStep
+from fsdp_composable._root_context import RootContext, _abort_step, _end_step, _wait_reductions
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
@@ -96,99 +77,6 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
-# ---------------------------------------------------------------------------- lazy init
-def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
-    """On the first forward: the state whose module runs first is the root; build the root context
-    every state below it shares ([Note: the root context])."""
-    if state.ctx is not None:
-        return
-    states = _get_fsdp_states(root_module)
-    streams: tuple[Optional[torch.cuda.Stream], Optional[torch.cuda.Stream]] = (None, None)
-    if state.device.type == "cuda":  # one pair of side streams for the whole root, see _collectives.issue
-        streams = torch.cuda.Stream(state.device), torch.cuda.Stream(state.device)
-    ctx = RootContext(
-        root=state,
-        states=states,
-        exec_order=_ExecOrderData(state.process_group),
-        limiter=_AllGatherLimiter(),
-        unshard_stream=streams[0],
-        reduce_stream=streams[1],
-        # a unit that ran by itself before the root's first forward keeps its counters
-        steps={h: s.ctx.steps[h] if s.ctx is not None else UnitStep() for s in states for h in s.handles},
-    )
-    for s in states:
-        s.ctx = ctx
-    handles = ctx.handles
-    fqn_of = {m: name for name, m in root_module.named_modules()}
-    ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
-    buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
-    _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
-
-
-def _ctx(state: _FSDPState) -> RootContext:
-    assert state.ctx is not None, "used before lazy init"
-    return state.ctx
-
-
-# ---------------------------------------------------------------------------- buffers
-# [Note: buffer casting]
-# Every floating-point buffer is cast once, at lazy init, to the ``buffer_dtype`` of the unit whose
-# module tree holds it (per submodule, whatever the buffer's name), and stays so for computation.
-# Checkpoints must not see that: each state records its buffers' original dtypes under clean FQNs at
-# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`).
-def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
-    """The settings governing each module: its deepest enclosing unit's (states are outermost first,
-    handles root first then pre-order, so deeper assignments come later and win)."""
-    config: dict[nn.Module, UnitConfig] = {}
-    for s in root.all_states:
-        for m in s.module.modules():
-            config[m] = s.config
-        for handle in s.handles:
-            for m in handle.module.modules():
-                config[m] = handle.config
-        for m in s.ignored_modules:
-            config.pop(m, None)
-    return config
-
-
-def _get_buffers_and_dtypes_for_computation(
-    root: _FSDPState,
-) -> tuple[list[tuple[nn.Module, str]], list[Optional[torch.dtype]]]:
-    buffers: list[tuple[nn.Module, str]] = []
-    dtypes: list[Optional[torch.dtype]] = []
-    for module, config in _module_to_unit_config(root).items():
-        mp = config.mixed_precision
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            buffers.append((module, name))
-            cast = mp is not None and mp.buffer_dtype is not None and buf.is_floating_point()
-            dtypes.append(mp.buffer_dtype if cast and mp is not None else None)
-    return buffers, dtypes
-
-
-def _get_buffers_and_dtypes_for_checkpoint(state: _FSDPState) -> dict[str, torch.dtype]:
-    """Clean buffer FQN (relative to ``state.module``) -> the dtype it had before any casting."""
-    return state.buffer_name_to_orig_dtype
-
-
-def _cast_buffers_to_dtype_and_device(
-    buffers: list[tuple[nn.Module, str]], dtypes: list[Optional[torch.dtype]], device: torch.device
-) -> None:
-    """Replace each ``module._buffers[name]`` by its cast (``None`` dtype: keep the dtype)."""
-    for (module, name), dtype in zip(buffers, dtypes):
-        buf = module._buffers[name]
-        assert buf is not None
-        module._buffers[name] = buf.to(device=device, dtype=dtype or buf.dtype)
-
-
-def _buffer_dtype_state_dict_hook(
-    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    for fqn, dtype in _get_buffers_and_dtypes_for_checkpoint(state).items():
-        value = state_dict.get(prefix + fqn)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
-            state_dict[prefix + fqn] = value.to(dtype)
 
 
 def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
@@ -202,10 +90,6 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- forward
-def _in_backward() -> bool:
-    """A forward running while autograd runs a backward is activation-checkpoint recomputation."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
 
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     _lazy_init(state, module)
@@ -376,196 +260,8 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
     _end_step(ctx)
 
 
-def _end_step(ctx: RootContext) -> None:
-    """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
-    _wait_reductions(ctx)
-    for handle in ctx.handles:
-        if handle.is_unsharded or handle.unshard_in_flight:
-            handle.reshard()
-        if handle.training_state is not HandleTrainingState.IDLE:
-            handle.set_training_state(HandleTrainingState.IDLE)
-    finished, ctx.finished_reductions = ctx.finished_reductions, []
-    for reduction in finished:
-        reduction.commit()
-    for handle in ctx.handles:
-        if handle.grads.state is GradState.STAGED:
-            grads.commit_staged(handle)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            _set_training_state(s, TrainingState.IDLE)
-    ctx.reset_counters()
-    ctx.exec_order.next_iter()
 
 
-def _abort_step(ctx: RootContext) -> None:
-    """Close a step that stopped midway; see [Note: a step that stops midway]."""
-    # tell the peers first: one still inside a collective of this step raises instead of waiting
-    _rank_agreement.leave_step(g for h in ctx.handles for g in (h.process_group, h.replicate_group))
-    error: Optional[BaseException] = None
-    reductions = ctx.pending_reductions + ctx.finished_reductions
-    ctx.pending_reductions, ctx.finished_reductions = [], []
-    for reduction in reductions:
-        try:
-            reduction.wait()  # its buffers must outlive the collective; its result is dropped
-        except Exception as e:  # a peer died: still reset everything, then report it
-            error = error or e
-    for handle in ctx.handles:
-        # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
-        # check) must not bring the cleared gradients back as .grad below.
-        grads.release_cleared_grads(handle)
-        grads.abort(handle)
-        try:
-            handle.reshard()  # waits for an all-gather in flight
-        except Exception as e:
-            error = error or e
-        handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
-        grads.expose_sharded_grads(handle)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            s.training_state = TrainingState.IDLE  # a reset, not a transition
-    ctx.reset_counters()
-    if error is not None:
-        raise error
-
-
-def _wait_reductions(ctx: RootContext) -> None:
-    """Finish the reductions in flight; their results wait for the end of backward."""
-    pending, ctx.pending_reductions = ctx.pending_reductions, []
-    for reduction in pending:
-        reduction.wait()
-        ctx.finished_reductions.append(reduction)
-
-
-def _live_forward(ctx: RootContext) -> bool:
-    """Whether a root forward is running on this thread's stack now (an entry point called from
-    inside it), as opposed to one left open by a ``BaseException``."""
-    roots = {id(ctx.root.module)}
-    for frame in _frames():
-        if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in roots:
-            return True
-    return ctx.method_calls > 0
-
-
-_CALL_IMPL_CODE = nn.Module._call_impl.__code__
-
-
-def _frames() -> Iterator[Any]:
-    frame = sys._getframe(1)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back  # type: ignore[assignment]
-
-
-def _forward_running(state: _FSDPState) -> bool:
-    """Whether the root forward of ``state``'s root is running on the stack now."""
-    root = state.root_state if state.root_state is not None else state
-    return root.ctx is not None and _live_forward(root.ctx)
-
-
-def _settle_unfinished_step(state: _FSDPState) -> None:
-    """At an entry point between steps (``no_sync``, ``clip_grad_norm_``, ``unshard_params``): close
-    a step that stopped midway (abort), or one whose backward will not come because its forward
-    finished and no backward started (end it normally: nothing of it reached the gradients)."""
-    root = state.root_state if state.root_state is not None else state
-    ctx = root.ctx
-    if ctx is None or _in_backward() or _live_forward(ctx):
-        return
-    if ctx.final_callback_queued or ctx.open_forwards > 0:
-        _abort_step(ctx)
-    elif any(s.training_state is TrainingState.FORWARD_BACKWARD for s in ctx.states):
-        _end_step(ctx)
-
-
-# ---------------------------------------------------------------------------- unshard / prefetch
-def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    handle.unshard(state.ctx.unshard_stream if state.ctx is not None else None)
-    if state.ctx is not None:
-        state.ctx.limiter.record(state.ctx.non_root_handles)
-
-
-def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
-    """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
-    if handle is None or handle.is_unsharded or handle.unshard_in_flight:
-        return
-    ctx = _ctx(state)
-    if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
-        return
-    ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
-    _unshard(state, handle)
-
-
-def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    if state.ctx is not None:
-        steps = state.ctx.steps
-        target = state.ctx.exec_order.backward_prefetch_target(handle, lambda h: steps[h].ran_pre_backward)
-        _prefetch(state, target, "backward")
-
-
-# ---------------------------------------------------------------------------- other forward methods
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` (e.g. ``generate``) unshard and reshard like ``forward`` does.
-
-    Hooks only see ``forward``; this wraps the method on the instance so it runs the same pre/post
-    forward steps (as the root when ``module`` is the root)."""
-    state = _check_forward_method_args(module, method_name)
-    method = getattr(module, method_name, None)
-    if not callable(method):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
-    handles = [h for h in state.handles if h.module is module]
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if state.ctx is None:  # before the first forward (of the root, or of this unit by itself)
-            _lazy_init(state, state.module)
-        ctx = _ctx(state)
-        if ctx.method_calls == 0 and not _in_backward() and ctx.unfinished():
-            _abort_step(ctx)
-        ctx.method_calls += 1  # lets the method call self(...): see [Note: the root context]
-        try:
-            if module is state.module:
-                new = _fsdp_root_pre_forward(state, module, args, kwargs)
-                args, kwargs = new if new is not None else (args, kwargs)
-            for handle in handles:
-                new = _pre_forward(state, handle, module, args, kwargs)
-                args, kwargs = new if new is not None else (args, kwargs)
-            output = method(*args, **kwargs)
-            for handle in handles:
-                output = _post_forward(state, handle, module, args, output)
-            if module is state.module:
-                _fsdp_root_post_forward(state, module, args, output)
-            return output
-        except BaseException:
-            if ctx.method_calls == 1 and not _in_backward():  # also KeyboardInterrupt, which hooks miss
-                _abort_step(ctx)
-            raise
-        finally:
-            ctx.method_calls -= 1
-
-    object.__setattr__(module, method_name, wrapped)
-
-
-def _check_forward_method_args(module: Any, method_name: Any) -> _FSDPState:
-    """The state ``register_fsdp_forward_method`` attaches to, after checking its arguments."""
-    api = "register_fsdp_forward_method"
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{api} argument 'module' must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(method_name, str):
-        raise TypeError(
-            f"{api} argument 'method_name' must be a str, got {type(method_name).__name__}: {method_name!r}"
-        )
-    if method_name == "forward":  # its hooks would run twice and the states would not know why
-        raise ValueError(
-            f"{api}: 'forward' already runs fully_shard's hooks; register only other methods (e.g. 'generate')"
-        )
-    state = _get_fsdp_state(module)
-    if state is None and _is_inside_unit(module):
-        raise ValueError(
-            f"{api}: this {type(module).__name__} is not a fully_shard root or unit; register the method on the "
-            "module fully_shard was applied to (or make this module a unit with the policy)"
-        )
-    if state is None:
-        raise ValueError(f"{api}: call fully_shard on this {type(module).__name__} before registering {method_name!r}")
-    return state
 
 
 # ---------------------------------------------------------------------------- post-backward trigger
