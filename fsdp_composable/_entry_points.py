@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from fsdp_composable._common_utils import TrainingState, _FSDPState
-from fsdp_composable._root_context import RootContext, _abort_step, _end_step
+from fsdp_composable._root_context import RootContext
 
 __all__: list[str] = []
 
@@ -59,6 +59,6 @@ def _settle_unfinished_step(state: _FSDPState) -> None:
     if ctx is None or _in_backward() or _live_forward(ctx):
         return
     if ctx.final_callback_queued or ctx.open_forwards > 0:
-        _abort_step(ctx)
+        ctx.abort_step()
     elif any(s.training_state is TrainingState.FORWARD_BACKWARD for s in ctx.states):
-        _end_step(ctx)
+        ctx.end_step()

@@ -10,7 +10,6 @@ from torch import nn
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_state, _is_inside_unit
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._lazy_init import _ctx, _lazy_init
-from fsdp_composable._root_context import _abort_step
 from fsdp_composable._runtime_utils import _fsdp_root_post_forward, _fsdp_root_pre_forward, _post_forward, _pre_forward
 
 __all__ = ["register_fsdp_forward_method"]
@@ -34,7 +33,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             _lazy_init(state, state.module)
         ctx = _ctx(state)
         if ctx.method_calls == 0 and not _in_backward() and ctx.unfinished():
-            _abort_step(ctx)
+            ctx.abort_step()
         ctx.method_calls += 1  # lets the method call self(...): see [Note: the root context]
         try:
             if module is state.module:
@@ -51,7 +50,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
             return output
         except BaseException:
             if ctx.method_calls == 1 and not _in_backward():  # also KeyboardInterrupt, which hooks miss
-                _abort_step(ctx)
+                ctx.abort_step()
             raise
         finally:
             ctx.method_calls -= 1

@@ -1,22 +1,26 @@
 """`RootContext`: what every state under one root shares for a step, reset in one place.
 
 [Note: the root context]
-The root's lazy init builds one `RootContext` and gives it to every state under the root: the
-states themselves, the execution order, the all-gather limiter, the CUDA side streams, the gradient
-reductions in flight or waiting for the end of backward, and the per-step counters of each unit
-(`UnitStep`). `begin_step` opens a step, `end_step` closes it normally (the final callback, or
-the root's post-forward when no backward follows) and `_runtime_utils._abort_step` closes it after
-a failure; the counters are cleared by `reset_counters` and nowhere else.
+The root's lazy init (`_lazy_init`) builds one `RootContext` and gives it to every state under the
+root. It is the only owner of what those states share and of everything that lives for one step:
+the states themselves (each owns its handles; ``handles``, ``non_root_handles`` and ``units()`` are
+derived from them), the execution order, the all-gather limiter, the CUDA side streams (handles
+get them as arguments, e.g. ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
+flight or waiting for the end of backward, the per-step counters of each unit (``steps``:
+`UnitStep`), and the root-wide switch ``sync_gradients`` (``no_sync``). `begin_step` opens a step
+(the root pre-forward), `end_step` closes it normally (the final callback, or the root's
+post-forward when no backward follows) and `abort_step` closes it after a failure; the counters are
+cleared by `reset_counters` (called by those two) and nowhere else.
 
 A step is *unfinished* when a forward is open (``open_forwards``) or a backward started
 (``final_callback_queued``) and nothing is running now. That is how a `BaseException` (e.g.
 `KeyboardInterrupt`), which skips torch's ``always_call`` forward hooks and autograd's final
 callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `clip_grad_norm_`,
-`unshard_params`), which aborts the step first.
+`unshard_params`), which aborts the step first (`_entry_points`).
 
 [Note: a step that stops midway]
-A step is opened by the root pre-forward and closed by `_end_step` (the final callback, or the root
-post-forward when no backward follows). When forward or backward raises, `_abort_step` closes it
+A step is opened by `begin_step` and closed by `end_step` (the final callback, or the root
+post-forward when no backward follows). When forward or backward raises, `abort_step` closes it
 instead: it waits for every collective already posted (each rank that failed at the same point
 posted the same ones, so nothing stays half-matched), drops everything the step produced for the
 gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
@@ -100,7 +104,7 @@ class RootContext:
                 yield s, h
 
     def reset_counters(self) -> None:
-        """The one place per-step bookkeeping is cleared."""
+        """The one place per-step bookkeeping is cleared (by `end_step` and `abort_step`)."""
         for counters in self.steps.values():
             counters.reset()
         self.final_callback_queued = False
@@ -110,6 +114,76 @@ class RootContext:
         """A previous step stopped midway (see the Note); call only when no forward/backward runs."""
         return self.open_forwards > self.method_calls or self.final_callback_queued
 
+    # ------------------------------------------------------------------ the step
+    def begin_step(self) -> None:
+        """Open a step (the root pre-forward of a forward that is not nested in another)."""
+        for s in self.states:
+            _set_training_state(s, TrainingState.FORWARD_BACKWARD)
+        self.exec_order.start_forward()
+        for handle in self.handles:
+            grads.release_cleared_grads(handle)
+
+    def end_step(self) -> None:
+        """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
+        self.wait_reductions()
+        for handle in self.handles:
+            if handle.is_unsharded or handle.unshard_in_flight:
+                handle.reshard()
+            if handle.training_state is not HandleTrainingState.IDLE:
+                handle.set_training_state(HandleTrainingState.IDLE)
+        finished, self.finished_reductions = self.finished_reductions, []
+        for reduction in finished:
+            reduction.commit()
+        for handle in self.handles:
+            if handle.grads.state is GradState.STAGED:
+                grads.commit_staged(handle)
+        for s in self.states:
+            if s.training_state is TrainingState.FORWARD_BACKWARD:
+                _set_training_state(s, TrainingState.IDLE)
+        self.reset_counters()
+        self.exec_order.next_iter()
+
+    def abort_step(self) -> None:
+        """Close a step that stopped midway; see [Note: a step that stops midway]."""
+        # tell the peers first: one still inside a collective of this step raises instead of waiting
+        _rank_agreement.leave_step(g for h in self.handles for g in (h.process_group, h.replicate_group))
+        error: Optional[BaseException] = None
+        reductions = self.pending_reductions + self.finished_reductions
+        self.pending_reductions, self.finished_reductions = [], []
+        for reduction in reductions:
+            try:
+                reduction.wait()  # its buffers must outlive the collective; its result is dropped
+            except Exception as e:  # a peer died: still reset everything, then report it
+                error = error or e
+        for handle in self.handles:
+            # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
+            # check) must not bring the cleared gradients back as .grad below.
+            grads.release_cleared_grads(handle)
+            grads.abort(handle)
+            try:
+                handle.reshard()  # waits for an all-gather in flight
+            except Exception as e:
+                error = error or e
+            handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
+            grads.expose_sharded_grads(handle)
+        for s in self.states:
+            if s.training_state is TrainingState.FORWARD_BACKWARD:
+                s.training_state = TrainingState.IDLE  # a reset, not a transition
+        self.reset_counters()
+        if error is not None:
+            raise error
+
+    def start_reduce(self, handle: FlatParamHandle) -> None:
+        """Issue ``handle``'s gradient reduction on the reduce stream; it finishes in `wait_reductions`."""
+        self.pending_reductions.append(grads.start_reduce(handle, self.reduce_stream))
+
+    def wait_reductions(self) -> None:
+        """Finish the reductions in flight; their results wait for the end of backward."""
+        pending, self.pending_reductions = self.pending_reductions, []
+        for reduction in pending:
+            reduction.wait()
+            self.finished_reductions.append(reduction)
+
     def __repr__(self) -> str:
         return f"RootContext(states={len(self.states)}, handles={len(self.handles)})"
 
@@ -118,63 +192,3 @@ class RootContext:
 
     def __eq__(self, other: Any) -> bool:
         return self is other
-
-
-def _end_step(ctx: RootContext) -> None:
-    """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
-    _wait_reductions(ctx)
-    for handle in ctx.handles:
-        if handle.is_unsharded or handle.unshard_in_flight:
-            handle.reshard()
-        if handle.training_state is not HandleTrainingState.IDLE:
-            handle.set_training_state(HandleTrainingState.IDLE)
-    finished, ctx.finished_reductions = ctx.finished_reductions, []
-    for reduction in finished:
-        reduction.commit()
-    for handle in ctx.handles:
-        if handle.grads.state is GradState.STAGED:
-            grads.commit_staged(handle)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            _set_training_state(s, TrainingState.IDLE)
-    ctx.reset_counters()
-    ctx.exec_order.next_iter()
-
-
-def _abort_step(ctx: RootContext) -> None:
-    """Close a step that stopped midway; see [Note: a step that stops midway]."""
-    # tell the peers first: one still inside a collective of this step raises instead of waiting
-    _rank_agreement.leave_step(g for h in ctx.handles for g in (h.process_group, h.replicate_group))
-    error: Optional[BaseException] = None
-    reductions = ctx.pending_reductions + ctx.finished_reductions
-    ctx.pending_reductions, ctx.finished_reductions = [], []
-    for reduction in reductions:
-        try:
-            reduction.wait()  # its buffers must outlive the collective; its result is dropped
-        except Exception as e:  # a peer died: still reset everything, then report it
-            error = error or e
-    for handle in ctx.handles:
-        # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
-        # check) must not bring the cleared gradients back as .grad below.
-        grads.release_cleared_grads(handle)
-        grads.abort(handle)
-        try:
-            handle.reshard()  # waits for an all-gather in flight
-        except Exception as e:
-            error = error or e
-        handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
-        grads.expose_sharded_grads(handle)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            s.training_state = TrainingState.IDLE  # a reset, not a transition
-    ctx.reset_counters()
-    if error is not None:
-        raise error
-
-
-def _wait_reductions(ctx: RootContext) -> None:
-    """Finish the reductions in flight; their results wait for the end of backward."""
-    pending, ctx.pending_reductions = ctx.pending_reductions, []
-    for reduction in pending:
-        reduction.wait()
-        ctx.finished_reductions.append(reduction)

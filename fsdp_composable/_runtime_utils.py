@@ -32,14 +32,14 @@ from torch.utils import _pytree as pytree
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating
-from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
+from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._prefetch import _prefetch, _prefetch_for_backward, _unshard
 from fsdp_composable._reduce_utils import GradState
-from fsdp_composable._root_context import RootContext, _abort_step, _end_step, _wait_reductions
+from fsdp_composable._root_context import RootContext
 from fsdp_composable.api import BackwardPrefetch, ShardingStrategy
 
 __all__: list[str] = []
@@ -90,7 +90,6 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- forward
-
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     _lazy_init(state, module)
     if not state.is_root or _in_backward():
@@ -102,16 +101,12 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
             "unshard_params context before running forward"
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
-        _abort_step(ctx)
+        ctx.abort_step()
     nested = ctx.open_forwards > 0  # a registered method (e.g. generate) calling self(...)
     ctx.open_forwards += 1
     if not nested:
         check_model_unchanged(state)  # see [Note: edits of a sharded model]
-        for s in ctx.states:
-            _set_training_state(s, TrainingState.FORWARD_BACKWARD)
-        ctx.exec_order.start_forward()
-        for handle in ctx.handles:
-            grads.release_cleared_grads(handle)
+        ctx.begin_step()
     mp = state.config.mixed_precision
     if mp is not None and mp.param_dtype is not None and mp.cast_root_forward_inputs:
         return _cast_floating(args, mp.param_dtype), _cast_floating(kwargs, mp.param_dtype)
@@ -128,14 +123,14 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         if ctx.open_forwards > 1:
             ctx.open_forwards -= 1  # nested: the registered method around it aborts the step
         elif ctx.open_forwards == 1:
-            _abort_step(ctx)
+            ctx.abort_step()
         return None
     ctx.open_forwards = max(ctx.open_forwards - 1, 0)
     if ctx.open_forwards > 0:
         return output  # nested in a registered method: its own post-forward closes the forward
     ctx.exec_order.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
-        _end_step(ctx)  # no backward will follow: leave everything IDLE and resharded now
+        ctx.end_step()  # no backward will follow: leave everything IDLE and resharded now
     return output
 
 
@@ -152,7 +147,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     ctx = _ctx(state)
     nested = handle.training_state is HandleTrainingState.FORWARD
     if nested and ctx.method_calls == 0:  # left in FORWARD by a forward that died (BaseException)
-        _abort_step(ctx)
+        ctx.abort_step()
         nested = False
     if nested:  # the unit's module calls itself inside a registered method: it is already whole
         ctx.steps[handle].forward_depth += 1
@@ -238,8 +233,8 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         if state.sync_gradients:
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
-            _wait_reductions(ctx)
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
+            ctx.wait_reductions()
+            ctx.start_reduce(handle)
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     handle.reshard()
@@ -256,8 +251,8 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
     for state, handle in ctx.units():
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
         if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and state.sync_gradients:
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream))
-    _end_step(ctx)
+            ctx.start_reduce(handle)
+    ctx.end_step()
 
 
 
