@@ -76,8 +76,6 @@ class _FSDPState:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
-    # Inside `no_sync`: keep unsharded gradients locally instead of reducing them.
-    sync_gradients: bool = True
 
     def __repr__(self) -> str:  # the dataclass repr would print whole modules
         return (

@@ -7,7 +7,9 @@ the states themselves (each owns its handles; ``handles``, ``non_root_handles`` 
 derived from them), the execution order, the all-gather limiter, the CUDA side streams (handles
 get them as arguments, e.g. ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
 flight or waiting for the end of backward, the per-step counters of each unit (``steps``:
-`UnitStep`), and the root-wide switch ``sync_gradients`` (``no_sync``). `begin_step` opens a step
+`UnitStep`), and the root-wide switch ``sync_gradients``. A switch has no home before the root's
+first forward, so ``no_sync`` entered then runs the root's lazy init itself (it needs no collective)
+and sets the switch here, the one place the hooks read it. `begin_step` opens a step
 (the root pre-forward), `end_step` closes it normally (the final callback, or the root's
 post-forward when no backward follows) and `abort_step` closes it after a failure; the counters are
 cleared by `reset_counters` (called by those two) and nowhere else.
@@ -81,6 +83,8 @@ class RootContext:
     # results reach `.grad` only once the whole backward has succeeded)
     pending_reductions: list["PendingReduce"] = field(default_factory=list)
     finished_reductions: list["PendingReduce"] = field(default_factory=list)
+    # root-wide switch: False inside `no_sync` (keep unsharded gradients locally instead of reducing)
+    sync_gradients: bool = True
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)

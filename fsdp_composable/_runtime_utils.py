@@ -230,7 +230,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.set_training_state(HandleTrainingState.BACKWARD_POST)
     ctx = _ctx(state)
     if handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD):
-        if state.sync_gradients:
+        if ctx.sync_gradients:
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
             ctx.wait_reductions()
@@ -248,9 +248,9 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
     for state, handle in ctx.units():
         if handle.training_state is HandleTrainingState.BACKWARD_PRE:
             _post_backward(state, handle)
-    for state, handle in ctx.units():
+    for handle in ctx.handles:
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
-        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and state.sync_gradients:
+        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.sync_gradients:
             ctx.start_reduce(handle)
     ctx.end_step()
 
