@@ -88,6 +88,8 @@ class RootContext:
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
+    # `_composable_state.registrations()` at the last full edit check ([Note: cheap edit checks])
+    checked_registrations: Optional[int] = None
     # each unit's counters for the current step; the only place they live
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
 
