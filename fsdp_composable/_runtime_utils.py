@@ -77,8 +77,6 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
-
-
 def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
     """The handles of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
     return [h for h in state.handles if h.module is handle.module]
@@ -253,10 +251,6 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
         if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.sync_gradients:
             ctx.start_reduce(handle)
     ctx.end_step()
-
-
-
-
 
 
 # ---------------------------------------------------------------------------- post-backward trigger
