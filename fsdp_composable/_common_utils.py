@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -144,9 +144,3 @@ def _get_fsdp_states(module: nn.Module) -> list[_FSDPState]:
 def _is_inside_unit(module: nn.Module) -> bool:
     """``module`` has no state of its own but its parameters are managed by an enclosing unit."""
     return any(getattr(p, FSDP_FLATTENED, False) for p in module.parameters())
-
-
-def _iter_handles(state: _FSDPState) -> Iterator[FlatParamHandle]:
-    """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
-    for s in state.all_states or [state]:
-        yield from s.handles

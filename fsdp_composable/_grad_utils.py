@@ -97,7 +97,7 @@ def clip_grad_norm_(
     equal to the unsharded model's. A collective: call it on every rank."""
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     group = states[0].process_group
     grads, pieces = _grads_by_placement(module, states)
     total = pieces.norm(norm_type, torch.float32, states[0].device)

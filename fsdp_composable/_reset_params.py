@@ -128,7 +128,7 @@ def reset_module(module: nn.Module) -> Any:
     if not selected:
         return _call_original(module, target)
     states = list({id(s): s for s, _, _ in selected}.values())
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     name = f"'{target.fqn or '<root>'}' ({type(module).__name__})"
     if any(s.training_state is TrainingState.FORWARD_BACKWARD for s in states):
         raise RuntimeError(

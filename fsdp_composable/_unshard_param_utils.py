@@ -96,7 +96,7 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
