@@ -129,8 +129,9 @@ class FlatParamHandle:
     """Owns one unit's flat parameter, its unsharded buffer, and their transitions.
 
     The runtime decides *when* (`_runtime_utils`); the handle knows *how*. Its gradients are
-    ``grads``, driven by `_reduce_utils`; its per-step counters belong to the root context (see
-    [Note: the root context]).
+    ``grads``, driven by `_reduce_utils`; its per-step counters and the side streams its collectives
+    run on belong to the root context (see [Note: the root context]). Its process groups are given at
+    construction and never change: they define its layout (rank, world size) and its collectives.
     """
 
     grads: "UnitGrads"  # set by `_reduce_utils.init_grads` when the state is built
