@@ -4,12 +4,13 @@ final callback. Each hook is a function taking the state (and handle) first.
 [Note: one step]
 root pre-forward (lazy init once; `RootContext.begin_step`: every state enters FORWARD_BACKWARD;
 cast root inputs) -> per unit: pre-forward (unshard, wait, prefetch the next unit, attach the
-post-backward trigger to the inputs) -> forward -> post-forward (reshard unless root unit or SHARD_GRAD_OP/NO_SHARD; hook the
-outputs for pre-backward) ... backward: pre-backward (unshard, prefetch, point ``.grad`` at the
-gradient buffer) -> autograd fills the buffer -> post-backward (start the async reduction, reshard)
--> final callback (`RootContext.end_step`: finish every reduction, reshard leftovers, every state
-back to IDLE). The hooks hold no state of their own: what a step needs lives in the root context
-([Note: the root context]), what a unit needs in its handle.
+post-backward trigger to the inputs) -> forward -> post-forward (reshard unless root unit or
+SHARD_GRAD_OP/NO_SHARD; hook the outputs for pre-backward) ... backward: pre-backward (unshard,
+prefetch, point ``.grad`` at the gradient buffer) -> autograd fills the buffer -> post-backward
+(start the async reduction, reshard) -> final callback (`RootContext.end_step`: finish every
+reduction, reshard leftovers, every state back to IDLE). The hooks hold no state of their own:
+what a step needs lives in the root context ([Note: the root context]), what a unit needs in its
+handle.
 
 [Note: when post-backward runs]
 A unit's gradients are complete once autograd has run the whole module backward, i.e. once the
