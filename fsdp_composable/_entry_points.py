@@ -27,9 +27,9 @@ def _in_backward() -> bool:
 def _live_forward(ctx: RootContext) -> bool:
     """Whether a root forward is running on this thread's stack now (an entry point called from
     inside it), as opposed to one left open by a ``BaseException``."""
-    roots = {id(ctx.root.module)}
+    root = ctx.root.module
     for frame in _frames():
-        if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in roots:
+        if frame.f_code is _CALL_IMPL_CODE and frame.f_locals.get("self") is root:
             return True
     return ctx.method_calls > 0
 
@@ -46,16 +46,14 @@ def _frames() -> Iterator[Any]:
 
 def _forward_running(state: _FSDPState) -> bool:
     """Whether the root forward of ``state``'s root is running on the stack now."""
-    root = state.root_state if state.root_state is not None else state
-    return root.ctx is not None and _live_forward(root.ctx)
+    return state.ctx is not None and _live_forward(state.ctx)
 
 
 def _settle_unfinished_step(state: _FSDPState) -> None:
     """At an entry point between steps (``no_sync``, ``clip_grad_norm_``, ``unshard_params``): close
     a step that stopped midway (abort), or one whose backward will not come because its forward
     finished and no backward started (end it normally: nothing of it reached the gradients)."""
-    root = state.root_state if state.root_state is not None else state
-    ctx = root.ctx
+    ctx = state.ctx
     if ctx is None or _in_backward() or _live_forward(ctx):
         return
     if ctx.final_callback_queued or ctx.open_forwards > 0:

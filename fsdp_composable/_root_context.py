@@ -121,6 +121,26 @@ class RootContext:
         return self.open_forwards > self.method_calls or self.final_callback_queued
 
     # ------------------------------------------------------------------ the step
+    def enter_forward(self) -> bool:
+        """A root forward starts; True when it is the outermost one (it opens a step)."""
+        self.open_forwards += 1
+        return self.open_forwards == 1
+
+    def leave_forward(self, failed: bool) -> bool:
+        """A root forward returns, or raised (``failed``); True when it closed the outermost forward
+        normally. The outermost forward failing aborts the step; a nested one leaves that to the
+        registered method around it."""
+        if failed:
+            # Only a forward that was opened needs closing: if pre-forward refused to start one (e.g.
+            # forward inside unshard_params), resetting would break the context that owns the states.
+            if self.open_forwards > 1:
+                self.open_forwards -= 1
+            elif self.open_forwards == 1:
+                self.abort_step()
+            return False
+        self.open_forwards = max(self.open_forwards - 1, 0)
+        return self.open_forwards == 0
+
     def begin_step(self) -> None:
         """Open a step (the root pre-forward of a forward that is not nested in another)."""
         for s in self.states:

@@ -103,9 +103,7 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
         ctx.abort_step()
-    nested = ctx.open_forwards > 0  # a registered method (e.g. generate) calling self(...)
-    ctx.open_forwards += 1
-    if not nested:
+    if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
         check_model_unchanged(state)  # see [Note: edits of a sharded model]
         ctx.begin_step()
     mp = state.config.mixed_precision
@@ -119,15 +117,9 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         return output
     ctx = _ctx(state)
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
-        # Only a forward that was opened needs closing: if pre-forward refused to start one (e.g.
-        # forward inside unshard_params), resetting would break the context that owns the states.
-        if ctx.open_forwards > 1:
-            ctx.open_forwards -= 1  # nested: the registered method around it aborts the step
-        elif ctx.open_forwards == 1:
-            ctx.abort_step()
+        ctx.leave_forward(failed=True)
         return None
-    ctx.open_forwards = max(ctx.open_forwards - 1, 0)
-    if ctx.open_forwards > 0:
+    if not ctx.leave_forward(failed=False):
         return output  # nested in a registered method: its own post-forward closes the forward
     ctx.exec_order.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
