@@ -47,7 +47,6 @@ class _ExecOrderData:
         self.group = group
         self.unit_names = unit_names or []
         self._index: dict[int, int] = {}
-        self._handles: list["FlatParamHandle"] = []
         self._warned = False
         self.is_first_iter = True
         self.iteration = 0
@@ -69,19 +68,13 @@ class _ExecOrderData:
 
     def set_units(self, handles: "list[FlatParamHandle]", names: list[str]) -> None:
         self._index = {id(h): i for i, h in enumerate(handles)}
-        self._handles = handles
         self.unit_names = names
 
-    def _unit_handles(self, handle: "Optional[FlatParamHandle]") -> "list[FlatParamHandle]":
-        """Every handle of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
-        if handle is None:
-            return []
-        return [h for h in self._handles if h.module is handle.module] or [handle]
-
-    def record_pre_forward(self, handle: "FlatParamHandle") -> None:
+    def record_pre_forward(self, handle: "FlatParamHandle", unit: "list[FlatParamHandle]") -> None:
+        """``unit``: every handle of ``handle``'s unit (one per dtype/requires_grad group), itself included."""
         if self.is_first_iter:
             if id(handle) not in self._pre_forward_index:
-                self._validate(self._index.get(id(handle), -2), handle)
+                self._validate(self._index.get(id(handle), -2), unit)
                 self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
                 self.pre_forward_order.append(handle)
             if not self._forward_ended:  # the first forward's every call, repeats included
@@ -106,11 +99,11 @@ class _ExecOrderData:
             return "<end of forward>"
         return repr(self.unit_names[index]) if 0 <= index < len(self.unit_names) else f"<unit #{index}>"
 
-    def _validate(self, index: int, handle: "Optional[FlatParamHandle]" = None) -> None:
+    def _validate(self, index: int, unit: "Optional[list[FlatParamHandle]]" = None) -> None:
         group = self.group
         if group is None or dist.get_world_size(group) == 1:
             return
-        numel, fingerprint = _fingerprint(self._name(index), self._unit_handles(handle))
+        numel, fingerprint = _fingerprint(self._name(index), unit or [])
         mine = torch.tensor([index, numel, fingerprint], dtype=torch.int64)
         everyone = torch.empty((dist.get_world_size(group), 3), dtype=torch.int64)
         with _rank_agreement.entry_point("the execution-order check"):
@@ -129,7 +122,7 @@ class _ExecOrderData:
         if bool((everyone != everyone[0]).any()):
             # every rank is here: one more collective gathers what each would send, for the message
             described: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(described, _describe(self._name(index), self._unit_handles(handle)), group=group)
+            dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
             ranks = [r for r in range(len(described)) if described[r] != described[0]]
             raise ExecutionOrderError(
                 f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "

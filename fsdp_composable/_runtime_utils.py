@@ -147,8 +147,9 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     else:
         handle.set_training_state(HandleTrainingState.FORWARD)
         ctx.steps[handle].forward_depth = 1
-        ctx.exec_order.record_pre_forward(handle)
-        for sibling in _unit_handles(state, handle):  # a unit's groups gather together, each waits for its own
+        unit = _unit_handles(state, handle)
+        ctx.exec_order.record_pre_forward(handle, unit)
+        for sibling in unit:  # a unit's groups gather together, then each waits for its own
             _unshard(state, sibling)
         if state.forward_prefetch:
             _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
