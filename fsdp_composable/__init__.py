@@ -24,9 +24,9 @@ _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
     from fsdp_composable._comm_hooks import register_comm_hook
+    from fsdp_composable._forward_methods import register_fsdp_forward_method
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
-    from fsdp_composable._runtime_utils import register_fsdp_forward_method
     from fsdp_composable._state_dict_utils import state_dict_type
     from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
     from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,15 +71,11 @@ class _FSDPState:
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     training_state: TrainingState = TrainingState.IDLE
-    # Set by the root's lazy init: whether this is the root, and what every state under it shares.
-    is_root: Optional[bool] = None
-    root_state: Optional["_FSDPState"] = None
+    # Set by the root's lazy init: what every state under the root shares (see [Note: the root context]).
     ctx: Optional["RootContext"] = None
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
-    # Inside `no_sync`: keep unsharded gradients locally instead of reducing them.
-    sync_gradients: bool = True
 
     def __repr__(self) -> str:  # the dataclass repr would print whole modules
         return (
@@ -87,7 +83,16 @@ class _FSDPState:
             f"rank={self.rank}/{self.world_size}, training_state={self.training_state.name})"
         )
 
-    # Read-only views of the root context, for callers that predate it.
+    # Read-only views of the root context.
+    @property
+    def is_root(self) -> Optional[bool]:
+        """Whether this state is its root's (None before the root's lazy init)."""
+        return self.ctx.root is self if self.ctx is not None else None
+
+    @property
+    def root_state(self) -> Optional["_FSDPState"]:
+        return self.ctx.root if self.ctx is not None else None
+
     @property
     def all_states(self) -> list["_FSDPState"]:
         return self.ctx.states if self.ctx is not None else []
@@ -139,9 +144,3 @@ def _get_fsdp_states(module: nn.Module) -> list[_FSDPState]:
 def _is_inside_unit(module: nn.Module) -> bool:
     """``module`` has no state of its own but its parameters are managed by an enclosing unit."""
     return any(getattr(p, FSDP_FLATTENED, False) for p in module.parameters())
-
-
-def _iter_handles(state: _FSDPState) -> Iterator[FlatParamHandle]:
-    """Handles of every state under the root ``state`` (or just ``state``'s if not yet initialised)."""
-    for s in state.all_states or [state]:
-        yield from s.handles

@@ -19,8 +19,29 @@ __all__: list[str] = []
 
 _S = TypeVar("_S")
 
-# module -> {api name: state}
-_module_to_states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+class _Registry:
+    """The package's only module-level mutable state: which API was applied to which module, and
+    how many parameters and submodules were registered on any module since import (the cheap
+    change detector of [Note: cheap edit checks] in `_model_edit_checks`)."""
+
+    def __init__(self) -> None:
+        # module -> {api name: state}
+        self.states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        self.registrations = 0
+
+
+_REGISTRY = _Registry()
+_module_to_states = _REGISTRY.states
+
+
+def count_registration(*args: object) -> None:
+    """A module registered a parameter or a submodule (a torch registration hook)."""
+    _REGISTRY.registrations += 1
+
+
+def registrations() -> int:
+    """How many parameters and submodules were registered on any module so far."""
+    return _REGISTRY.registrations
 
 
 def _insert_module_state(module: nn.Module, api: str, state: Any) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -71,10 +71,11 @@ class _ExecOrderData:
         self.device = handles[0].device if handles else None
         self.unit_names = names
 
-    def record_pre_forward(self, handle: "FlatParamHandle") -> None:
+    def record_pre_forward(self, handle: "FlatParamHandle", unit: "list[FlatParamHandle]") -> None:
+        """``unit``: every handle of ``handle``'s unit (one per dtype/requires_grad group), itself included."""
         if self.is_first_iter:
             if id(handle) not in self._pre_forward_index:
-                self._validate(self._index.get(id(handle), -2), handle)
+                self._validate(self._index.get(id(handle), -2), unit)
                 self._pre_forward_index[id(handle)] = len(self.pre_forward_order)
                 self.pre_forward_order.append(handle)
             if not self._forward_ended:  # the first forward's every call, repeats included
@@ -99,11 +100,11 @@ class _ExecOrderData:
             return "<end of forward>"
         return repr(self.unit_names[index]) if 0 <= index < len(self.unit_names) else f"<unit #{index}>"
 
-    def _validate(self, index: int, handle: "Optional[FlatParamHandle]" = None) -> None:
+    def _validate(self, index: int, unit: "Optional[list[FlatParamHandle]]" = None) -> None:
         group = self.group
         if group is None or dist.get_world_size(group) == 1:
             return
-        numel, fingerprint = _fingerprint(self._name(index), handle)
+        numel, fingerprint = _fingerprint(self._name(index), unit or [])
         mine = _collectives.comm_tensor([index, numel, fingerprint], group, self.device)
         gathered = mine.new_empty((dist.get_world_size(group), 3))
         with _rank_agreement.entry_point("the execution-order check"):
@@ -123,7 +124,7 @@ class _ExecOrderData:
         if bool((everyone != everyone[0]).any()):
             # every rank is here: one more collective gathers what each would send, for the message
             described: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(described, _describe(self._name(index), handle), group=group)
+            dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
             ranks = [r for r in range(len(described)) if described[r] != described[0]]
             raise ExecutionOrderError(
                 f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "
@@ -164,14 +165,16 @@ class _ExecOrderData:
     def record_pre_backward(self, handle: "FlatParamHandle") -> None:
         self.pre_backward_order.append(handle)
 
-    def backward_prefetch_target(self, handle: "FlatParamHandle") -> Optional["FlatParamHandle"]:
+    def backward_prefetch_target(
+        self, handle: "FlatParamHandle", started: Callable[["FlatParamHandle"], bool]
+    ) -> Optional["FlatParamHandle"]:
         """The unit whose backward comes after ``handle``'s: the next one in the last iteration's
         backward order, else the previous one in this iteration's post-forward order, skipping units
-        whose backward already started."""
+        whose backward already started (``started``: the root context's per-step counters)."""
         last = self.last_pre_backward_order
         if handle in last:
             for candidate in last[last.index(handle) + 1 :]:
-                if not candidate.ran_pre_backward:
+                if not started(candidate):
                     return candidate
             return None
         i = self._post_forward_index.get(id(handle))
@@ -179,7 +182,7 @@ class _ExecOrderData:
             return None
         for j in range(i - 1, -1, -1):
             candidate = self.post_forward_order[j]
-            if candidate is not handle and not candidate.ran_pre_backward:
+            if candidate is not handle and not started(candidate):
                 return candidate
         return None
 
@@ -195,33 +198,29 @@ class _ExecOrderData:
             self.last_pre_backward_order, self.pre_backward_order = self.pre_backward_order, []
 
 
-def _param_list(name: str, handle: "Optional[FlatParamHandle]") -> list[tuple[str, tuple[int, ...], str]]:
-    """(FQN, shape, dtype) of every parameter the unit will gather (its sibling handles included)."""
-    if handle is None:
-        return []
+def _param_list(name: str, handles: "list[FlatParamHandle]") -> list[tuple[str, tuple[int, ...], str]]:
+    """(FQN, shape, dtype) of every parameter the unit will gather (all its handles)."""
     out = []
-    for h in handle.siblings:
+    for h in handles:
         prefix = f"{h.unit_fqn}." if h.unit_fqn else ""
         for info in h.layout.infos:
             out.append((prefix + info.fqn, tuple(info.shape), str(h.dtype).replace("torch.", "")))
     return out
 
 
-def _fingerprint(name: str, handle: "Optional[FlatParamHandle]") -> tuple[int, int]:
+def _fingerprint(name: str, handles: "list[FlatParamHandle]") -> tuple[int, int]:
     """(padded numel, a hash of the unit's name and parameters), equal on ranks that built it alike.
     hashlib, not hash(): Python salts string hashes per process."""
-    if handle is None:
+    if not handles:
         return 0, 0
-    numel = sum(h.layout.padded_numel for h in handle.siblings)
-    digest = hashlib.blake2b(repr((name, numel, _param_list(name, handle))).encode(), digest_size=7).digest()
+    numel = sum(h.layout.padded_numel for h in handles)
+    digest = hashlib.blake2b(repr((name, numel, _param_list(name, handles))).encode(), digest_size=7).digest()
     return numel, int.from_bytes(digest, "little")
 
 
-def _describe(
-    name: str, handle: "Optional[FlatParamHandle]"
-) -> tuple[str, int, list[tuple[str, tuple[int, ...], str]]]:
-    numel = sum(h.layout.padded_numel for h in handle.siblings) if handle is not None else 0
-    return name, numel, _param_list(name, handle)
+def _describe(name: str, handles: "list[FlatParamHandle]") -> tuple[str, int, list[tuple[str, tuple[int, ...], str]]]:
+    numel = sum(h.layout.padded_numel for h in handles)
+    return name, numel, _param_list(name, handles)
 
 
 def _first_difference(described: list[Any]) -> str:

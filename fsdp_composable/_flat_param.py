@@ -32,7 +32,6 @@ from torch import nn
 
 from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._root_context import UnitStep
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
 
@@ -133,8 +132,9 @@ class FlatParamHandle:
     """Owns one unit's flat parameter, its unsharded buffer, and their transitions.
 
     The runtime decides *when* (`_runtime_utils`); the handle knows *how*. Its gradients are
-    ``grads``, driven by `_reduce_utils`; its per-step counters are ``step``, cleared with the root
-    context's (see [Note: the root context]).
+    ``grads``, driven by `_reduce_utils`; its per-step counters and the side streams its collectives
+    run on belong to the root context (see [Note: the root context]). Its process groups are given at
+    construction and never change: they define its layout (rank, world size) and its collectives.
     """
 
     grads: "UnitGrads"  # set by `_reduce_utils.init_grads` when the state is built
@@ -184,15 +184,11 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
-        # CUDA side streams for all-gathers and gradient reductions (set at lazy init; None on CPU)
-        self.unshard_stream: Optional[torch.cuda.Stream] = None
-        self.reduce_stream: Optional[torch.cuda.Stream] = None
-        # CUDA: recorded by reshard after the unsharded storage's last use; set while it is not yet freed
+        # CUDA: the side stream that allocated the unsharded storage (None: the compute stream), and
+        # the event reshard recorded after the storage's last use, set while it is not yet freed
+        self._storage_stream: Optional[torch.cuda.Stream] = None
         self._freed_event: Optional[torch.cuda.Event] = None
         self.is_unsharded = False
-        self.step = UnitStep()
-        # the handles of the same unit (one per dtype/requires_grad group), this one included
-        self.siblings: list[FlatParamHandle] = [self]
         self._init_views()
         self.use_sharded_views()
 
@@ -245,10 +241,6 @@ class FlatParamHandle:
         return out
 
     @property
-    def ran_pre_backward(self) -> bool:
-        return self.step.ran_pre_backward
-
-    @property
     def replicas(self) -> int:
         return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
 
@@ -280,28 +272,32 @@ class FlatParamHandle:
         return self._unshard_work is not None
 
     @_trace.method("unshard", "_unsharded")
-    def unshard(self) -> None:
-        """Start gathering (and casting) the full flat parameter; `wait_unshard` finishes it."""
+    def unshard(self, stream: Optional[torch.cuda.Stream] = None) -> None:
+        """Start gathering (and casting) the full flat parameter on ``stream`` (the root context's
+        unshard stream on CUDA; None: the compute stream, or async on the CPU); `wait_unshard`
+        finishes it."""
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
             return
         assert self._unsharded is not None
         shard = self.flat_param.data
         if self.layout.world_size == 1:
-            self._wait_freed(_collectives.compute_stream(self.device) if self.unshard_stream is not None else None)
+            self._wait_freed(None)
             self._alloc_unsharded()
+            self._storage_stream = None
             self._unsharded.copy_(shard)
             self.is_unsharded = True
             return
         # input and output belong to the unshard stream: [Note: streams without record_stream]
-        self._wait_freed(self.unshard_stream)
-        with _collectives.on_stream(self.unshard_stream):
+        self._wait_freed(stream)
+        with _collectives.on_stream(stream):
             self._alloc_unsharded()
             src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
             src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+        self._storage_stream = stream
         self._unshard_src = src
         unsharded, group = self._unsharded, self.process_group
         self._unshard_work = _collectives.issue(
-            self.unshard_stream,
+            stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op),
             wait_first=False,
         )
@@ -348,23 +344,23 @@ class FlatParamHandle:
         waited for the compute stream's last use of it: in forward and backward after the next
         all-gather is issued (`release_freed`), elsewhere now."""
         assert self._unsharded is not None
-        if self.unshard_stream is not None and self._unsharded.untyped_storage().size() > 0:
+        if self._storage_stream is not None and self._unsharded.untyped_storage().size() > 0:
             self._freed_event = _collectives.compute_stream(self.device).record_event()
             if self.training_state in _IN_STEP:
                 return
-            self._wait_freed(self.unshard_stream)
+            self._wait_freed(self._storage_stream)
         self._unsharded.untyped_storage().resize_(0)
 
     def release_freed(self) -> None:
         """Give back the storage `reshard` left allocated (CUDA; see [Note: streams without record_stream])."""
         if self._freed_event is not None and not self.is_unsharded and self._unshard_work is None:
-            self._wait_freed(self.unshard_stream)
+            self._wait_freed(self._storage_stream)
             assert self._unsharded is not None
             self._unsharded.untyped_storage().resize_(0)
 
     def _wait_freed(self, stream: Optional[torch.cuda.Stream]) -> None:
-        """``stream`` is about to use the unsharded storage again: it waits for its last use first."""
+        """``stream`` (None: the compute stream) is about to use the unsharded storage again: it waits
+        for its last use first."""
         if self._freed_event is not None:
-            assert stream is not None
-            stream.wait_event(self._freed_event)
+            (stream if stream is not None else _collectives.compute_stream(self.device)).wait_event(self._freed_event)
             self._freed_event = None

@@ -25,8 +25,9 @@ from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._runtime_utils import _forward_running, _in_backward, _settle_unfinished_step
+from fsdp_composable._lazy_init import _ctx, _lazy_init
 
 __all__ = ["clip_grad_norm_", "no_sync"]
 
@@ -77,14 +78,14 @@ def no_sync(module: nn.Module) -> Iterator[None]:
     _settle_unfinished_step(states[0])
     if _in_backward() or _forward_running(states[0]):
         raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
-    previous = [s.sync_gradients for s in states]
-    for s in states:
-        s.sync_gradients = False
+    # the switch lives in the root context: before the first forward, build it now ([Note: the root context])
+    _lazy_init(states[0], states[0].module)
+    ctx = _ctx(states[0])
+    previous, ctx.sync_gradients = ctx.sync_gradients, False
     try:
         yield
     finally:
-        for s, prev in zip(states, previous):
-            s.sync_gradients = prev
+        ctx.sync_gradients = previous
 
 
 @_rank_agreement.entry_point("clip_grad_norm_()")
@@ -96,7 +97,7 @@ def clip_grad_norm_(
     equal to the unsharded model's. A collective: call it on every rank."""
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     group = states[0].process_group
     grads, pieces = _grads_by_placement(module, states)
     total = pieces.norm(norm_type, torch.float32, states[0].device)

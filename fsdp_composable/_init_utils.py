@@ -267,7 +267,7 @@ def _init_core_state(
 
 
 def _init_buffer_state(state: _FSDPState, module: nn.Module) -> None:
-    """Record every buffer's original dtype under its clean FQN (see `_runtime_utils` casting)."""
+    """Record every buffer's original dtype under its clean FQN (see [Note: buffer casting] in `_lazy_init`)."""
     state.buffer_name_to_orig_dtype = {
         name: buf.dtype for name, buf in module.named_buffers() if not _in_ignored(module, name, state)
     }
@@ -439,7 +439,6 @@ def _init_param_handles_from_module(
         ]
     for group in handles.values():
         for handle in group:
-            handle.siblings = group
             handle.tp_group = tp_group
     if move:
         _move_rest(module, state.device)

@@ -15,7 +15,6 @@ pointer comparisons: no collective, and a few microseconds per parameter.
 
 from __future__ import annotations
 
-import weakref
 from typing import Optional
 
 import torch
@@ -23,6 +22,7 @@ from torch import nn
 from torch.nn.modules import module as _module_hooks
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
+from fsdp_composable._composable_state import count_registration, registrations
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
 from fsdp_composable._tensor_parallel import local_of
@@ -35,20 +35,13 @@ __all__ = ["check_model_unchanged"]
 # A full scan (every holder's registration, every module's parameters) costs milliseconds on a large
 # model, too much for every forward. Registering a parameter or a submodule goes through
 # ``nn.Module.register_parameter`` / ``register_module`` (also ``m.w = nn.Parameter(...)`` and
-# ``m.sub = nn.Linear(...)``), whose global registration hooks bump `_GENERATION`; the full scan runs
-# only when it moved since the root's last check. ``.data`` assignments (``.half()``, ``.to()``,
-# ``p.data = t``) have no hook, so every forward compares each parameter's data pointer with its
-# view's: two C calls per parameter.
-_GENERATION = [0]
-_CHECKED: "weakref.WeakKeyDictionary[_FSDPState, int]" = weakref.WeakKeyDictionary()
-
-
-def _bump(*args: object) -> None:
-    _GENERATION[0] += 1
-
-
-_module_hooks.register_module_parameter_registration_hook(_bump)
-_module_hooks.register_module_module_registration_hook(_bump)
+# ``m.sub = nn.Linear(...)``), whose global registration hooks count registrations in the registry
+# (`_composable_state.registrations`); the full scan runs only when that count moved since the root's
+# last check, which the root context records (``RootContext.checked_registrations``). ``.data``
+# assignments (``.half()``, ``.to()``, ``p.data = t``) have no hook, so every forward compares each
+# parameter's data pointer with its view's: two C calls per parameter.
+_module_hooks.register_module_parameter_registration_hook(count_registration)
+_module_hooks.register_module_module_registration_hook(count_registration)
 
 
 def check_model_unchanged(root: _FSDPState) -> None:
@@ -57,12 +50,14 @@ def check_model_unchanged(root: _FSDPState) -> None:
     states = root.all_states or [root]
     for state in states:
         close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
-    if _CHECKED.get(root) != _GENERATION[0]:
+    ctx = root.ctx
+    if ctx is None or ctx.checked_registrations != registrations():
         for state in states:
             for handle in state.handles:
                 _check_handle(handle)
         _check_no_new_parameters(root, states)
-        _CHECKED[root] = _GENERATION[0]
+        if ctx is not None:
+            ctx.checked_registrations = registrations()
     _restore_views(states)
 
 

@@ -40,9 +40,9 @@ from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
 from fsdp_composable._common_utils import TrainingState, _FSDPState
+from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._rank_agreement import Op
-from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat
 from fsdp_composable._tensor_parallel import is_tp_sharded, local_of, point_at
 from fsdp_composable._unshard_param_utils import _restore_handle, _Summoned, begin_summon, end_summon
@@ -128,7 +128,7 @@ def reset_module(module: nn.Module) -> Any:
     if not selected:
         return _call_original(module, target)
     states = list({id(s): s for s, _, _ in selected}.values())
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     name = f"'{target.fqn or '<root>'}' ({type(module).__name__})"
     if any(s.training_state is TrainingState.FORWARD_BACKWARD for s in states):
         raise RuntimeError(

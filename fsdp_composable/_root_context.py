@@ -1,33 +1,54 @@
 """`RootContext`: what every state under one root shares for a step, reset in one place.
 
 [Note: the root context]
-The root's lazy init builds one `RootContext` and gives it to every state under the root: the
-states themselves, the execution order, the all-gather limiter, the CUDA side streams, the gradient
-reductions in flight or waiting for the end of backward, and the per-step counters of each unit
-(`UnitStep`). `begin_step` opens a step, `end_step` closes it normally (the final callback, or
-the root's post-forward when no backward follows) and `_runtime_utils._abort_step` closes it after
-a failure; the counters are cleared by `reset_counters` and nowhere else.
+The root's lazy init (`_lazy_init`) builds one `RootContext` and gives it to every state under the
+root. It is the only owner of what those states share and of everything that lives for one step:
+the states themselves (each owns its handles; ``handles``, ``non_root_handles`` and ``units()`` are
+derived from them), the execution order, the all-gather limiter, the CUDA side streams (handles
+get them as arguments, e.g. ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
+flight or waiting for the end of backward, the per-step counters of each unit (``steps``:
+`UnitStep`), and the root-wide switch ``sync_gradients``. A switch has no home before the root's
+first forward, so ``no_sync`` entered then runs the root's lazy init itself (it needs no collective)
+and sets the switch here, the one place the hooks read it. `begin_step` opens a step
+(the root pre-forward), `end_step` closes it normally (the final callback, or the root's
+post-forward when no backward follows) and `abort_step` closes it after a failure; the counters are
+cleared by `reset_counters` (called by those two) and nowhere else.
 
 A step is *unfinished* when a forward is open (``open_forwards``) or a backward started
 (``final_callback_queued``) and nothing is running now. That is how a `BaseException` (e.g.
 `KeyboardInterrupt`), which skips torch's ``always_call`` forward hooks and autograd's final
 callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `clip_grad_norm_`,
-`unshard_params`), which aborts the step first.
+`unshard_params`), which aborts the step first (`_entry_points`).
+
+[Note: a step that stops midway]
+A step is opened by `begin_step` and closed by `end_step` (the final callback, or the root
+post-forward when no backward follows). When forward or backward raises, `abort_step` closes it
+instead: it waits for every collective already posted (each rank that failed at the same point
+posted the same ones, so nothing stays half-matched), drops everything the step produced for the
+gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
+while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
+root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
+(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
+backward, where autograd skips the final callback), from the next entry point that finds the step
+unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
+from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable import _reduce_utils as grads
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._reduce_utils import GradState, PendingReduce
+
 if TYPE_CHECKING:
-    from fsdp_composable._common_utils import _FSDPState
     from fsdp_composable._exec_order_utils import _ExecOrderData
-    from fsdp_composable._flat_param import FlatParamHandle
     from fsdp_composable._limiter_utils import _AllGatherLimiter
-    from fsdp_composable._reduce_utils import PendingReduce
 
 __all__ = ["RootContext", "UnitStep"]
 
@@ -53,12 +74,9 @@ class RootContext:
     """Shared by every state under one root; see [Note: the root context]."""
 
     root: "_FSDPState"
-    states: list["_FSDPState"]
-    handles: list["FlatParamHandle"]  # every unit's handles, root first then pre-order
+    states: list["_FSDPState"]  # outermost first; each owns its handles (root unit first, pre-order)
     exec_order: "_ExecOrderData"
     limiter: "_AllGatherLimiter"
-    non_root_handles: list["FlatParamHandle"]
-    state_of: dict["FlatParamHandle", "_FSDPState"]  # the state owning each handle
     unshard_stream: Optional[torch.cuda.Stream] = None
     reduce_stream: Optional[torch.cuda.Stream] = None
     all_reduce_stream: Optional[torch.cuda.Stream] = None  # HYBRID_SHARD's all-reduce across replicas
@@ -66,16 +84,34 @@ class RootContext:
     # results reach `.grad` only once the whole backward has succeeded)
     pending_reductions: list["PendingReduce"] = field(default_factory=list)
     finished_reductions: list["PendingReduce"] = field(default_factory=list)
+    # root-wide switch: False inside `no_sync` (keep unsharded gradients locally instead of reducing)
+    sync_gradients: bool = True
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
+    # `_composable_state.registrations()` at the last full edit check ([Note: cheap edit checks])
+    checked_registrations: Optional[int] = None
+    # each unit's counters for the current step; the only place they live
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
 
-    def step_of(self, handle: "FlatParamHandle") -> UnitStep:
-        return self.steps[handle]
+    @property
+    def handles(self) -> list["FlatParamHandle"]:
+        """Every unit's handles, root first then pre-order (derived from the states, which own them)."""
+        return [h for s in self.states for h in s.handles]
+
+    @property
+    def non_root_handles(self) -> list["FlatParamHandle"]:
+        """The handles the all-gather limiter counts: every unit's but the root unit's."""
+        return [h for s in self.states for h in s.handles if h.module is not self.root.module]
+
+    def units(self) -> Iterator[tuple["_FSDPState", "FlatParamHandle"]]:
+        """Every (state, handle) pair, in the order of `handles`."""
+        for s in self.states:
+            for h in s.handles:
+                yield s, h
 
     def reset_counters(self) -> None:
-        """The one place per-step bookkeeping is cleared."""
+        """The one place per-step bookkeeping is cleared (by `end_step` and `abort_step`)."""
         for counters in self.steps.values():
             counters.reset()
         self.final_callback_queued = False
@@ -84,6 +120,100 @@ class RootContext:
     def unfinished(self) -> bool:
         """A previous step stopped midway (see the Note); call only when no forward/backward runs."""
         return self.open_forwards > self.method_calls or self.final_callback_queued
+
+    # ------------------------------------------------------------------ the step
+    def enter_forward(self) -> bool:
+        """A root forward starts; True when it is the outermost one (it opens a step)."""
+        self.open_forwards += 1
+        return self.open_forwards == 1
+
+    def leave_forward(self, failed: bool) -> bool:
+        """A root forward returns, or raised (``failed``); True when it closed the outermost forward
+        normally. The outermost forward failing aborts the step; a nested one leaves that to the
+        registered method around it."""
+        if failed:
+            # Only a forward that was opened needs closing: if pre-forward refused to start one (e.g.
+            # forward inside unshard_params), resetting would break the context that owns the states.
+            if self.open_forwards > 1:
+                self.open_forwards -= 1
+            elif self.open_forwards == 1:
+                self.abort_step()
+            return False
+        self.open_forwards = max(self.open_forwards - 1, 0)
+        return self.open_forwards == 0
+
+    def begin_step(self) -> None:
+        """Open a step (the root pre-forward of a forward that is not nested in another)."""
+        for s in self.states:
+            _set_training_state(s, TrainingState.FORWARD_BACKWARD)
+        self.exec_order.start_forward()
+        _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
+        for handle in self.handles:
+            grads.release_cleared_grads(handle)
+
+    def end_step(self) -> None:
+        """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
+        self.wait_reductions()
+        for handle in self.handles:
+            if handle.is_unsharded or handle.unshard_in_flight:
+                handle.reshard()
+            if handle.training_state is not HandleTrainingState.IDLE:
+                handle.set_training_state(HandleTrainingState.IDLE)
+        self.limiter.release_freed(self.handles)
+        finished, self.finished_reductions = self.finished_reductions, []
+        grads.finish_all(finished)
+        for reduction in finished:
+            reduction.commit()
+        for handle in self.handles:
+            if handle.grads.state is GradState.STAGED:
+                grads.commit_staged(handle)
+        for s in self.states:
+            if s.training_state is TrainingState.FORWARD_BACKWARD:
+                _set_training_state(s, TrainingState.IDLE)
+        self.reset_counters()
+        self.exec_order.next_iter()
+
+    def abort_step(self) -> None:
+        """Close a step that stopped midway; see [Note: a step that stops midway]."""
+        # tell the peers first: one still inside a collective of this step raises instead of waiting
+        _rank_agreement.leave_step(g for h in self.handles for g in (h.process_group, h.replicate_group))
+        error: Optional[BaseException] = None
+        reductions = self.pending_reductions + self.finished_reductions
+        self.pending_reductions, self.finished_reductions = [], []
+        for reduction in reductions:
+            try:
+                reduction.finish()  # its buffers must outlive the collective; its result is dropped
+            except Exception as e:  # a peer died: still reset everything, then report it
+                error = error or e
+        for handle in self.handles:
+            # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
+            # check) must not bring the cleared gradients back as .grad below.
+            grads.release_cleared_grads(handle)
+            grads.abort(handle)
+            try:
+                handle.reshard()  # waits for an all-gather in flight
+            except Exception as e:
+                error = error or e
+            handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
+            grads.expose_sharded_grads(handle)
+        self.limiter.release_freed(self.handles)
+        for s in self.states:
+            if s.training_state is TrainingState.FORWARD_BACKWARD:
+                s.training_state = TrainingState.IDLE  # a reset, not a transition
+        self.reset_counters()
+        if error is not None:
+            raise error
+
+    def start_reduce(self, handle: FlatParamHandle) -> None:
+        """Issue ``handle``'s gradient reduction on the reduce stream; it finishes in `wait_reductions`."""
+        self.pending_reductions.append(grads.start_reduce(handle, self.reduce_stream, self.all_reduce_stream))
+
+    def wait_reductions(self) -> None:
+        """Finish the reductions in flight; their results wait for the end of backward."""
+        pending, self.pending_reductions = self.pending_reductions, []
+        for reduction in pending:
+            reduction.wait()
+            self.finished_reductions.append(reduction)
 
     def __repr__(self) -> str:
         return f"RootContext(states={len(self.states)}, handles={len(self.handles)})"

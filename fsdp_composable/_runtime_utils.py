@@ -2,12 +2,15 @@
 final callback. Each hook is a function taking the state (and handle) first.
 
 [Note: one step]
-root pre-forward (lazy init once; every state enters FORWARD_BACKWARD; cast root inputs) -> per
-unit: pre-forward (unshard, wait, prefetch the next unit, attach the post-backward trigger to the
-inputs) -> forward -> post-forward (reshard unless root unit or SHARD_GRAD_OP/NO_SHARD; hook the
-outputs for pre-backward) ... backward: pre-backward (unshard, prefetch, point ``.grad`` at the
-gradient buffer) -> autograd fills the buffer -> post-backward (start the async reduction, reshard)
--> final callback (finish every reduction, reshard leftovers, every state back to IDLE).
+root pre-forward (lazy init once; `RootContext.begin_step`: every state enters FORWARD_BACKWARD;
+cast root inputs) -> per unit: pre-forward (unshard, wait, prefetch the next unit, attach the
+post-backward trigger to the inputs) -> forward -> post-forward (reshard unless root unit or
+SHARD_GRAD_OP/NO_SHARD; hook the outputs for pre-backward) ... backward: pre-backward (unshard,
+prefetch, point ``.grad`` at the gradient buffer) -> autograd fills the buffer -> post-backward
+(start the async reduction, reshard) -> final callback (`RootContext.end_step`: finish every
+reduction, reshard leftovers, every state back to IDLE). The hooks hold no state of their own:
+what a step needs lives in the root context ([Note: the root context]), what a unit needs in its
+handle.
 
 [Note: when post-backward runs]
 A unit's gradients are complete once autograd has run the whole module backward, i.e. once the
@@ -15,18 +18,6 @@ gradients of the module's *inputs* are computed. Pre-forward passes the inputs t
 through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
 triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
 trigger never runs reduce in the final callback.
-
-[Note: a step that stops midway]
-A step is opened by the root pre-forward and closed by `_end_step` (the final callback, or the root
-post-forward when no backward follows). When forward or backward raises, `_abort_step` closes it
-instead: it waits for every collective already posted (each rank that failed at the same point
-posted the same ones, so nothing stays half-matched), drops everything the step produced for the
-gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
-while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
-root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
-(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
-backward, where autograd skips the final callback), from the next entry point that finds the step
-unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -34,29 +25,22 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import torch
 from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
-from fsdp_composable import _collectives, _rank_agreement, _trace
 from fsdp_composable import _reduce_utils as grads
+from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating, to_device
-from fsdp_composable._common_utils import (
-    TrainingState,
-    _FSDPState,
-    _get_fsdp_state,
-    _get_fsdp_states,
-    _is_inside_unit,
-    _set_training_state,
-)
-from fsdp_composable._config import UnitConfig
-from fsdp_composable._exec_order_utils import _ExecOrderData
+from fsdp_composable._common_utils import TrainingState, _FSDPState
+from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
-from fsdp_composable._limiter_utils import _AllGatherLimiter
+from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
 from fsdp_composable._model_edit_checks import check_model_unchanged
+from fsdp_composable._prefetch import _prefetch, _prefetch_for_backward, _unshard
 from fsdp_composable._reduce_utils import GradState
 from fsdp_composable._root_context import RootContext
 from fsdp_composable.api import BackwardPrefetch
@@ -95,106 +79,9 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
-# ---------------------------------------------------------------------------- lazy init
-def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
-    """On the first forward: the state whose module runs first is the root; build the root context
-    every state below it shares ([Note: the root context])."""
-    if state.is_root is not None:
-        return
-    states = _get_fsdp_states(root_module)
-    handles = [h for s in states for h in s.handles]
-    streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
-    if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
-        streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
-    ctx = RootContext(
-        root=state,
-        states=states,
-        handles=handles,
-        exec_order=_ExecOrderData(state.process_group),
-        limiter=_AllGatherLimiter(),
-        non_root_handles=[h for h in handles if h.module is not root_module],
-        state_of={h: s for s in states for h in s.handles},
-        unshard_stream=streams[0],
-        reduce_stream=streams[1],
-        all_reduce_stream=streams[2],
-        steps={h: h.step for h in handles},
-    )
-    for s in states:
-        s.is_root = s is state
-        s.root_state = state
-        s.ctx = ctx
-    for handle in handles:
-        handle.unshard_stream, handle.reduce_stream = streams[0], streams[1]
-    fqn_of = {m: name for name, m in root_module.named_modules()}
-    ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
-    buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
-    _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
-
-
-def _ctx(state: _FSDPState) -> RootContext:
-    assert state.ctx is not None, "used before lazy init"
-    return state.ctx
-
-
-# ---------------------------------------------------------------------------- buffers
-# [Note: buffer casting]
-# Every floating-point buffer is cast once, at lazy init, to the ``buffer_dtype`` of the unit whose
-# module tree holds it (per submodule, whatever the buffer's name), and stays so for computation.
-# Checkpoints must not see that: each state records its buffers' original dtypes under clean FQNs at
-# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`).
-def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
-    """The settings governing each module: its deepest enclosing unit's (states are outermost first,
-    handles root first then pre-order, so deeper assignments come later and win)."""
-    config: dict[nn.Module, UnitConfig] = {}
-    for s in root.all_states:
-        for m in s.module.modules():
-            config[m] = s.config
-        for handle in s.handles:
-            for m in handle.module.modules():
-                config[m] = handle.config
-        for m in s.ignored_modules:
-            config.pop(m, None)
-    return config
-
-
-def _get_buffers_and_dtypes_for_computation(
-    root: _FSDPState,
-) -> tuple[list[tuple[nn.Module, str]], list[Optional[torch.dtype]]]:
-    buffers: list[tuple[nn.Module, str]] = []
-    dtypes: list[Optional[torch.dtype]] = []
-    for module, config in _module_to_unit_config(root).items():
-        mp = config.mixed_precision
-        for name, buf in module._buffers.items():
-            if buf is None:
-                continue
-            buffers.append((module, name))
-            cast = mp is not None and mp.buffer_dtype is not None and buf.is_floating_point()
-            dtypes.append(mp.buffer_dtype if cast and mp is not None else None)
-    return buffers, dtypes
-
-
-def _get_buffers_and_dtypes_for_checkpoint(state: _FSDPState) -> dict[str, torch.dtype]:
-    """Clean buffer FQN (relative to ``state.module``) -> the dtype it had before any casting."""
-    return state.buffer_name_to_orig_dtype
-
-
-def _cast_buffers_to_dtype_and_device(
-    buffers: list[tuple[nn.Module, str]], dtypes: list[Optional[torch.dtype]], device: torch.device
-) -> None:
-    """Replace each ``module._buffers[name]`` by its cast (``None`` dtype: keep the dtype)."""
-    for (module, name), dtype in zip(buffers, dtypes):
-        buf = module._buffers[name]
-        assert buf is not None
-        module._buffers[name] = buf.to(device=device, dtype=dtype or buf.dtype)
-
-
-def _buffer_dtype_state_dict_hook(
-    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
-) -> None:
-    for fqn, dtype in _get_buffers_and_dtypes_for_checkpoint(state).items():
-        value = state_dict.get(prefix + fqn)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
-            state_dict[prefix + fqn] = value.to(dtype)
+def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
+    """The handles of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
+    return [h for h in state.handles if h.module is handle.module]
 
 
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
@@ -203,11 +90,6 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- forward
-def _in_backward() -> bool:
-    """A forward running while autograd runs a backward is activation-checkpoint recomputation."""
-    return bool(torch._C._current_graph_task_id() != -1)
-
-
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     _lazy_init(state, module)
     if not state.is_root or _in_backward():
@@ -219,17 +101,10 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
             "unshard_params context before running forward"
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
-        _abort_step(ctx)
-    nested = ctx.open_forwards > 0  # a registered method (e.g. generate) calling self(...)
-    ctx.open_forwards += 1
-    if not nested:
+        ctx.abort_step()
+    if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
         check_model_unchanged(state)  # see [Note: edits of a sharded model]
-        for s in ctx.states:
-            _set_training_state(s, TrainingState.FORWARD_BACKWARD)
-        ctx.exec_order.start_forward()
-        _collectives.wait_for_compute(ctx.unshard_stream)  # once per root forward: see _collectives.issue
-        for handle in ctx.handles:
-            grads.release_cleared_grads(handle)
+        ctx.begin_step()
     moved = state.device.type != "cpu"
     if moved:  # the root's inputs on the compute device, as FSDP1/FSDP2 do
         args, kwargs = to_device(args, state.device), to_device(kwargs, state.device)
@@ -244,19 +119,13 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         return output
     ctx = _ctx(state)
     if sys.exc_info()[1] is not None:  # registered with always_call: the forward raised
-        # Only a forward that was opened needs closing: if pre-forward refused to start one (e.g.
-        # forward inside unshard_params), resetting would break the context that owns the states.
-        if ctx.open_forwards > 1:
-            ctx.open_forwards -= 1  # nested: the registered method around it aborts the step
-        elif ctx.open_forwards == 1:
-            _abort_step(ctx)
+        ctx.leave_forward(failed=True)
         return None
-    ctx.open_forwards = max(ctx.open_forwards - 1, 0)
-    if ctx.open_forwards > 0:
+    if not ctx.leave_forward(failed=False):
         return output  # nested in a registered method: its own post-forward closes the forward
     ctx.exec_order.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
-        _end_step(ctx)  # no backward will follow: leave everything IDLE and resharded now
+        ctx.end_step()  # no backward will follow: leave everything IDLE and resharded now
     return output
 
 
@@ -273,15 +142,16 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     ctx = _ctx(state)
     nested = handle.training_state is HandleTrainingState.FORWARD
     if nested and ctx.method_calls == 0:  # left in FORWARD by a forward that died (BaseException)
-        _abort_step(ctx)
+        ctx.abort_step()
         nested = False
     if nested:  # the unit's module calls itself inside a registered method: it is already whole
-        handle.step.forward_depth += 1
+        ctx.steps[handle].forward_depth += 1
     else:
         handle.set_training_state(HandleTrainingState.FORWARD)
-        handle.step.forward_depth = 1
-        ctx.exec_order.record_pre_forward(handle)
-        for sibling in handle.siblings:  # a unit's groups gather together, then each waits for its own
+        ctx.steps[handle].forward_depth = 1
+        unit = _unit_handles(state, handle)
+        ctx.exec_order.record_pre_forward(handle, unit)
+        for sibling in unit:  # a unit's groups gather together, then each waits for its own
             _unshard(state, sibling)
         if state.forward_prefetch:
             _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
@@ -298,10 +168,11 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
-    if handle.step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
-        handle.step.forward_depth -= 1
+    step = _ctx(state).steps[handle]
+    if step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
+        step.forward_depth -= 1
     else:
-        handle.step.forward_depth = 0
+        step.forward_depth = 0
         _ctx(state).exec_order.record_post_forward(handle)
         if _reshard_after_forward(state, handle):
             handle.reshard()
@@ -323,10 +194,10 @@ def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
 # ---------------------------------------------------------------------------- backward
 @_trace.hook("pre_backward")
 def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.Tensor) -> None:
-    step = handle.step
+    ctx = _ctx(state)
+    step = ctx.steps[handle]
     if step.ran_pre_backward:
         return
-    ctx = _ctx(state)
     if not ctx.final_callback_queued:
         ctx.final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, ctx))
@@ -355,11 +226,11 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.set_training_state(HandleTrainingState.BACKWARD_POST)
     ctx = _ctx(state)
     if handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD):
-        if state.sync_gradients:
+        if ctx.sync_gradients:
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
-            _wait_reductions(ctx)
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
+            ctx.wait_reductions()
+            ctx.start_reduce(handle)
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     handle.reshard()
@@ -370,212 +241,14 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
 
 def _post_backward_final_callback(ctx: RootContext) -> None:
     """End of backward: reduce units whose trigger did not run, finish every reduction, go IDLE."""
-    for handle in ctx.handles:
+    for state, handle in ctx.units():
         if handle.training_state is HandleTrainingState.BACKWARD_PRE:
-            _post_backward(ctx.state_of[handle], handle)
+            _post_backward(state, handle)
     for handle in ctx.handles:
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
-        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.state_of[handle].sync_gradients:
-            ctx.pending_reductions.append(grads.start_reduce(handle, ctx.reduce_stream, ctx.all_reduce_stream))
-    _end_step(ctx)
-
-
-def _end_step(ctx: RootContext) -> None:
-    """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
-    _wait_reductions(ctx)
-    for handle in ctx.handles:
-        if handle.is_unsharded or handle.unshard_in_flight:
-            handle.reshard()
-        if handle.training_state is not HandleTrainingState.IDLE:
-            handle.set_training_state(HandleTrainingState.IDLE)
-    ctx.limiter.release_freed(ctx.handles)
-    finished, ctx.finished_reductions = ctx.finished_reductions, []
-    grads.finish_all(finished)
-    for reduction in finished:
-        reduction.commit()
-    for handle in ctx.handles:
-        if handle.grads.state is GradState.STAGED:
-            grads.commit_staged(handle)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            _set_training_state(s, TrainingState.IDLE)
-    ctx.reset_counters()
-    ctx.exec_order.next_iter()
-
-
-def _abort_step(ctx: RootContext) -> None:
-    """Close a step that stopped midway; see [Note: a step that stops midway]."""
-    # tell the peers first: one still inside a collective of this step raises instead of waiting
-    _rank_agreement.leave_step(g for h in ctx.handles for g in (h.process_group, h.replicate_group))
-    error: Optional[BaseException] = None
-    reductions = ctx.pending_reductions + ctx.finished_reductions
-    ctx.pending_reductions, ctx.finished_reductions = [], []
-    for reduction in reductions:
-        try:
-            reduction.finish()  # its buffers must outlive the collective; its result is dropped
-        except Exception as e:  # a peer died: still reset everything, then report it
-            error = error or e
-    for handle in ctx.handles:
-        # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
-        # check) must not bring the cleared gradients back as .grad below.
-        grads.release_cleared_grads(handle)
-        grads.abort(handle)
-        try:
-            handle.reshard()  # waits for an all-gather in flight
-        except Exception as e:
-            error = error or e
-        handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
-        grads.expose_sharded_grads(handle)
-    ctx.limiter.release_freed(ctx.handles)
-    for s in ctx.states:
-        if s.training_state is TrainingState.FORWARD_BACKWARD:
-            s.training_state = TrainingState.IDLE  # a reset, not a transition
-    ctx.reset_counters()
-    if error is not None:
-        raise error
-
-
-def _wait_reductions(ctx: RootContext) -> None:
-    """Finish the reductions in flight; their results wait for the end of backward."""
-    pending, ctx.pending_reductions = ctx.pending_reductions, []
-    for reduction in pending:
-        reduction.wait()
-        ctx.finished_reductions.append(reduction)
-
-
-def _live_forward(ctx: RootContext) -> bool:
-    """Whether a root forward is running on this thread's stack now (an entry point called from
-    inside it), as opposed to one left open by a ``BaseException``."""
-    roots = {id(s.module) for s in ctx.states if s.is_root}
-    for frame in _frames():
-        if frame.f_code is _CALL_IMPL_CODE and id(frame.f_locals.get("self")) in roots:
-            return True
-    return ctx.method_calls > 0
-
-
-_CALL_IMPL_CODE = nn.Module._call_impl.__code__
-
-
-def _frames() -> Iterator[Any]:
-    frame = sys._getframe(1)
-    while frame is not None:
-        yield frame
-        frame = frame.f_back  # type: ignore[assignment]
-
-
-def _forward_running(state: _FSDPState) -> bool:
-    """Whether the root forward of ``state``'s root is running on the stack now."""
-    root = state.root_state if state.root_state is not None else state
-    return root.ctx is not None and _live_forward(root.ctx)
-
-
-def _settle_unfinished_step(state: _FSDPState) -> None:
-    """At an entry point between steps (``no_sync``, ``clip_grad_norm_``, ``unshard_params``): close
-    a step that stopped midway (abort), or one whose backward will not come because its forward
-    finished and no backward started (end it normally: nothing of it reached the gradients)."""
-    root = state.root_state if state.root_state is not None else state
-    ctx = root.ctx
-    if ctx is None or _in_backward() or _live_forward(ctx):
-        return
-    if ctx.final_callback_queued or ctx.open_forwards > 0:
-        _abort_step(ctx)
-    elif any(s.training_state is TrainingState.FORWARD_BACKWARD for s in ctx.states):
-        _end_step(ctx)
-
-
-# ---------------------------------------------------------------------------- unshard / prefetch
-def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    if state.ctx is not None and state.ctx.open_forwards == 0 and not _in_backward():
-        # a unit called outside the root's forward: no root pre-forward ordered its all-gather after
-        # the shards' last writes (the optimizer's), see _collectives.issue
-        _collectives.wait_for_compute(state.ctx.unshard_stream)
-    handle.unshard()
-    if state.ctx is not None:
-        state.ctx.limiter.record(state.ctx.non_root_handles)
-        state.ctx.limiter.release_freed(state.ctx.handles)
-
-
-def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
-    """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
-    if handle is None or handle.is_unsharded or handle.unshard_in_flight:
-        return
-    ctx = _ctx(state)
-    if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
-        return
-    ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
-    _unshard(state, handle)
-
-
-def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    if state.ctx is not None:
-        _prefetch(state, state.ctx.exec_order.backward_prefetch_target(handle), "backward")
-
-
-# ---------------------------------------------------------------------------- other forward methods
-def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
-    """Make ``module.<method_name>`` (e.g. ``generate``) unshard and reshard like ``forward`` does.
-
-    Hooks only see ``forward``; this wraps the method on the instance so it runs the same pre/post
-    forward steps (as the root when ``module`` is the root)."""
-    state = _check_forward_method_args(module, method_name)
-    method = getattr(module, method_name, None)
-    if not callable(method):
-        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} has no method {method_name!r}")
-    handles = [h for h in state.handles if h.module is module]
-
-    @functools.wraps(method)
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if state.ctx is None:  # before the first forward (of the root, or of this unit by itself)
-            _lazy_init(state, state.module)
-        ctx = _ctx(state)
-        if ctx.method_calls == 0 and not _in_backward() and ctx.unfinished():
-            _abort_step(ctx)
-        ctx.method_calls += 1  # lets the method call self(...): see [Note: the root context]
-        try:
-            if module is state.module:
-                new = _fsdp_root_pre_forward(state, module, args, kwargs)
-                args, kwargs = new if new is not None else (args, kwargs)
-            for handle in handles:
-                new = _pre_forward(state, handle, module, args, kwargs)
-                args, kwargs = new if new is not None else (args, kwargs)
-            output = method(*args, **kwargs)
-            for handle in handles:
-                output = _post_forward(state, handle, module, args, output)
-            if module is state.module:
-                _fsdp_root_post_forward(state, module, args, output)
-            return output
-        except BaseException:
-            if ctx.method_calls == 1 and not _in_backward():  # also KeyboardInterrupt, which hooks miss
-                _abort_step(ctx)
-            raise
-        finally:
-            ctx.method_calls -= 1
-
-    object.__setattr__(module, method_name, wrapped)
-
-
-def _check_forward_method_args(module: Any, method_name: Any) -> _FSDPState:
-    """The state ``register_fsdp_forward_method`` attaches to, after checking its arguments."""
-    api = "register_fsdp_forward_method"
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"{api} argument 'module' must be an nn.Module, got {type(module).__name__}")
-    if not isinstance(method_name, str):
-        raise TypeError(
-            f"{api} argument 'method_name' must be a str, got {type(method_name).__name__}: {method_name!r}"
-        )
-    if method_name == "forward":  # its hooks would run twice and the states would not know why
-        raise ValueError(
-            f"{api}: 'forward' already runs fully_shard's hooks; register only other methods (e.g. 'generate')"
-        )
-    state = _get_fsdp_state(module)
-    if state is None and _is_inside_unit(module):
-        raise ValueError(
-            f"{api}: this {type(module).__name__} is not a fully_shard root or unit; register the method on the "
-            "module fully_shard was applied to (or make this module a unit with the policy)"
-        )
-    if state is None:
-        raise ValueError(f"{api}: call fully_shard on this {type(module).__name__} before registering {method_name!r}")
-    return state
+        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.sync_gradients:
+            ctx.start_reduce(handle)
+    ctx.end_step()
 
 
 # ---------------------------------------------------------------------------- post-backward trigger
@@ -599,10 +272,11 @@ def _attach_post_backward_trigger(
     # also for frozen groups: post-backward is where they reshard once the unit's backward is done
     flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
+    step = _ctx(state).steps[handle]
     if not positions:
-        handle.step.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
+        step.untriggered_calls += 1  # this call's backward cannot be observed: reduce at the end
         return args, kwargs
-    handle.step.pending_triggers += 1
+    step.pending_triggers += 1
     outs = _PostBackwardTrigger.apply(functools.partial(_on_trigger, state, handle), *(flat[i] for i in positions))
     outs = (outs,) if isinstance(outs, torch.Tensor) else outs
     for i, out in zip(positions, outs):
@@ -611,7 +285,7 @@ def _attach_post_backward_trigger(
 
 
 def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
-    step = handle.step
+    step = _ctx(state).steps[handle]
     step.pending_triggers -= 1
     # A call without a trigger (inputs needing no grad) may still have backward to run after the
     # last trigger fires; then only the final callback knows the unit is done.

@@ -21,6 +21,7 @@ measures the step with it; the numbers are in docs/tracing.md.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import logging
 import os
@@ -73,18 +74,21 @@ def span(
     return _Span(what, unit, tensor, done, profiling)
 
 
-_units: list[str] = []  # the units of the spans entered and not yet left (only while tracing is on)
+# The unit of the innermost span entered and not yet left (only while tracing is on): a context
+# variable, not a module-level stack, so each thread (and each span's exit) restores its own.
+_CURRENT_UNIT: contextvars.ContextVar[str] = contextvars.ContextVar("fsdp_composable_trace_unit", default="?")
 
 
 class _Span:
     def __init__(
         self, what: str, unit: Optional[str], tensor: Optional[torch.Tensor], done: bool, profiling: bool
     ) -> None:
-        self.unit = (unit or "<root>") if unit is not None else (_units[-1] if _units else "?")
+        self.unit = (unit or "<root>") if unit is not None else _CURRENT_UNIT.get()
         self.label = f"fsdp::{what} {self.unit}"
         self.tensor = tensor
         self.done = done
         self.range = _autograd_profiler.record_function(self.label) if profiling else None
+        self.token: Optional[contextvars.Token[str]] = None
 
     def _log(self, event: str) -> None:
         if not logger.isEnabledFor(logging.DEBUG):
@@ -98,14 +102,15 @@ class _Span:
 
     def __enter__(self) -> None:
         self._log("start")
-        _units.append(self.unit)
+        self.token = _CURRENT_UNIT.set(self.unit)
         if self.range is not None:
             self.range.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
         if self.range is not None:
             self.range.__exit__(*exc)
-        _units.pop()
+        if self.token is not None:
+            _CURRENT_UNIT.reset(self.token)
         if self.done:
             self._log("failed" if exc[0] is not None else "done")
 

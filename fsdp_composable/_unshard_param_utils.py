@@ -19,8 +19,8 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
+from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
-from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_utils import _gather_full_flat, _join
 from fsdp_composable._tensor_parallel import as_param_grad, local_of, point_at
 from fsdp_composable.api import _check_bool
@@ -96,7 +96,7 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
-    _settle_unfinished_step(states[0])  # a step that stopped midway (see _runtime_utils)
+    _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]

@@ -159,10 +159,7 @@ def recording() -> Iterator[Recorder]:
         if fresh and state.ctx is not None and state.ctx.unshard_stream is None:
             ctx = state.ctx
             ctx.unshard_stream, ctx.reduce_stream = FakeStream(rec, "unshard"), FakeStream(rec, "reduce")
-            if hasattr(ctx, "all_reduce_stream"):
-                ctx.all_reduce_stream = FakeStream(rec, "all_reduce")
-            for h in ctx.handles:
-                h.unshard_stream, h.reduce_stream = ctx.unshard_stream, ctx.reduce_stream
+            ctx.all_reduce_stream = FakeStream(rec, "all_reduce")
 
     patch(_runtime_utils, "_lazy_init", lazy_init_with_streams)
 

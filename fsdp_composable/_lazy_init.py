@@ -1,0 +1,113 @@
+"""Lazy init: on the first forward, the root builds the root context its states share, and every
+floating-point buffer is cast once for computation ([Note: buffer casting])."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
+from fsdp_composable._config import UnitConfig
+from fsdp_composable._exec_order_utils import _ExecOrderData
+from fsdp_composable._limiter_utils import _AllGatherLimiter
+from fsdp_composable._root_context import RootContext, UnitStep
+
+__all__: list[str] = []
+
+
+# ---------------------------------------------------------------------------- lazy init
+def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
+    """On the first forward: the state whose module runs first is the root; build the root context
+    every state below it shares ([Note: the root context])."""
+    if state.ctx is not None:
+        return
+    states = _get_fsdp_states(root_module)
+    streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
+    if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
+        streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
+    ctx = RootContext(
+        root=state,
+        states=states,
+        exec_order=_ExecOrderData(state.process_group),
+        limiter=_AllGatherLimiter(),
+        unshard_stream=streams[0],
+        reduce_stream=streams[1],
+        all_reduce_stream=streams[2],
+        # a unit that ran by itself before the root's first forward keeps its counters
+        steps={h: s.ctx.steps[h] if s.ctx is not None else UnitStep() for s in states for h in s.handles},
+    )
+    for s in states:
+        s.ctx = ctx
+    handles = ctx.handles
+    fqn_of = {m: name for name, m in root_module.named_modules()}
+    ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
+    buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
+    _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+def _ctx(state: _FSDPState) -> RootContext:
+    assert state.ctx is not None, "used before lazy init"
+    return state.ctx
+
+
+# ---------------------------------------------------------------------------- buffers
+# [Note: buffer casting]
+# Every floating-point buffer is cast once, at lazy init, to the ``buffer_dtype`` of the unit whose
+# module tree holds it (per submodule, whatever the buffer's name), and stays so for computation.
+# Checkpoints must not see that: each state records its buffers' original dtypes under clean FQNs at
+# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`).
+def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
+    """The settings governing each module: its deepest enclosing unit's (states are outermost first,
+    handles root first then pre-order, so deeper assignments come later and win)."""
+    config: dict[nn.Module, UnitConfig] = {}
+    for s in root.all_states:
+        for m in s.module.modules():
+            config[m] = s.config
+        for handle in s.handles:
+            for m in handle.module.modules():
+                config[m] = handle.config
+        for m in s.ignored_modules:
+            config.pop(m, None)
+    return config
+
+
+def _get_buffers_and_dtypes_for_computation(
+    root: _FSDPState,
+) -> tuple[list[tuple[nn.Module, str]], list[Optional[torch.dtype]]]:
+    buffers: list[tuple[nn.Module, str]] = []
+    dtypes: list[Optional[torch.dtype]] = []
+    for module, config in _module_to_unit_config(root).items():
+        mp = config.mixed_precision
+        for name, buf in module._buffers.items():
+            if buf is None:
+                continue
+            buffers.append((module, name))
+            cast = mp is not None and mp.buffer_dtype is not None and buf.is_floating_point()
+            dtypes.append(mp.buffer_dtype if cast and mp is not None else None)
+    return buffers, dtypes
+
+
+def _get_buffers_and_dtypes_for_checkpoint(state: _FSDPState) -> dict[str, torch.dtype]:
+    """Clean buffer FQN (relative to ``state.module``) -> the dtype it had before any casting."""
+    return state.buffer_name_to_orig_dtype
+
+
+def _cast_buffers_to_dtype_and_device(
+    buffers: list[tuple[nn.Module, str]], dtypes: list[Optional[torch.dtype]], device: torch.device
+) -> None:
+    """Replace each ``module._buffers[name]`` by its cast (``None`` dtype: keep the dtype)."""
+    for (module, name), dtype in zip(buffers, dtypes):
+        buf = module._buffers[name]
+        assert buf is not None
+        module._buffers[name] = buf.to(device=device, dtype=dtype or buf.dtype)
+
+
+def _buffer_dtype_state_dict_hook(
+    state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
+) -> None:
+    for fqn, dtype in _get_buffers_and_dtypes_for_checkpoint(state).items():
+        value = state_dict.get(prefix + fqn)
+        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+            state_dict[prefix + fqn] = value.to(dtype)

@@ -1,0 +1,44 @@
+"""Unshard a unit for the runtime, and start the next unit's all-gather early (prefetch), within the
+all-gather limiter's bound ([Note: why limit all-gathers])."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from fsdp_composable import _collectives
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._entry_points import _in_backward
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._lazy_init import _ctx
+
+__all__: list[str] = []
+
+
+# ---------------------------------------------------------------------------- unshard / prefetch
+def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
+    if state.ctx is not None and state.ctx.open_forwards == 0 and not _in_backward():
+        # a unit called outside the root's forward: no root pre-forward ordered its all-gather after
+        # the shards' last writes (the optimizer's), see _collectives.issue
+        _collectives.wait_for_compute(state.ctx.unshard_stream)
+    handle.unshard(state.ctx.unshard_stream if state.ctx is not None else None)
+    if state.ctx is not None:
+        state.ctx.limiter.record(state.ctx.non_root_handles)
+        state.ctx.limiter.release_freed(state.ctx.handles)
+
+
+def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
+    """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
+    if handle is None or handle.is_unsharded or handle.unshard_in_flight:
+        return
+    ctx = _ctx(state)
+    if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
+        return
+    ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
+    _unshard(state, handle)
+
+
+def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    if state.ctx is not None:
+        steps = state.ctx.steps
+        target = state.ctx.exec_order.backward_prefetch_target(handle, lambda h: steps[h].ran_pre_backward)
+        _prefetch(state, target, "backward")
