@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_composable import _collectives, _flat_param, _reduce_utils, _runtime_utils
+from fsdp_composable import _collectives, _flat_param, _forward_methods, _grad_utils, _reduce_utils, _runtime_utils
 
 META = torch.device("meta")
 
@@ -161,7 +161,8 @@ def recording() -> Iterator[Recorder]:
             ctx.unshard_stream, ctx.reduce_stream = FakeStream(rec, "unshard"), FakeStream(rec, "reduce")
             ctx.all_reduce_stream = FakeStream(rec, "all_reduce")
 
-    patch(_runtime_utils, "_lazy_init", lazy_init_with_streams)
+    for module in (_runtime_utils, _grad_utils, _forward_methods):  # every caller of the root's lazy init
+        patch(module, "_lazy_init", lazy_init_with_streams)
 
     def collective(name: str, reads_first: bool) -> None:
         original = getattr(_collectives, name)
