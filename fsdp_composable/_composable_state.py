@@ -20,13 +20,18 @@ __all__: list[str] = []
 _S = TypeVar("_S")
 
 class _Registry:
-    """The package's only module-level mutable state: which API was applied to which module, and
-    how many parameters and submodules were registered on any module since import (the cheap
-    change detector of [Note: cheap edit checks] in `_model_edit_checks`)."""
+    """The package's only module-level mutable state: which API was applied to which module, what
+    this rank knows about each process group's collectives (the header protocol's per-group record,
+    [Note: collective headers] in `_rank_agreement`: a group outlives every model using it, and torch's
+    ProcessGroup takes no attributes of ours), and how many parameters and submodules were registered
+    on any module since import (the cheap change detector of [Note: cheap edit checks] in
+    `_model_edit_checks`)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
         self.states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        # process group -> its record (weak: a destroyed group's record goes with it)
+        self.groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self.registrations = 0
 
 
@@ -37,6 +42,19 @@ _module_to_states = _REGISTRY.states
 def count_registration(*args: object) -> None:
     """A module registered a parameter or a submodule (a torch registration hook)."""
     _REGISTRY.registrations += 1
+
+
+def group_record(group: Any, new: Callable[[], _S]) -> _S:
+    """The record kept for ``group`` (made by ``new`` the first time it is asked for)."""
+    record = _REGISTRY.groups.get(group)
+    if record is None:
+        record = _REGISTRY.groups[group] = new()
+    return record  # type: ignore[no-any-return]
+
+
+def group_records() -> list[Any]:
+    """Every process group's record."""
+    return list(_REGISTRY.groups.values())
 
 
 def registrations() -> int:

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import contextlib
 import enum
-import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
+from fsdp_composable._composable_state import group_record, group_records
 from fsdp_composable.api import RankMismatchError
 
 __all__: list[str] = []
@@ -122,16 +123,12 @@ class _GroupRecord:
     pending: list[Any] = field(default_factory=list)  # `Op.LEFT` sends in flight
 
 
-_records: "weakref.WeakKeyDictionary[dist.ProcessGroup, _GroupRecord]" = weakref.WeakKeyDictionary()
-_entry: list[int] = []
-_override: list[int] = []  # a purpose given to `agree` itself
+# the entry points running now, innermost last (a context variable: no shared mutable container)
+_ENTRY: ContextVar[tuple[int, ...]] = ContextVar("fsdp_composable_entry_points", default=())
 
 
 def _record(group: dist.ProcessGroup) -> _GroupRecord:
-    record = _records.get(group)
-    if record is None:
-        record = _records[group] = _GroupRecord()
-    return record
+    return group_record(group, _GroupRecord)
 
 
 def checks(group: Optional[dist.ProcessGroup]) -> bool:
@@ -143,14 +140,15 @@ def checks(group: Optional[dist.ProcessGroup]) -> bool:
 def entry_point(name: str) -> Iterator[None]:
     """Collectives issued inside are labelled as ``name`` (one of `_PURPOSES`), which every rank must
     call: a rank elsewhere gets an error saying so."""
-    _entry.append(_PURPOSES.index(name))
-    if _entry[-1] >= _FIRST_ENTRY_POINT:  # entry points run between steps
-        for record in _records.values():
+    index = _PURPOSES.index(name)
+    if index >= _FIRST_ENTRY_POINT:  # entry points run between steps
+        for record in group_records():
             record.abandoned = None
+    token = _ENTRY.set((*_ENTRY.get(), index))
     try:
         yield
     finally:
-        _entry.pop()
+        _ENTRY.reset(token)
 
 
 def doing() -> str:
@@ -168,10 +166,9 @@ def check_in(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
 
 
 def _purpose() -> int:
-    if _override:
-        return _override[-1]
-    if _entry:
-        return _entry[-1]
+    entries = _ENTRY.get()
+    if entries:
+        return entries[-1]
     return 1 if torch._C._current_graph_task_id() != -1 else 0
 
 

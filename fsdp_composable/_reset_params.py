@@ -31,6 +31,7 @@ error naming the module (the unit is unsharded, the autograd graph holds its vie
 from __future__ import annotations
 
 import weakref
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -64,7 +65,8 @@ class _Target:
 
 
 _TARGET = "_fsdp_reset_target"  # the module's `_Target`, kept on the module (a global map would keep it alive)
-_ACTIVE: list[nn.Module] = []  # modules whose reset runs now (a nested call runs directly)
+# whether a reset runs now: a nested call (an enclosing module's reset calling its children's) runs directly
+_ACTIVE: ContextVar[bool] = ContextVar("fsdp_composable_reset_running", default=False)
 
 
 def install_reset_hooks(state: _FSDPState) -> None:
@@ -122,7 +124,7 @@ def _selected(module: nn.Module, target: _Target) -> list[tuple[_FSDPState, Flat
 def reset_module(module: nn.Module) -> Any:
     """Run ``module``'s own ``reset_parameters`` on full-shape parameters, identical on every rank."""
     target: _Target = module.__dict__[_TARGET]
-    if _ACTIVE:  # called from an enclosing module's reset_parameters: already full shapes
+    if _ACTIVE.get():  # called from an enclosing module's reset_parameters: already full shapes
         return _call_original(module, target)
     selected = _selected(module, target)
     if not selected:
@@ -194,14 +196,14 @@ def _groups(handles: list[FlatParamHandle]) -> list[dist.ProcessGroup]:
 def _run_everywhere(module: nn.Module, target: _Target, handles: list[FlatParamHandle]) -> Any:
     """Run the module's own reset; then every rank learns whether it raised anywhere, so either every
     rank writes back or none does (one small all-reduce per group)."""
-    _ACTIVE.append(module)
+    token = _ACTIVE.set(True)
     error: Optional[BaseException] = None
     try:
         result = _call_original(module, target)
     except Exception as e:  # noqa: BLE001 - re-raised below, after the peers know
         error, result = e, None
     finally:
-        _ACTIVE.pop()
+        _ACTIVE.reset(token)
     failed = int(error is not None)
     for group in _groups(handles):
         flag = _collectives.comm_tensor([failed], group, handles[0].device)

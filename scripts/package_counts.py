@@ -8,11 +8,14 @@ Everything is read with `ast` (no imports, no regular expressions):
 - a *module-level container* is a name bound at module level (outside functions and classes) to a
   list, dict or set display or comprehension, or to a call of ``list``, ``dict``, ``set``,
   ``collections.{defaultdict, OrderedDict, Counter, deque}`` or
-  ``weakref.{WeakKeyDictionary, WeakValueDictionary, WeakSet}``. It is *changed at run time* when a
-  function (or lambda) of the same module, without a local of that name, stores or deletes an item
-  of it (``N[k] = v``, ``del N[k]``, ``N[k] += 1``, also ``N[a][b] = v``), refers to one of its
-  mutating methods (``N.append(x)``, ``N[k].add(x)``, ``finalize(obj, N.pop, k)``), or rebinds it
-  under ``global N``. A container only filled at import time is not counted.
+  ``weakref.{WeakKeyDictionary, WeakValueDictionary, WeakSet}``; or to an instance of a class the
+  same module defines (``N = Registry()``), or to an attribute of such an instance (an alias,
+  ``M = N.states``). It is *changed at run time* when a function (or lambda) of the same module,
+  without a local of that name, stores or deletes an item or attribute of it (``N[k] = v``,
+  ``del N[k]``, ``N[k] += 1``, ``N.count += 1``, also ``N[a][b] = v`` and ``N.a[b] = v``), refers to
+  one of its mutating methods (``N.append(x)``, ``N[k].add(x)``, ``N.a.add(x)``,
+  ``finalize(obj, N.pop, k)``), or rebinds it under ``global N``. A container only filled at
+  import time is not counted.
 - a *function-level import of the package* is an ``import`` or ``from ... import`` inside a function
   whose module is the package, one of its submodules, or relative.
 """
@@ -96,6 +99,7 @@ def _container_kind(value: Optional[ast.expr]) -> Optional[str]:
 
 def _module_containers(tree: ast.Module) -> dict[str, Container]:
     found: dict[str, Container] = {}
+    classes = {node.name for node in tree.body if isinstance(node, ast.ClassDef)}
     for node in tree.body:  # top-level statements only: not functions, not class bodies
         targets: list[ast.expr] = []
         value: Optional[ast.expr] = None
@@ -104,6 +108,10 @@ def _module_containers(tree: ast.Module) -> dict[str, Container]:
         elif isinstance(node, ast.AnnAssign):
             targets, value = [node.target], node.value
         kind = _container_kind(value)
+        if isinstance(value, ast.Call) and isinstance(value.func, ast.Name) and value.func.id in classes:
+            kind = f"{value.func.id} instance"
+        elif isinstance(value, ast.Attribute) and _root_name(value) in found:
+            kind = f"alias of {ast.unparse(value)}"
         for target in targets:
             if isinstance(target, ast.Name) and kind is not None:
                 found[target.id] = Container(target.id, kind, node.lineno)
@@ -111,8 +119,8 @@ def _module_containers(tree: ast.Module) -> dict[str, Container]:
 
 
 def _root_name(node: ast.expr) -> Optional[str]:
-    """``N`` for ``N``, ``N[k]``, ``N[a][b]``; None otherwise."""
-    while isinstance(node, ast.Subscript):
+    """``N`` for ``N``, ``N[k]``, ``N[a][b]``, ``N.a``, ``N.a[b]``; None otherwise."""
+    while isinstance(node, (ast.Subscript, ast.Attribute)):
         node = node.value
     return node.id if isinstance(node, ast.Name) else None
 
@@ -171,7 +179,7 @@ def _changes(fn: Function, containers: dict[str, Container]) -> set[str]:
     changed: set[str] = set()
     for node in _own_nodes(fn):
         name: Optional[str] = None
-        if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        if isinstance(node, (ast.Subscript, ast.Attribute)) and isinstance(node.ctx, (ast.Store, ast.Del)):
             name = _root_name(node.value)
         elif isinstance(node, ast.Attribute) and node.attr in MUTATING_METHODS:
             name = _root_name(node.value)
