@@ -17,7 +17,7 @@ from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
-from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
+from fsdp_composable._torch_interop import _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["fully_shard"]

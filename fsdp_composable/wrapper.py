@@ -22,7 +22,7 @@ from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
-from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
+from fsdp_composable._torch_interop import _register_torch_api_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable.fully_shard import _build_state

@@ -18,7 +18,8 @@ from models import Block, OddMLP, TinyGPT
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-import fsdp_composable._state_dict_utils as sdu
+import fsdp_composable._collectives as collectives
+import fsdp_composable._state_dict_full as sd_full
 from fsdp_composable import (
     FullStateDictConfig,
     LocalStateDictConfig,
@@ -120,7 +121,7 @@ def full_rank0_only() -> dict[str, Any]:
     ref, model = _gpt(0)
     alive: list[weakref.ref] = []
     peak = [0]
-    original = sdu._gather_full_flat
+    original = sd_full._gather_full_flat
 
     def spy(handle: Any, shard: Any = None) -> torch.Tensor:
         peak[0] = max(peak[0], sum(r() is not None for r in alive) + 1)
@@ -129,12 +130,12 @@ def full_rank0_only() -> dict[str, Any]:
         alive.append(weakref.ref(out))
         return out
 
-    sdu._gather_full_flat = spy
+    sd_full._gather_full_flat = spy
     try:
         with state_dict_type(model, FULL, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             sd = model.state_dict()
     finally:
-        sdu._gather_full_flat = original
+        sd_full._gather_full_flat = original
     default = model.state_dict()  # outside the context: FULL on every rank again
     return {
         "rank0_equal": _same(sd, ref.state_dict()) if dist.get_rank() == 0 else None,
@@ -165,18 +166,18 @@ def sharded_values() -> dict[str, Any]:
     for name, build in (("gpt", _gpt), ("mlp", _mlp)):
         ref, model = build(0)
         gathers = [0]
-        original = sdu._collectives.all_gather
+        original = collectives.all_gather
 
         def counting(*args: Any, _orig: Any = original, _count: list[int] = gathers, **kwargs: Any) -> Any:
             _count[0] += 1
             return _orig(*args, **kwargs)
 
-        sdu._collectives.all_gather = counting  # type: ignore[assignment]
+        collectives.all_gather = counting  # type: ignore[assignment]
         try:
             with state_dict_type(model, SHARDED):
                 sd = model.state_dict()
         finally:
-            sdu._collectives.all_gather = original  # type: ignore[assignment]
+            collectives.all_gather = original  # type: ignore[assignment]
         ref_sd = ref.state_dict()
         placements = {k: tuple(type(p).__name__ for p in v.placements) for k, v in sd.items()}
         rows_ok = all(

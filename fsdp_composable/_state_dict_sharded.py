@@ -1,0 +1,289 @@
+"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
+
+[Note: sharded state dicts are DTensors in torch.chunk layout]
+Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
+is generally not a block of its rows: it may start mid-row, or be empty. A ``Shard(0)`` DTensor (and
+so `torch.distributed.checkpoint`, which reads each piece's offset from the placement) assumes the
+`torch.chunk` rule: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world). So we move the
+elements instead of describing them: one all-to-all per unit sends each element from the rank whose
+flat shard holds it to the rank whose row chunk holds it. Every value is then an ordinary DTensor of
+the parameter's original shape, ``Shard(0)`` over a 1-D mesh of the unit's process group
+(``Replicate()`` for 0-dim parameters and for units that are not sharded), which DCP saves and loads at
+any world size. Loading runs the inverse all-to-all. Each rank sends and receives about one shard:
+nothing is gathered in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.utils
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_composable import _rank_agreement, _tensor_parallel
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat_layout import (
+    _chunk_range,
+    _chunk_shape,
+    _is_replicated_info,
+    _overlap,
+    _shard_span,
+    _stride,
+)
+from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable._rank_agreement import Op
+from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
+from fsdp_composable._state_dict_open import _check_registered, _OpenUnit, _unit_name
+from fsdp_composable._state_dict_settings import _to_output
+from fsdp_composable.api import (
+    StateDictType,
+)
+
+__all__: list[str] = []
+
+
+def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) -> _OpenUnit:
+    """Register a `DTensor` parameter of the original shape in place of each original parameter."""
+    _check_registered(handle)
+    layout = handle.layout
+    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
+    mesh = _mesh_of(handle.process_group, handle.device)
+    opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
+    for param, info, chunk in zip(handle.params, layout.infos, chunks):
+        local = _to_output(state, chunk) if for_save else chunk
+        dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
+        opened.dparams.append(dparam)
+        for module, attr, _ in info.holders:
+            opened.swaps.append((module, attr, param, dparam))
+            module._parameters[attr] = dparam
+    return opened
+
+
+def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
+    into the open unit and register the original parameters again."""
+    layout = handle.layout
+    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
+        expected = opened.dparams[k] if opened.dparams else param
+        for module, attr, _ in info.holders:
+            current = module._parameters.get(attr)
+            if current is expected or current is None:
+                continue
+            with torch.no_grad():
+                if opened.full is not None:
+                    if info.tp is not None:
+                        value = _tensor_parallel.tp_local_of(current.detach(), info.tp)
+                    else:
+                        value = current.full_tensor() if isinstance(current, DTensor) else current
+                    opened.full[info.offset : info.offset + info.numel].copy_(value.detach().reshape(-1))
+                else:
+                    target = expected.data
+                    assert isinstance(target, DTensor)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.process_group)
+                    target.to_local().copy_(chunk.view(target.to_local().shape))
+            module._parameters[attr] = expected
+
+
+def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
+    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard (an
+    all-to-all). A parameter loaded on some ranks but not others keeps its values on every rank and is
+    reported on every rank (see [Note: a sharded load is all or nothing per key])."""
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
+    flags = torch.tensor(loaded, dtype=torch.int32, device=handle.device)
+    world = dist.get_world_size(handle.process_group)
+    everyone = [torch.empty_like(flags) for _ in range(world)]
+    dist.all_gather(everyone, flags, group=handle.process_group)
+    by_rank = torch.stack(everyone) if layout.infos else flags.new_zeros((world, 0))
+    partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
+    chunks = []
+    for dparam in opened.dparams:
+        assert isinstance(dparam.data, DTensor)
+        chunks.append(dparam.data.to_local().reshape(-1).to(handle.dtype))
+    flat = _chunks_to_flat(handle, chunks)
+    with torch.no_grad():
+        current = handle.flat_param.detach()
+        for k, info in enumerate(layout.infos):
+            if partial[k]:
+                start, end = layout.shard_range(info)
+                flat[start:end] = current[start:end]
+                _report_partial_key(handle, opened, info, by_rank[:, k])
+        handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
+
+
+# [Note: a sharded load is all or nothing per key]
+# Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
+# zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
+# ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
+# loaded (`_write_back_sharded`), and a difference is an error on every rank.
+def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamInfo, flags: torch.Tensor) -> None:
+    if opened.error_msgs is None:
+        return
+    key = opened.prefix + info.fqn
+    if any(f"'{key}'" in m for m in opened.error_msgs):
+        return  # the key comparison of the whole state dict already reported it
+    lacking = [r for r, f in enumerate(flags.tolist()) if not f]
+    opened.error_msgs.append(
+        f"SHARDED_STATE_DICT: parameter '{key}' of {_unit_name(handle)} was loaded on some ranks but not on "
+        f"ranks {lacking} (of its process group); every rank must load the same keys. It keeps its previous "
+        "values on every rank"
+    )
+
+
+def _all_to_all(
+    handle: FlatParamHandle, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
+    send_flat = torch.cat(send) if send else like.new_empty(0)
+    recv = like.new_empty(sum(out_splits))
+    group, numel = handle.process_group, handle.layout.padded_numel
+    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
+    dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
+    return recv
+
+
+def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+    """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
+    flat tensor laid out like the unit's shard. A collective over the unit's process group."""
+    layout = handle.layout
+    infos, me = layout.infos, layout.rank
+    if layout.world_size == 1:
+        return [flat_shard[i.offset : i.offset + i.numel].view(i.shape).clone() for i in infos]
+    mine = _shard_span(layout, me)
+    send: list[torch.Tensor] = []
+    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
+    for dst in range(layout.world_size):
+        for info in infos:
+            a, b = _overlap(mine, _chunk_range(info, layout, dst))
+            if b > a:
+                send.append(flat_shard[a - mine[0] : b - mine[0]])
+                in_splits[dst] += b - a
+    plan: list[tuple[int, int, int]] = []  # (info index, position in its chunk, length), in arrival order
+    targets = [_chunk_range(info, layout, me) for info in infos]
+    for src in range(layout.world_size):
+        for k, target in enumerate(targets):
+            a, b = _overlap(_shard_span(layout, src), target)
+            if b > a:
+                plan.append((k, a - target[0], b - a))
+                out_splits[src] += b - a
+    recv = _all_to_all(handle, send, in_splits, out_splits, flat_shard)
+    chunks = [flat_shard.new_empty(hi - lo) for lo, hi in targets]
+    pos = 0
+    for k, at, length in plan:
+        chunks[k][at : at + length] = recv[pos : pos + length]
+        pos += length
+    return [c.view(_chunk_shape(info, layout, me)) for c, info in zip(chunks, infos)]
+
+
+def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from every rank's
+    chunks. Replicated parameters are complete on every rank and need no communication."""
+    layout = handle.layout
+    infos, me = layout.infos, layout.rank
+    like = chunks[0] if chunks else handle.flat_param.detach()
+    flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
+    mine = _shard_span(layout, me)
+    sharded = [k for k, info in enumerate(infos) if not _is_replicated_info(info, layout)]
+    for k, info in enumerate(infos):
+        if _is_replicated_info(info, layout):
+            a, b = _overlap(mine, (info.offset, info.offset + info.numel))
+            flat[a - mine[0] : b - mine[0]] = chunks[k].reshape(-1)[a - info.offset : b - info.offset]
+    if not sharded:
+        return flat
+    send: list[torch.Tensor] = []
+    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
+    own = {k: _chunk_range(infos[k], layout, me) for k in sharded}
+    for dst in range(layout.world_size):
+        for k in sharded:
+            a, b = _overlap(own[k], _shard_span(layout, dst))
+            if b > a:
+                send.append(chunks[k].reshape(-1)[a - own[k][0] : b - own[k][0]])
+                in_splits[dst] += b - a
+    plan: list[tuple[int, int]] = []
+    for src in range(layout.world_size):
+        for k in sharded:
+            a, b = _overlap(_chunk_range(infos[k], layout, src), mine)
+            if b > a:
+                plan.append((a - mine[0], b - a))
+                out_splits[src] += b - a
+    recv = _all_to_all(handle, send, in_splits, out_splits, like)
+    pos = 0
+    for at, length in plan:
+        flat[at : at + length] = recv[pos : pos + length]
+        pos += length
+    return flat
+
+
+# The mesh only names the process group's ranks; building one is cheap, but do it once per group.
+_MESHES: dict[int, tuple[dist.ProcessGroup, DeviceMesh]] = {}
+
+
+def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    key = id(group)
+    cached = _MESHES.get(key)
+    if cached is None or cached[0] is not group or cached[1].device_type != device.type:
+        cached = (group, DeviceMesh.from_group(group, device.type))
+        _MESHES[key] = cached
+    return cached[1]
+
+
+def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
+    placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
+    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
+
+
+def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``info``'s SHARDED value whose local tensor is ``chunk``: over ``mesh`` (the unit's process
+    group), or for a tensor-parallel parameter over the 2-D mesh (see [Note: 2-D state-dict values])."""
+    if info.tp is not None:
+        replicated = _is_replicated_info(info, handle.layout)
+        return _tensor_parallel.as_sharded_value(chunk, handle.process_group, info.tp, replicated)
+    return _as_dtensor(chunk, info, handle.layout, mesh)
+
+
+def _is_replicated(value: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+def _local_chunk(
+    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement.
+    A tensor-parallel parameter's value has the global shape; ``group`` is then the unit's process group."""
+    if info.tp is not None:
+        assert group is not None
+        replicated = _is_replicated_info(info, layout)
+        if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
+            return value.to_local().reshape(-1)
+        value = _tensor_parallel.tp_local_of(value, info.tp)
+    elif isinstance(value, DTensor):
+        if (
+            not _is_replicated_info(info, layout)
+            and tuple(value.placements) == (Shard(0),)
+            and value.device_mesh.size() == layout.world_size
+        ):
+            return value.to_local().reshape(-1)
+        value = value.to_local() if _is_replicated(value) else value.full_tensor()
+    lo, hi = _chunk_range(info, layout, layout.rank)
+    return value.reshape(-1)[lo - info.offset : hi - info.offset]
+
+
+# ---------------------------------------------------------------------------- SHARDED_STATE_DICT
+def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
+    mesh = _mesh_of(state.process_group, state.device)
+    for owner, fqn in _clean_module_fqns(state.module).items():
+        if owner in state.ignored_modules:
+            continue
+        for name, buf in owner._buffers.items():
+            key = prefix + _join(fqn, name)
+            value = state_dict.get(key)
+            if buf is None or name in owner._non_persistent_buffers_set or not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(value, DTensor):
+                state_dict[key] = DTensor.from_local(_to_output(state, value), mesh, [Replicate()], run_check=False)
