@@ -78,6 +78,8 @@ class _FSDPState:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
+    # a state_dict()/load_state_dict() in progress: handle -> its open unit (see `_state_dict_open`)
+    open_units: dict[FlatParamHandle, Any] = field(default_factory=dict)
     # Inside `no_sync`: keep unsharded gradients locally instead of reducing them.
     sync_gradients: bool = True
 
