@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
+from fsdp_composable.api import StateDictConfig, StateDictType
+
 if TYPE_CHECKING:
     from fsdp_composable._common_utils import _FSDPState
     from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -69,6 +71,13 @@ class RootContext:
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
+    # The root-wide state-dict setting (see [Note: the state-dict setting is root-wide] in
+    # `_state_dict_settings`); taken over from the root's state when the context is built.
+    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
+    state_dict_config: Optional[StateDictConfig] = None
+
+    def __post_init__(self) -> None:
+        self.state_dict_type, self.state_dict_config = self.root.state_dict_type, self.root.state_dict_config
 
     def step_of(self, handle: "FlatParamHandle") -> UnitStep:
         return self.steps[handle]

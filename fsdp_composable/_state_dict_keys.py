@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-import weakref
 from typing import Any
 
 from torch import nn
@@ -12,8 +11,9 @@ __all__: list[str] = []
 
 
 # ---------------------------------------------------------------------------- wrapper prefixes
-# module -> the attribute name its prefix hooks hide, so FQN helpers can hide it too.
-_HIDDEN_ATTR: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+# Set on a wrapper module by `_register_prefix_hooks`: the attribute name its prefix hooks hide, so
+# FQN helpers can hide it too. The module itself owns it (no process-wide table).
+HIDDEN_ATTR = "_fsdp_state_dict_hidden_attr"
 
 
 def _register_prefix_hooks(module: nn.Module, inner: str) -> None:
@@ -22,7 +22,7 @@ def _register_prefix_hooks(module: nn.Module, inner: str) -> None:
     Saving strips ``<prefix><inner>.``; loading adds it back, so a wrapped module's state dict loads
     into the plain module and the reverse.
     """
-    _HIDDEN_ATTR[module] = inner
+    module.__dict__[HIDDEN_ATTR] = inner
     module._register_state_dict_hook(functools.partial(_strip_prefix_hook, inner))
     module._register_load_state_dict_pre_hook(functools.partial(_add_prefix_hook, inner))
 
@@ -40,7 +40,7 @@ def _clean_module_fqns(root: nn.Module) -> dict[nn.Module, str]:
         if module in out:
             continue
         out[module] = fqn
-        hidden = _HIDDEN_ATTR.get(module)
+        hidden = module.__dict__.get(HIDDEN_ATTR)
         children = [(c, fqn if n == hidden else _join(fqn, n)) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
     return out

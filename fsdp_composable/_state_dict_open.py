@@ -3,20 +3,16 @@ closed again afterwards (see [Note: a unit is unsharded around its subtree's sav
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
-import torch.nn.utils
 from torch import nn
 
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_keys import _join
-from fsdp_composable.api import (
-    StateDictType,
-)
+from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 
@@ -50,15 +46,10 @@ class _OpenUnit:
     error_msgs: Optional[list[str]] = None
 
 
-_OPEN: "weakref.WeakKeyDictionary[FlatParamHandle, _OpenUnit]" = weakref.WeakKeyDictionary()
-
-
 def close_stale_units(state: _FSDPState) -> None:
     """Close units that a failed save or load left open (nothing is written back)."""
-    if not _OPEN:  # the usual case: checked at every forward
-        return
-    for handle in state.handles:
-        _close_stale(handle)
+    for handle in list(state.open_units):  # usually none: checked at every forward
+        _close_stale(state, handle)
 
 
 def _unit_name(handle: FlatParamHandle) -> str:
@@ -86,12 +77,21 @@ def _close(handle: FlatParamHandle, opened: _OpenUnit) -> None:
         handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
 
 
-def _close_stale(handle: FlatParamHandle) -> None:
-    stale = _OPEN.pop(handle, None)
+def _close_stale(state: _FSDPState, handle: FlatParamHandle) -> None:
+    stale = state.open_units.pop(handle, None)
     if stale is not None:
         _close(handle, stale)
 
 
-def _open(handle: FlatParamHandle, opened: _OpenUnit) -> None:
-    _close_stale(handle)
-    _OPEN[handle] = opened
+def _open(state: _FSDPState, handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """Record ``opened`` on its state (the owner of open units) until `_take_open` or a stale close."""
+    _close_stale(state, handle)
+    state.open_units[handle] = opened
+
+
+def _take_open(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
+    return state.open_units.pop(handle, None)  # type: ignore[no-any-return]
+
+
+def _open_unit(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
+    return state.open_units.get(handle)  # type: ignore[no-any-return]

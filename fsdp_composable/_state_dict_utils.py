@@ -24,7 +24,7 @@ from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module
 from fsdp_composable._state_dict_keys import _join as _join
 from fsdp_composable._state_dict_keys import _register_prefix_hooks as _register_prefix_hooks
 from fsdp_composable._state_dict_local import _local_post_state_dict_hook, _local_pre_load_hook
-from fsdp_composable._state_dict_open import _OPEN, _close, _close_stale, _open
+from fsdp_composable._state_dict_open import _close, _close_stale, _open, _open_unit, _take_open
 from fsdp_composable._state_dict_open import close_stale_units as close_stale_units
 from fsdp_composable._state_dict_settings import _CONFIG_TYPES, _check_not_rank0_only_load, _drops_values
 from fsdp_composable._state_dict_sharded import (
@@ -132,12 +132,12 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
 def _pre_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
-    _close_stale(handle)
+    _close_stale(state, handle)
     kind = state.state_dict_type
     if kind is StateDictType.FULL_STATE_DICT:
-        _open(handle, _open_full(handle))
+        _open(state, handle, _open_full(handle))
     elif kind is StateDictType.SHARDED_STATE_DICT:
-        _open(handle, _open_sharded(state, handle, for_save=True))
+        _open(state, handle, _open_sharded(state, handle, for_save=True))
 
 
 def _post_state_dict_hook(
@@ -151,7 +151,7 @@ def _post_state_dict_hook(
     if state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
         return
-    opened = _OPEN.pop(handle, None)
+    opened = _take_open(state, handle)
     if opened is None:
         return
     try:
@@ -174,7 +174,7 @@ def _pre_load_state_dict_hook(
     unexpected_keys: list[str],
     error_msgs: list[str],
 ) -> None:
-    _close_stale(handle)
+    _close_stale(state, handle)
     kind = state.state_dict_type
     if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
@@ -185,7 +185,7 @@ def _pre_load_state_dict_hook(
     else:
         opened = _open_sharded(state, handle, for_save=False)  # values are matched by `_match_placements`
     opened.prefix, opened.error_msgs = prefix, error_msgs
-    _open(handle, opened)
+    _open(state, handle, opened)
 
 
 def _register_placement_hooks(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -211,7 +211,7 @@ def _match_placements(
     """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
     ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk.
     Under FULL, a tensor-parallel parameter's value becomes a DTensor laid out like the parameter."""
-    opened = _OPEN.get(handle)
+    opened = _open_unit(state, handle)
     if opened is None:
         return
     layout = handle.layout
@@ -238,7 +238,7 @@ def _match_placements(
 def _post_load_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, incompatible_keys: Any
 ) -> None:
-    opened = _OPEN.pop(handle, None)
+    opened = _take_open(state, handle)
     if opened is None:
         return
     try:

@@ -132,19 +132,18 @@ def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
 
 
 # ---------------------------------------------------------------------------- state dicts
-# (id(dp group), id(tp mesh)) -> (dp group, tp mesh, 2-D mesh): building one is a collective, so once
-_MESHES_2D: dict[tuple[int, int], tuple[dist.ProcessGroup, DeviceMesh, DeviceMesh]] = {}
+# Set on a tensor-parallel mesh object: {data-parallel group name: the 2-D mesh of the pair}. Building
+# one may be a collective, so it is built once per pair and kept by the tensor-parallel mesh itself.
+_MESHES_2D_ATTR = "_fsdp_meshes_2d"
 
 
 def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
     data-parallel group as its other dimension, else one built from the two groups (once per pair)."""
-    key = (id(dp_group), id(spec.mesh))
-    cached = _MESHES_2D.get(key)
-    if cached is not None and cached[0] is dp_group and cached[1] is spec.mesh:
-        return cached[2]
-    mesh = _find_mesh_2d(dp_group, spec)
-    _MESHES_2D[key] = (dp_group, spec.mesh, mesh)
+    cache: dict[str, DeviceMesh] = spec.mesh.__dict__.setdefault(_MESHES_2D_ATTR, {})
+    mesh = cache.get(dp_group.group_name)
+    if mesh is None:
+        mesh = cache[dp_group.group_name] = _find_mesh_2d(dp_group, spec)
     return mesh
 
 
