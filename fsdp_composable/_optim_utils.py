@@ -26,9 +26,8 @@ from fsdp_composable._optim_convert import (
     _UnitState,
 )
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
-from fsdp_composable._state_dict_settings import _config, _drops_values
+from fsdp_composable._state_dict_settings import _config, _drops_values, _kind
 from fsdp_composable._torch_interop import _install_optimizer_hooks
-from fsdp_composable._torch_interop import _register_stale_optimizer_check as _register_stale_optimizer_check
 from fsdp_composable.api import (
     FullStateDictConfig,
     StateDictConfig,
@@ -102,17 +101,18 @@ def _check_args(where: str, module: Any, optim: Any) -> None:
 
 
 def _mode(where: str, module: nn.Module) -> tuple[bool, StateDictConfig, bool]:
-    """(sharded, config, drop) from the `state_dict_type` of the outermost state under ``module``."""
+    """(sharded, config, drop) from the root-wide `state_dict_type` (see [Note: the state-dict setting is
+    root-wide]) of the states under ``module``."""
     states = _get_fsdp_states(module)
     if not states:
         return False, FullStateDictConfig(), False
-    state = states[0]
-    if state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    state = states[0]  # any state under module reads the same root-wide setting
+    if _kind(state) is StateDictType.LOCAL_STATE_DICT:
         raise ValueError(
             f"{where} does not support StateDictType.LOCAL_STATE_DICT; use FULL_STATE_DICT (full tensors) or "
             "SHARDED_STATE_DICT (DTensors for torch.distributed.checkpoint)"
         )
-    return state.state_dict_type is StateDictType.SHARDED_STATE_DICT, _config(state), _drops_values(state)
+    return _kind(state) is StateDictType.SHARDED_STATE_DICT, _config(state), _drops_values(state)
 
 
 def _units_in(index: _Index, params: list[torch.Tensor]) -> list[_Unit]:

@@ -1,10 +1,21 @@
 """The state-dict setting in effect (`state_dict_type`'s type and config) and what it means: where
-values go (``offload_to_cpu``) and which ranks keep them (``rank0_only``)."""
+values go (``offload_to_cpu``) and which ranks keep them (``rank0_only``): the one place each is read.
+
+[Note: the state-dict setting is root-wide]
+``state_dict_type`` is a switch of the whole root, like ``sync_gradients``: one save or load runs the
+hooks of every unit under the root, and they must all follow one setting. Once the root's lazy init
+ran, the setting is held once, by the `RootContext` every state under the root shares. Before that no
+root is decided yet (the first forward decides it), so each state holds its own copy and
+`state_dict_type(module, ...)` writes the copy of every state under ``module``; the `RootContext`
+takes over the root state's copy when it is built. `_owners` gives the holders a write must reach
+(a context once, or each uninitialised state), `_setting` the one a read sees.
+"""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Optional, Union
+
 import torch
-import torch.nn.utils
 
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable.api import (
@@ -14,6 +25,9 @@ from fsdp_composable.api import (
     StateDictConfig,
     StateDictType,
 )
+
+if TYPE_CHECKING:
+    from fsdp_composable._root_context import RootContext
 
 __all__: list[str] = []
 
@@ -25,15 +39,47 @@ _CONFIG_TYPES: dict[StateDictType, type[StateDictConfig]] = {
 }
 
 
+Holder = Union["RootContext", _FSDPState]
+Setting = tuple[StateDictType, Optional[StateDictConfig]]
+
+
+def _holder(state: _FSDPState) -> Holder:
+    return state.ctx if state.ctx is not None else state
+
+
+def _owners(states: list[_FSDPState]) -> list[Holder]:
+    """The distinct holders of the setting of ``states``, in order."""
+    return list(dict.fromkeys(_holder(s) for s in states))
+
+
+def _set_setting(states: list[_FSDPState], kind: StateDictType, config: Optional[StateDictConfig]) -> list[Setting]:
+    """Set the setting of ``states`` (see the Note); returns the previous ones for `_restore_setting`."""
+    owners = _owners(states)
+    previous = [(o.state_dict_type, o.state_dict_config) for o in owners]
+    for owner in owners:
+        owner.state_dict_type, owner.state_dict_config = kind, config
+    return previous
+
+
+def _restore_setting(states: list[_FSDPState], previous: list[Setting]) -> None:
+    for owner, (kind, config) in zip(_owners(states), previous):
+        owner.state_dict_type, owner.state_dict_config = kind, config
+
+
+def _kind(state: _FSDPState) -> StateDictType:
+    return _holder(state).state_dict_type
+
+
 def _config(state: _FSDPState) -> StateDictConfig:
-    return state.state_dict_config or _CONFIG_TYPES[state.state_dict_type]()
+    holder = _holder(state)
+    return holder.state_dict_config or _CONFIG_TYPES[holder.state_dict_type]()
 
 
 def _drops_values(state: _FSDPState) -> bool:
     """FULL with ``rank0_only``: this rank takes part in the collectives but returns nothing."""
     config = _config(state)
     return (
-        state.state_dict_type is StateDictType.FULL_STATE_DICT
+        _kind(state) is StateDictType.FULL_STATE_DICT
         and isinstance(config, FullStateDictConfig)
         and config.rank0_only
         and (state.rank != 0 or not _first_tensor_parallel_rank(state))

@@ -26,7 +26,14 @@ from fsdp_composable._state_dict_keys import _register_prefix_hooks as _register
 from fsdp_composable._state_dict_local import _local_post_state_dict_hook, _local_pre_load_hook
 from fsdp_composable._state_dict_open import _close, _close_stale, _open, _open_unit, _take_open
 from fsdp_composable._state_dict_open import close_stale_units as close_stale_units
-from fsdp_composable._state_dict_settings import _CONFIG_TYPES, _check_not_rank0_only_load, _drops_values
+from fsdp_composable._state_dict_settings import (
+    _CONFIG_TYPES,
+    _check_not_rank0_only_load,
+    _drops_values,
+    _kind,
+    _restore_setting,
+    _set_setting,
+)
 from fsdp_composable._state_dict_sharded import (
     _is_replicated,
     _local_chunk,
@@ -88,14 +95,12 @@ def state_dict_type(
             f"state_dict_type: no fully_shard state on this {type(module).__name__} or its submodules; "
             "call fully_shard(module) first"
         )
-    previous = [(s.state_dict_type, s.state_dict_config) for s in states]
-    for s in states:
-        s.state_dict_type, s.state_dict_config = state_dict_type, config if config is not None else expected()
+    # root-wide: see [Note: the state-dict setting is root-wide]
+    previous = _set_setting(states, state_dict_type, config if config is not None else expected())
     try:
         yield
     finally:
-        for s, (old_type, old_config) in zip(states, previous):
-            s.state_dict_type, s.state_dict_config = old_type, old_config
+        _restore_setting(states, previous)
 
 
 # ---------------------------------------------------------------------------- registration
@@ -133,7 +138,7 @@ def _pre_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
     _close_stale(state, handle)
-    kind = state.state_dict_type
+    kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
     elif kind is StateDictType.SHARDED_STATE_DICT:
@@ -148,7 +153,7 @@ def _post_state_dict_hook(
     prefix: str,
     local_metadata: Any,
 ) -> None:
-    if state.state_dict_type is StateDictType.LOCAL_STATE_DICT:
+    if _kind(state) is StateDictType.LOCAL_STATE_DICT:
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
         return
     opened = _take_open(state, handle)
@@ -175,7 +180,7 @@ def _pre_load_state_dict_hook(
     error_msgs: list[str],
 ) -> None:
     _close_stale(state, handle)
-    kind = state.state_dict_type
+    kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
         return
@@ -256,7 +261,7 @@ def _root_post_state_dict_hook(
     if _drops_values(state):
         for key in [k for k in state_dict if k.startswith(prefix)]:
             del state_dict[key]
-    elif state.state_dict_type is StateDictType.SHARDED_STATE_DICT:
+    elif _kind(state) is StateDictType.SHARDED_STATE_DICT:
         _replicate_buffers(state, state_dict, prefix)
 
 
@@ -273,9 +278,9 @@ def _root_pre_load_hook(
     error_msgs: list[str],
 ) -> None:
     _rank_agreement.check_in(h.process_group for s in state.all_states or [state] for h in s.handles)
-    if state.state_dict_type is StateDictType.FULL_STATE_DICT:
+    if _kind(state) is StateDictType.FULL_STATE_DICT:
         _check_not_rank0_only_load(state)
-    if state.state_dict_type in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
+    if _kind(state) in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
         _compare_keys_across_ranks(state, state_dict, prefix, error_msgs)
     # Buffers (and parameters of unsharded units) arrive as replicated DTensors: load their local value.
     for key, value in list(state_dict.items()):
@@ -292,7 +297,7 @@ def _compare_keys_across_ranks(
     dropped here on every rank, and the ranks' shards (and replicas) stay of one piece."""
     mine = sorted(k for k in state_dict if k.startswith(prefix))
     everyone = _keys_of_every_rank(state, mine)
-    full = state.state_dict_type is StateDictType.FULL_STATE_DICT
+    full = _kind(state) is StateDictType.FULL_STATE_DICT
     for key in sorted(set().union(*everyone.values())):
         lacking = [r for r, keys in sorted(everyone.items()) if key not in keys]
         if not lacking:

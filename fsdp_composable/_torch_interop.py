@@ -1,4 +1,25 @@
-"""Every change this library makes to torch's own behaviour.
+"""Every change this library makes to torch's own behaviour, in one place.
+
+1. A global optimizer step pre-hook (``register_optimizer_step_pre_hook``, torch's public extension
+   point), registered by the first `fully_shard` call: it catches optimizers that stepped before
+   `fully_shard` or hold the wrong parameters of a flat-mode wrapper, and installs 2. on the
+   optimizers that hold our parameters. Why: see [Note: optimizers built before fully_shard].
+2. Per optimizer, a state-dict post-hook and a load-state-dict pre-hook (``Optimizer.
+   register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``, public): ``optim.
+   state_dict()`` and torch's ``get/set_optimizer_state_dict`` give and take the global form, through
+   the same conversion as `optim_state_dict`. Why: see [Note: torch's optimizer state dict].
+3. torch's ``clip_grad_norm_`` routed through `_clip_grad_norm_` when given our parameters (the global
+   norm instead of this rank's), installed by the first `fully_shard` call. Why, and why a closure
+   cell: see [Note: torch's clip_grad_norm_].
+4. On each root module, a state-dict and a load-state-dict pre-hook (``nn.Module``'s public hooks)
+   that recognise torch's ``torch.distributed.checkpoint.state_dict`` API and switch the state-dict
+   type its options ask for. Why, and why frames are read: see [Note: torch's model state-dict API].
+
+Nothing here keeps a process-wide table: what was installed is found where torch keeps it (its
+global hook dict, the optimizer's and the module's hook dicts, the clip function's closure cell), and
+what an installed change remembers is held by the object it is installed on. Each change is tested in
+tests/test_torch_interop.py on the torch we run (2.13); code that depends on torch's internals has a
+fallback for other versions of the supported range (``torch>=2.5``).
 
 [Note: torch's clip_grad_norm_]
 Between steps each original parameter's ``.grad`` is this rank's slice of the reduced gradient, so
@@ -7,11 +28,14 @@ norm because its gradients are DTensors; ours are plain tensors. So `fully_shard
 function through `_clip_grad_norm_`: when one of the given parameters is ours it computes the norm
 over every shard (each sharded unit's term summed over its shard group, everything else counted
 once), the same on every rank, and clips with it; otherwise it is torch's function, unchanged. The
-routing replaces the function torch's public wrapper calls (its closure), so it holds however the
-user imported it (``from torch.nn.utils import clip_grad_norm_`` before `fully_shard` included); if
-torch's wrapper ever changes shape, the module attributes are replaced instead. With our
-parameters it is a collective: call it on every rank with the same parameters, as our own
-`clip_grad_norm_(model, ...)` (the one to prefer: it also checks its arguments).
+routing replaces the function torch's public wrapper calls (its closure cell): torch 2.13 offers no
+extension point for it (no hook; the gradients are plain tensors, so no ``__torch_function__`` either),
+and replacing the cell is the one way that holds however the user imported it (``from torch.nn.utils
+import clip_grad_norm_`` before `fully_shard` included). The cell holds a `_RoutedClip`, which keeps
+torch's function to fall back on; if torch's wrapper ever changes shape (no ``func`` cell), the module
+attributes are replaced instead. With our parameters it is a collective: call it on every rank with
+the same parameters, as our own `clip_grad_norm_(model, ...)` (the one to prefer: it also checks its
+arguments).
 
 [Note: torch's model state-dict API]
 torch's API calls ``model.state_dict()`` / ``model.load_state_dict()`` and post-processes the result
@@ -26,9 +50,11 @@ type its options ask for, the way torch does for its own FSDP:
   and ``rank0_only``, as torch sets for its FSDP).
 A one-shot post-hook puts the previous type back. A call is torch's when one of the frames above
 the hook runs torch's ``_get_model_state_dict`` / ``_load_model_state_dict`` with this module as its
-``model``; were torch to rename them, nothing is switched and the default FULL state dict still
-saves and loads correctly with DCP at any world size (full tensors on every rank), just not sharded.
-The optimizer's half needs no detection: see [Note: torch's optimizer state dict] in `_optim_utils`.
+``model``: torch passes its options to ``model.state_dict()`` by no public means (it only switches
+torch FSDP's own type, found by class), so the frames are read, never changed; were torch to rename
+them, nothing is switched and the default FULL state dict still saves and loads correctly with DCP
+at any world size (full tensors on every rank), just not sharded.
+The optimizer's half needs no detection: see [Note: torch's optimizer state dict].
 """
 
 from __future__ import annotations
@@ -36,7 +62,6 @@ from __future__ import annotations
 import functools
 import inspect
 import sys
-import weakref
 from collections.abc import Mapping
 from types import CodeType, FrameType
 from typing import Any, Callable, Optional, Union
@@ -48,6 +73,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
+from fsdp_composable._composable_state import _module_to_states
 from fsdp_composable._flat_param import FlatParameter
 from fsdp_composable._grad_utils import NormPieces
 from fsdp_composable._optim_convert import (
@@ -63,6 +89,7 @@ from fsdp_composable._optim_convert import (
     _optimizer_params,
     _unit_of,
 )
+from fsdp_composable._state_dict_settings import Setting, _restore_setting, _set_setting
 from fsdp_composable.api import (
     FullStateDictConfig,
     ShardedStateDictConfig,
@@ -83,36 +110,39 @@ __all__: list[str] = []
 #   shape while the parameter is now a 1-D shard slice;
 # - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
 #   parameters never receive gradients there.
-_checked: "weakref.WeakKeyDictionary[torch.optim.Optimizer, int]" = weakref.WeakKeyDictionary()
+# Each optimizer remembers (`_CHECKED_ATTR`, on the optimizer itself) how many of our parameters it
+# held when it was checked; a new `fully_shard` call over its parameters changes that number, so it
+# is checked again. Counting is one attribute read per parameter per step; an optimizer of a process
+# with no `fully_shard` state at all returns before it.
+_CHECKED_ATTR = "_fsdp_checked_params"
 
 
-_generation = 0  # bumped by every fully_shard call
-
-
-_hook_registered = False
-
-
-def _register_stale_optimizer_check() -> None:
-    """Called by every fully_shard call (and the wrapper): the global hooks into torch's optimizers,
-    and the routing of torch's clip_grad_norm_ (see [Note: torch's clip_grad_norm_])."""
-    _install()
-    global _hook_registered, _generation
-    _generation += 1
-    if not _hook_registered:
+def _install_process_changes() -> None:
+    """Called by every fully_shard call (and the wrapper): the global hook into torch's optimizers
+    and the routing of torch's clip_grad_norm_, each installed once per process."""
+    _route_torch_clip_grad_norm()
+    installed = getattr(torch.optim.optimizer, "_global_optimizer_pre_hooks", None)  # torch's own record
+    if installed is None or _check_optimizer_on_first_step not in installed.values():
         register_optimizer_step_pre_hook(_check_optimizer_on_first_step)
-        _hook_registered = True
+
+
+def _count_ours(optim: torch.optim.Optimizer) -> int:
+    return sum(1 for p in _optimizer_params(optim) if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter)
 
 
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if _checked.get(optim) == _generation:
+    if not _module_to_states:  # nothing was ever sharded in this process
         return
-    _checked[optim] = _generation
-    if _holds_sharded_params(optim):
+    ours = _count_ours(optim)
+    if optim.__dict__.get(_CHECKED_ATTR) == ours:
+        return
+    optim.__dict__[_CHECKED_ATTR] = ours
+    if ours:
         _install_optimizer_hooks(optim)
         _take_back_state_loaded_early(optim)
         for handle in _handles_holding(_optimizer_params(optim)):
             if handle.is_unsharded:  # its first step would create state of the full shapes
-                del _checked[optim]
+                del optim.__dict__[_CHECKED_ATTR]
                 raise RuntimeError(
                     f"optimizer.step() was called while the parameters of unit '{handle.unit_fqn or '<root>'}' are "
                     "unsharded (between a forward and its backward, or inside unshard_params), so it would create "
@@ -157,8 +187,8 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 # Units are visited in the order they were built, never in the optimizer's order, so ranks that list
 # parameters in different orders still run the same collectives. Hooks are installed when an optimizer
 # first steps after `fully_shard` (torch's get/set_optimizer_state_dict step a fresh optimizer first),
-# and by `init_optim_state`, `optim_state_dict` and `optim_state_dict_to_load`.
-_hooked: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+# and by `init_optim_state`, `optim_state_dict` and `optim_state_dict_to_load`; whether they are is
+# read from the optimizer's own hook dict.
 
 
 def _numbering(optim: torch.optim.Optimizer) -> dict[int, int]:
@@ -236,15 +266,10 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
 
 
 def _install_optimizer_hooks(optim: torch.optim.Optimizer) -> None:
-    if optim in _hooked:
+    if _present_state_hook in getattr(optim, "_optimizer_state_dict_post_hooks", {}).values():
         return
-    _hooked.add(optim)
     optim.register_state_dict_post_hook(_present_state_hook)
     optim.register_load_state_dict_pre_hook(_take_back_state_hook)
-
-
-def _holds_sharded_params(optim: torch.optim.Optimizer) -> bool:
-    return any(getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter for p in _optimizer_params(optim))
 
 
 def _take_back_state_loaded_early(optim: torch.optim.Optimizer) -> None:
@@ -264,47 +289,56 @@ def _take_back_state_loaded_early(optim: torch.optim.Optimizer) -> None:
             optim.state[p] = converted["state"][numbers[id(p)]]
 
 
-_original: Optional[Callable[..., torch.Tensor]] = None
-
-
 def _is_ours(p: Any) -> bool:
     return isinstance(p, torch.Tensor) and (getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter)
 
 
-def _install() -> None:
-    """Route torch's clip_grad_norm_ through `_clip_grad_norm_` (once per process)."""
-    global _original
-    if _original is not None:
-        return
+class _RoutedClip:
+    """What torch's ``clip_grad_norm_`` calls once routed: the global norm for our parameters,
+    torch's own function (``original``, kept here) for any other."""
+
+    def __init__(self, original: Callable[..., torch.Tensor]) -> None:
+        self.original = original
+        functools.update_wrapper(self, original)
+
+    def __call__(
+        self,
+        parameters: Union[torch.Tensor, Any],
+        max_norm: float,
+        norm_type: Union[float, str] = 2.0,
+        error_if_nonfinite: bool = False,
+        foreach: Optional[bool] = None,
+    ) -> torch.Tensor:
+        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        if not any(_is_ours(p) for p in params):
+            return self.original(params, max_norm, norm_type, error_if_nonfinite, foreach)
+        return _clip_grad_norm_(params, max_norm, float(norm_type), error_if_nonfinite, foreach)
+
+
+def _route_torch_clip_grad_norm() -> None:
+    """Route torch's clip_grad_norm_ through a `_RoutedClip` (once per process: the cell, or the
+    module attribute, already holding one says it was done)."""
     public = clip_grad.clip_grad_norm_
-    cells = dict(zip(public.__code__.co_freevars, public.__closure__ or ()))
+    cells = dict(zip(public.__code__.co_freevars, public.__closure__ or ())) if hasattr(public, "__code__") else {}
     inner = cells.get("func")
-    if inner is not None and callable(inner.cell_contents):
-        _original = inner.cell_contents  # torch's function without its no_grad wrapper
-        inner.cell_contents = _clip_grad_norm_
+    if inner is not None and callable(inner.cell_contents):  # torch's ``_no_grad`` wrapper (2.5 to 2.13)
+        if not isinstance(inner.cell_contents, _RoutedClip):
+            inner.cell_contents = _RoutedClip(inner.cell_contents)  # torch's function without its no_grad wrapper
         return
-    _original = public
-    routed = functools.wraps(public)(_clip_grad_norm_)
-    clip_grad.clip_grad_norm_ = routed
-    torch.nn.utils.clip_grad_norm_ = routed
+    if not isinstance(public, _RoutedClip):  # another shape: replace the module attributes
+        routed = _RoutedClip(public)
+        clip_grad.clip_grad_norm_ = routed  # type: ignore[assignment]
+        torch.nn.utils.clip_grad_norm_ = routed  # type: ignore[assignment]
 
 
 def _clip_grad_norm_(
-    parameters: Union[torch.Tensor, Any],
-    max_norm: float,
-    norm_type: Union[float, str] = 2.0,
-    error_if_nonfinite: bool = False,
-    foreach: Optional[bool] = None,
+    params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: Optional[bool]
 ) -> torch.Tensor:
-    assert _original is not None
-    params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-    if not any(_is_ours(p) for p in params):
-        return _original(params, max_norm, norm_type, error_if_nonfinite, foreach)
     with torch.no_grad():
-        total = _global_norm(params, float(norm_type))
+        total = _global_norm(params, norm_type)
         if error_if_nonfinite and not bool(torch.isfinite(total)):
             raise RuntimeError(
-                f"The total norm of order {float(norm_type)} for gradients from `parameters` is non-finite, so it "
+                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
@@ -332,36 +366,23 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return pieces.norm(norm_type, dtype, params[0].device)
 
 
-_hooked_modules: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
-
-
-# root module -> the (state, type, config) to put back when torch's call finishes
-_saved: "weakref.WeakKeyDictionary[nn.Module, list[tuple[_FSDPState, StateDictType, Optional[StateDictConfig]]]]" = (
-    weakref.WeakKeyDictionary()
-)
-
-
 def _torch_codes() -> tuple[CodeType, ...]:
-    try:
-        from torch.distributed.checkpoint import state_dict as dsd
-    except ImportError:  # pragma: no cover - torch without DCP
-        return ()
+    """The code objects of torch's model state-dict functions; none if their module was never imported
+    (then torch's API cannot be running)."""
+    dsd = sys.modules.get("torch.distributed.checkpoint.state_dict")
     fns = [getattr(dsd, name, None) for name in ("_get_model_state_dict", "_load_model_state_dict")]
     return tuple(inspect.unwrap(fn).__code__ for fn in fns if fn is not None)
 
 
-_CODES: Optional[tuple[CodeType, ...]] = None
-
-
 def _torch_call_options(module: nn.Module) -> Optional[tuple[Any, bool]]:
     """(``_StateDictInfo``, is a load) of the torch API call working on ``module`` right now, or None."""
-    global _CODES
-    if _CODES is None:
-        _CODES = _torch_codes()
+    codes = _torch_codes()
+    if not codes:
+        return None
     frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
-        if frame.f_code in _CODES and frame.f_locals.get("model") is module:
-            return frame.f_locals.get("info"), frame.f_code is _CODES[-1]
+        if frame.f_code in codes and frame.f_locals.get("model") is module:
+            return frame.f_locals.get("info"), frame.f_code is codes[-1]
         frame = frame.f_back
     return None
 
@@ -369,45 +390,45 @@ def _torch_call_options(module: nn.Module) -> Optional[tuple[Any, bool]]:
 def _register_torch_api_hooks(module: nn.Module) -> None:
     """Called by `fully_shard` before it builds its state, so that on the root these pre-hooks run
     before the state-dict hooks of `_state_dict_utils` read the type."""
-    if module in _hooked_modules:
+    if _state_dict_pre_hook in module._state_dict_pre_hooks.values():
         return
-    _hooked_modules.add(module)
     module.register_state_dict_pre_hook(_state_dict_pre_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
 class _OneShot:
-    """A post-hook that restores the previous type once, then removes itself."""
+    """A post-hook that restores the setting torch's call replaced, once, then removes itself. It is
+    the one holder of that previous setting, registered on the module it belongs to."""
 
-    def __init__(self, module: nn.Module) -> None:
-        self.module = module
+    def __init__(self, states: list[_FSDPState], previous: list[Setting]) -> None:
+        self.states, self.previous = states, previous
         self.handle: Any = None
 
     def __call__(self, *args: Any) -> None:
-        _restore(self.module)
         self.handle.remove()
+        _restore_setting(self.states, self.previous)
 
 
 def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> None:
-    if _switch(module):
-        hook = _OneShot(module)
+    hook = _switch(module)
+    if hook is not None:
         hook.handle = module.register_state_dict_post_hook(hook)
 
 
 def _load_state_dict_pre_hook(module: nn.Module, *args: Any) -> None:
-    if _switch(module):
-        hook = _OneShot(module)
+    hook = _switch(module)
+    if hook is not None:
         hook.handle = module.register_load_state_dict_post_hook(hook)
 
 
-def _switch(module: nn.Module) -> bool:
+def _switch(module: nn.Module) -> Optional[_OneShot]:
     """Set the type torch's options ask for on every state under ``module``, if torch's API is the
-    caller; True if it did (the caller then registers the one-shot hook that restores it)."""
+    caller; then returns the one-shot hook that restores it, for the caller to register."""
     _restore(module)  # a previous call that raised halfway
     call = _torch_call_options(module)
     states = _get_fsdp_states(module)
     if call is None or not states:
-        return False
+        return None
     info, is_load = call
     config: StateDictConfig
     if getattr(info, "full_state_dict", False):
@@ -416,12 +437,12 @@ def _switch(module: nn.Module) -> bool:
         kind, config = StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=rank0, rank0_only=rank0)
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()
-    _saved[module] = [(s, s.state_dict_type, s.state_dict_config) for s in states]
-    for s in states:
-        s.state_dict_type, s.state_dict_config = kind, config
-    return True
+    return _OneShot(states, _set_setting(states, kind, config))
 
 
 def _restore(module: nn.Module) -> None:
-    for s, kind, config in _saved.pop(module, []):
-        s.state_dict_type, s.state_dict_config = kind, config
+    """Run the one-shot hooks a call that raised halfway left on ``module``."""
+    for hooks in (module._state_dict_hooks, module._load_state_dict_post_hooks):
+        for hook in list(hooks.values()):
+            if isinstance(hook, _OneShot):
+                hook()
