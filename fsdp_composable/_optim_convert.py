@@ -29,12 +29,13 @@ import torch.nn.utils
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_composable import _rank_agreement, _tensor_parallel
+from fsdp_composable._checkpoint_comm import all_gather_object, comm_device_of
+from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._common_utils import API_NAME
 from fsdp_composable._composable_state import _module_to_states
 from fsdp_composable._flat_layout import _chunk_shape, _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._rank_agreement import Op
-from fsdp_composable._state_dict_full import _gather_full_flat
 from fsdp_composable._state_dict_sharded import _chunks_to_flat, _flat_to_chunks, _local_chunk, _mesh_of, _sharded_value
 from fsdp_composable.api import (
     FullStateDictConfig,
@@ -174,9 +175,8 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
             groups[ranks] = unit.handle.process_group
     for ranks in sorted(by_group):
         mine = [_record(units[i], collected[i]) for i in by_group[ranks]]
-        everyone: list[Any] = [None] * len(ranks)
         _rank_agreement.agree_before(groups[ranks], Op.ALL_GATHER_OBJECT, len(mine), None, "optimizer state check")
-        dist.all_gather_object(everyone, mine, group=groups[ranks])
+        everyone = all_gather_object(groups[ranks], mine, units[by_group[ranks][0]].handle.device)
         if any(len(theirs) != len(mine) for theirs in everyone):
             raise RuntimeError(
                 "the optimizer holds parameters of different units on different ranks "
@@ -214,7 +214,7 @@ def _agree(unit: _Unit, c: _UnitState, records: list[_Record]) -> None:
     for key, dtype_name in keys:
         dtype = getattr(torch, dtype_name.replace("torch.", ""))
         if (key, dtype) not in c.flats:
-            c.flats[(key, dtype)] = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.device)
+            c.flats[(key, dtype)] = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.flat_param.device)
 
 
 def _export_entries(
@@ -227,7 +227,7 @@ def _export_entries(
         {key: _copy(v, config) for key, v in scalars.items()} if has else None
         for has, scalars in zip(c.has_state, c.scalars)
     ]
-    mesh = _mesh_of(handle.process_group, handle.device) if sharded else None
+    mesh = _mesh_of(handle.process_group, comm_device_of(handle)) if sharded else None
     for key, dtype in sorted(c.flats, key=lambda kd: (kd[0], str(kd[1]))):
         flat = c.flats[(key, dtype)]
         if mesh is not None:
@@ -289,14 +289,14 @@ def _to_flat_shard(unit: _Unit, dtype: torch.dtype, members: list[tuple[int, tor
     handle, layout = unit.handle, unit.handle.layout
     if layout.world_size > 1 and any(isinstance(v, DTensor) for _, v in members):
         chunks = [
-            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=handle.device)
+            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=handle.flat_param.device)
             for info in layout.infos
         ]
         for k, value in members:
             chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
-            chunks[k] = chunk.to(dtype=dtype, device=handle.device)
+            chunks[k] = chunk.to(dtype=dtype, device=handle.flat_param.device)
         return _chunks_to_flat(handle, chunks)
-    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.device)
+    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.flat_param.device)
     lo = layout.rank * layout.shard_numel
     for k, value in members:
         info = layout.infos[k]
@@ -346,7 +346,7 @@ def _flat_global(handle: FlatParamHandle, shard: torch.Tensor) -> torch.Tensor:
     layout = handle.layout
     if layout.world_size == 1:
         return shard
-    mesh = _mesh_of(handle.process_group, handle.device)
+    mesh = _mesh_of(handle.process_group, comm_device_of(handle))
     shape = torch.Size((layout.padded_numel,))
     return DTensor.from_local(shard, mesh, [Shard(0)], run_check=False, shape=shape, stride=(1,))
 

@@ -10,13 +10,14 @@ itself, under every FQN and through every hook of the model's own modules.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn.utils
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
+from fsdp_composable import _tensor_parallel
+from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit
@@ -33,20 +34,6 @@ __all__: list[str] = []
 def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
     """A copy of ``view`` that owns its memory (on the CPU if the config asks), so the source can be freed."""
     return view.cpu() if _config(state).offload_to_cpu and view.device.type != "cpu" else view.clone()
-
-
-# ---------------------------------------------------------------------------- FULL_STATE_DICT
-def _gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """The unit's whole flat parameter (or flat ``shard`` of the same layout, e.g. its gradient) in
-    full precision: a new tensor, never the unshard buffer."""
-    layout = handle.layout
-    shard = handle.flat_param.detach() if shard is None else shard
-    if layout.world_size == 1:
-        return shard.clone()
-    full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=shard.device)
-    work = _collectives.all_gather(full, shard, handle.process_group)
-    _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
-    return full
 
 
 def _open_full(handle: FlatParamHandle) -> _OpenUnit:

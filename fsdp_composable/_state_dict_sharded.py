@@ -24,7 +24,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _rank_agreement, _tensor_parallel
+from fsdp_composable import _collectives, _tensor_parallel
+from fsdp_composable._checkpoint_comm import all_to_all, comm_device_of, gather_flags
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_layout import (
     _chunk_range,
@@ -35,7 +36,6 @@ from fsdp_composable._flat_layout import (
     _stride,
 )
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
-from fsdp_composable._rank_agreement import Op
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit, _unit_name
 from fsdp_composable._state_dict_settings import _to_output
@@ -51,7 +51,7 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
     _check_registered(handle)
     layout = handle.layout
     chunks = _flat_to_chunks(handle, handle.flat_param.detach())
-    mesh = _mesh_of(handle.process_group, handle.device)
+    mesh = _mesh_of(handle.process_group, comm_device_of(handle))
     opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
     for param, info, chunk in zip(handle.params, layout.infos, chunks):
         local = _to_output(state, chunk) if for_save else chunk
@@ -95,11 +95,7 @@ def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set
     _take_assigned(handle, opened)
     layout = handle.layout
     loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
-    flags = torch.tensor(loaded, dtype=torch.int32, device=handle.device)
-    world = dist.get_world_size(handle.process_group)
-    everyone = [torch.empty_like(flags) for _ in range(world)]
-    dist.all_gather(everyone, flags, group=handle.process_group)
-    by_rank = torch.stack(everyone) if layout.infos else flags.new_zeros((world, 0))
+    by_rank = gather_flags(handle, loaded)
     partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
     chunks = []
     for dparam in opened.dparams:
@@ -135,18 +131,6 @@ def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamI
     )
 
 
-def _all_to_all(
-    handle: FlatParamHandle, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], like: torch.Tensor
-) -> torch.Tensor:
-    # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
-    send_flat = torch.cat(send) if send else like.new_empty(0)
-    recv = like.new_empty(sum(out_splits))
-    group, numel = handle.process_group, handle.layout.padded_numel
-    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
-    dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=handle.process_group)
-    return recv
-
-
 def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
     """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
     flat tensor laid out like the unit's shard. A collective over the unit's process group."""
@@ -171,7 +155,7 @@ def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[t
             if b > a:
                 plan.append((k, a - target[0], b - a))
                 out_splits[src] += b - a
-    recv = _all_to_all(handle, send, in_splits, out_splits, flat_shard)
+    recv = all_to_all(handle, send, in_splits, out_splits, flat_shard)
     chunks = [flat_shard.new_empty(hi - lo) for lo, hi in targets]
     pos = 0
     for k, at, length in plan:
@@ -211,7 +195,7 @@ def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torc
             if b > a:
                 plan.append((a - mine[0], b - a))
                 out_splits[src] += b - a
-    recv = _all_to_all(handle, send, in_splits, out_splits, like)
+    recv = all_to_all(handle, send, in_splits, out_splits, like)
     pos = 0
     for at, length in plan:
         flat[at : at + length] = recv[pos : pos + length]
@@ -269,7 +253,7 @@ def _local_chunk(
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT
 def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
     """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
-    mesh = _mesh_of(state.process_group, state.device)
+    mesh = _mesh_of(state.process_group, _collectives.comm_device(state.process_group, state.device))
     for owner, fqn in _clean_module_fqns(state.module).items():
         if owner in state.ignored_modules:
             continue

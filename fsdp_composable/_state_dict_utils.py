@@ -15,10 +15,10 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_composable import _rank_agreement
+from fsdp_composable._checkpoint_comm import all_gather_object, gather_full_flat
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_layout import _chunk_shape, _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._state_dict_full import _gather_full_flat as _gather_full_flat
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._state_dict_keys import _join as _join
@@ -49,6 +49,8 @@ from fsdp_composable.api import (
 )
 
 __all__: list[str] = ["state_dict_type"]
+
+_gather_full_flat = gather_full_flat  # where `_reset_params` imports it from
 
 
 # ---------------------------------------------------------------------------- state_dict_type
@@ -322,12 +324,9 @@ def _compare_keys_across_ranks(
 def _keys_of_every_rank(state: _FSDPState, mine: list[str]) -> dict[int, set[str]]:
     """Global rank -> its keys, for every rank of the state's groups (HYBRID_SHARD: the shard group's
     lists, then those of every replica)."""
-    group = state.process_group
-    shard: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(shard, (dist.get_rank(), mine), group=group)
+    shard = all_gather_object(state.process_group, (dist.get_rank(), mine), state.device)
     lists = shard
     if state.replicate_group is not None and dist.get_world_size(state.replicate_group) > 1:
-        replicas: list[Any] = [None] * dist.get_world_size(state.replicate_group)
-        dist.all_gather_object(replicas, shard, group=state.replicate_group)
+        replicas = all_gather_object(state.replicate_group, shard, state.device)
         lists = [entry for replica in replicas for entry in replica]
     return {rank: set(keys) for rank, keys in lists}

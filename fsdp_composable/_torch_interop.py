@@ -70,6 +70,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
+from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
@@ -121,7 +122,7 @@ def _install_process_changes() -> None:
     """Called by every fully_shard call (and the wrapper): the global hook into torch's optimizers
     and the routing of torch's clip_grad_norm_, each installed once per process."""
     _route_torch_clip_grad_norm()
-    installed = getattr(torch.optim.optimizer, "_global_optimizer_pre_hooks", None)  # torch's own record
+    installed = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)  # torch's own record
     if installed is None or _check_optimizer_on_first_step not in installed.values():
         register_optimizer_step_pre_hook(_check_optimizer_on_first_step)
 
