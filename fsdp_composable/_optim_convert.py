@@ -33,12 +33,17 @@ from fsdp_composable._checkpoint_comm import all_gather_object, comm_device_of
 from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._common_utils import API_NAME
 from fsdp_composable._composable_state import _module_to_states
-from fsdp_composable._flat_layout import _chunk_shape, _saved_shape
+from fsdp_composable._flat_layout import _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._rank_agreement import Op
-from fsdp_composable._state_dict_sharded import _chunks_to_flat, _flat_to_chunks, _local_chunk, _mesh_of, _sharded_value
+from fsdp_composable._state_dict_settings import _rank0_only
+from fsdp_composable._state_dict_sharded import (
+    _flat_to_chunks,
+    _mesh_of,
+    _sharded_value,
+    to_flat_shard,
+)
 from fsdp_composable.api import (
-    FullStateDictConfig,
     StateDictConfig,
 )
 
@@ -248,7 +253,7 @@ def _full_tp_value(spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: S
     DTensor full over dp; with ``rank0_only`` the plain global tensor, gathered on every rank)."""
     value = _tensor_parallel.as_param_grad(spec, local)
     assert isinstance(value, DTensor)
-    if isinstance(config, FullStateDictConfig) and config.rank0_only:
+    if _rank0_only(config):
         return value.full_tensor()
     return value
 
@@ -284,29 +289,6 @@ def _split_saved(unit: _Unit, saved_state: Mapping[str, Any]) -> tuple[list[Any]
     return scalars, groups
 
 
-def _to_flat_shard(unit: _Unit, dtype: torch.dtype, members: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
-    """This rank's flat shard of one state key, from full tensors or DTensors of each parameter."""
-    handle, layout = unit.handle, unit.handle.layout
-    if layout.world_size > 1 and any(isinstance(v, DTensor) for _, v in members):
-        chunks = [
-            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=handle.flat_param.device)
-            for info in layout.infos
-        ]
-        for k, value in members:
-            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
-            chunks[k] = chunk.to(dtype=dtype, device=handle.flat_param.device)
-        return _chunks_to_flat(handle, chunks)
-    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=handle.flat_param.device)
-    lo = layout.rank * layout.shard_numel
-    for k, value in members:
-        info = layout.infos[k]
-        start, end = layout.shard_range(info)
-        begin = lo + start - info.offset
-        whole = _full_value(value) if info.tp is None else _tensor_parallel.tp_local_of(value, info.tp)
-        flat[start:end] = whole.reshape(-1)[begin : begin + end - start]
-    return flat
-
-
 def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[Optional[dict[str, Any]]]:
     """Each original parameter's state on this rank (its slice of every per-parameter tensor) from
     its saved state in global form (full tensors or DTensors of the parameter's shape; None: no
@@ -318,7 +300,7 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
         {key: _clone(v) for key, v in s.items()} if s is not None else None for s in scalars
     ]
     for (key, dtype), members in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        flat = _to_flat_shard(unit, dtype, members)
+        flat = to_flat_shard(unit.handle, members, dtype)
         for k, _ in members:
             start, end = layout.shard_range(layout.infos[k])
             entry = out[k]
@@ -338,7 +320,7 @@ def _flat_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> dict[s
     scalars, groups = _split_saved(unit, by_fqn)
     out = {key: _clone(v) for s in reversed(scalars) if s for key, v in s.items()}
     for (key, dtype), members in sorted(groups.items(), key=lambda kv: (kv[0][0], str(kv[0][1]))):
-        out[key] = _flat_global(handle, _to_flat_shard(unit, dtype, members))
+        out[key] = _flat_global(handle, to_flat_shard(handle, members, dtype))
     return out
 
 
@@ -369,8 +351,9 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             "of the same wrapping and world size. To move optimizer state between wrappings or world sizes, "
             "save with optim_state_dict(model, optim) and load with optim_state_dict_to_load"
         )
-    lo = layout.rank * layout.shard_numel
-    return value[lo : lo + layout.shard_numel].clone()
+    # the flat value holds every parameter's full value at its offset (and zero padding)
+    values = [(k, value[i.offset : i.offset + i.numel].view(i.shape)) for k, i in enumerate(layout.infos)]
+    return to_flat_shard(unit.handle, values, value.dtype)
 
 
 def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:

@@ -21,10 +21,9 @@ from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_fl
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit
-from fsdp_composable._state_dict_settings import _config, _drops_values
+from fsdp_composable._state_dict_settings import _config, _drops_values, _rank0_only
 from fsdp_composable._state_dict_sharded import _take_assigned
 from fsdp_composable.api import (
-    FullStateDictConfig,
     StateDictType,
 )
 
@@ -63,7 +62,7 @@ def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str
             # [Note: tensor-parallel parameters]: full over data parallelism, as the tensor-parallel
             # model holds it; ``rank0_only`` wants the whole tensor in one process
             config = _config(state)
-            if drop or (isinstance(config, FullStateDictConfig) and config.rank0_only):
+            if drop or _rank0_only(config):
                 whole = value.full_tensor()
                 if drop:
                     del state_dict[key]

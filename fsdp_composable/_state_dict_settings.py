@@ -75,13 +75,17 @@ def _config(state: _FSDPState) -> StateDictConfig:
     return holder.state_dict_config or _CONFIG_TYPES[holder.state_dict_type]()
 
 
+def _rank0_only(config: StateDictConfig) -> bool:
+    """FULL with ``rank0_only``: one process keeps the whole values (see `_drops_values` for which)."""
+    return isinstance(config, FullStateDictConfig) and config.rank0_only
+
+
 def _drops_values(state: _FSDPState) -> bool:
     """FULL with ``rank0_only``: this rank takes part in the collectives but returns nothing."""
     config = _config(state)
     return (
         _kind(state) is StateDictType.FULL_STATE_DICT
-        and isinstance(config, FullStateDictConfig)
-        and config.rank0_only
+        and _rank0_only(config)
         and (state.rank != 0 or not _first_tensor_parallel_rank(state))
     )
 
@@ -103,8 +107,7 @@ def _to_output(state: _FSDPState, tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _check_not_rank0_only_load(state: _FSDPState) -> None:
-    config = _config(state)
-    if isinstance(config, FullStateDictConfig) and config.rank0_only:
+    if _rank0_only(_config(state)):
         raise ValueError(
             "load_state_dict under FULL_STATE_DICT with FullStateDictConfig(rank0_only=True) is not supported: "
             "rank0_only only applies to saving (other ranks would have nothing to load). Load with "

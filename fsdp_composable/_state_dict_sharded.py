@@ -24,15 +24,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _collectives, _tensor_parallel
+from fsdp_composable import _collectives, _flat_layout, _tensor_parallel
 from fsdp_composable._checkpoint_comm import all_to_all, comm_device_of, gather_flags
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_layout import (
     _chunk_range,
     _chunk_shape,
     _is_replicated_info,
-    _overlap,
-    _shard_span,
+    _shard_piece,
     _stride,
 )
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
@@ -75,11 +74,8 @@ def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
                 continue
             with torch.no_grad():
                 if opened.full is not None:
-                    if info.tp is not None:
-                        value = _tensor_parallel.tp_local_of(current.detach(), info.tp)
-                    else:
-                        value = current.full_tensor() if isinstance(current, DTensor) else current
-                    opened.full[info.offset : info.offset + info.numel].copy_(value.detach().reshape(-1))
+                    value = _whole(current.detach(), info)
+                    opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
                 else:
                     target = expected.data
                     assert isinstance(target, DTensor)
@@ -138,27 +134,12 @@ def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[t
     infos, me = layout.infos, layout.rank
     if layout.world_size == 1:
         return [flat_shard[i.offset : i.offset + i.numel].view(i.shape).clone() for i in infos]
-    mine = _shard_span(layout, me)
-    send: list[torch.Tensor] = []
-    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
-    for dst in range(layout.world_size):
-        for info in infos:
-            a, b = _overlap(mine, _chunk_range(info, layout, dst))
-            if b > a:
-                send.append(flat_shard[a - mine[0] : b - mine[0]])
-                in_splits[dst] += b - a
-    plan: list[tuple[int, int, int]] = []  # (info index, position in its chunk, length), in arrival order
-    targets = [_chunk_range(info, layout, me) for info in infos]
-    for src in range(layout.world_size):
-        for k, target in enumerate(targets):
-            a, b = _overlap(_shard_span(layout, src), target)
-            if b > a:
-                plan.append((k, a - target[0], b - a))
-                out_splits[src] += b - a
-    recv = all_to_all(handle, send, in_splits, out_splits, flat_shard)
-    chunks = [flat_shard.new_empty(hi - lo) for lo, hi in targets]
+    plan = _flat_layout.to_chunks(layout)
+    send = [flat_shard[lo:hi] for _, lo, hi in plan.sends]
+    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), flat_shard)
+    chunks = [flat_shard.new_empty(_chunk_shape(info, layout, me).numel()) for info in infos]
     pos = 0
-    for k, at, length in plan:
+    for k, at, length in plan.receives:
         chunks[k][at : at + length] = recv[pos : pos + length]
         pos += length
     return [c.view(_chunk_shape(info, layout, me)) for c, info in zip(chunks, infos)]
@@ -168,36 +149,17 @@ def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torc
     """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from every rank's
     chunks. Replicated parameters are complete on every rank and need no communication."""
     layout = handle.layout
-    infos, me = layout.infos, layout.rank
     like = chunks[0] if chunks else handle.flat_param.detach()
     flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
-    mine = _shard_span(layout, me)
-    sharded = [k for k, info in enumerate(infos) if not _is_replicated_info(info, layout)]
-    for k, info in enumerate(infos):
-        if _is_replicated_info(info, layout):
-            a, b = _overlap(mine, (info.offset, info.offset + info.numel))
-            flat[a - mine[0] : b - mine[0]] = chunks[k].reshape(-1)[a - info.offset : b - info.offset]
-    if not sharded:
+    for k, at, lo, hi in _flat_layout.replicated_in_shard(layout):
+        flat[at : at + hi - lo] = chunks[k].reshape(-1)[lo:hi]
+    if not _flat_layout.sharded_indices(layout):  # the same on every rank: all skip the all-to-all
         return flat
-    send: list[torch.Tensor] = []
-    in_splits, out_splits = [0] * layout.world_size, [0] * layout.world_size
-    own = {k: _chunk_range(infos[k], layout, me) for k in sharded}
-    for dst in range(layout.world_size):
-        for k in sharded:
-            a, b = _overlap(own[k], _shard_span(layout, dst))
-            if b > a:
-                send.append(chunks[k].reshape(-1)[a - own[k][0] : b - own[k][0]])
-                in_splits[dst] += b - a
-    plan: list[tuple[int, int]] = []
-    for src in range(layout.world_size):
-        for k in sharded:
-            a, b = _overlap(_chunk_range(infos[k], layout, src), mine)
-            if b > a:
-                plan.append((a - mine[0], b - a))
-                out_splits[src] += b - a
-    recv = all_to_all(handle, send, in_splits, out_splits, like)
+    plan = _flat_layout.to_flat(layout)
+    send = [chunks[k].reshape(-1)[lo:hi] for k, lo, hi in plan.sends]
+    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), like)
     pos = 0
-    for at, length in plan:
+    for _, at, length in plan.receives:
         flat[at : at + length] = recv[pos : pos + length]
         pos += length
     return flat
@@ -227,6 +189,23 @@ def _is_replicated(value: DTensor) -> bool:
     return all(isinstance(p, Replicate) for p in value.placements)
 
 
+# [Note: a global value to this rank's piece]
+# Loading (the model's SHARDED and FULL state dicts, ``assign=True``, optimizer state, both optimizer
+# APIs) always starts from a *global* value of an original parameter: a full tensor or a DTensor of
+# any placement and mesh size (of the global shape for a tensor-parallel parameter). `_whole` makes it
+# the unit's full value of the parameter, `_local_chunk` this rank's ``Shard(0)`` chunk of it (without
+# communication when it already is one), and `to_flat_shard` this rank's flat shard from the values of
+# several parameters: the one conversion of global values, built on `_flat_layout`.
+def _whole(value: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    """``info``'s whole value (a tensor-parallel parameter's: this rank's tensor-parallel piece) from
+    a full tensor or a DTensor of any placement (a collective for a sharded DTensor)."""
+    if info.tp is not None:
+        return _tensor_parallel.tp_local_of(value, info.tp)
+    if isinstance(value, DTensor):
+        return value.to_local() if _is_replicated(value) else value.full_tensor()
+    return value
+
+
 def _local_chunk(
     value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
 ) -> torch.Tensor:
@@ -237,17 +216,36 @@ def _local_chunk(
         replicated = _is_replicated_info(info, layout)
         if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
             return value.to_local().reshape(-1)
-        value = _tensor_parallel.tp_local_of(value, info.tp)
-    elif isinstance(value, DTensor):
-        if (
-            not _is_replicated_info(info, layout)
-            and tuple(value.placements) == (Shard(0),)
-            and value.device_mesh.size() == layout.world_size
-        ):
-            return value.to_local().reshape(-1)
-        value = value.to_local() if _is_replicated(value) else value.full_tensor()
+    elif (
+        isinstance(value, DTensor)
+        and not _is_replicated_info(info, layout)
+        and tuple(value.placements) == (Shard(0),)
+        and value.device_mesh.size() == layout.world_size
+    ):
+        return value.to_local().reshape(-1)
     lo, hi = _chunk_range(info, layout, layout.rank)
-    return value.reshape(-1)[lo - info.offset : hi - info.offset]
+    return _whole(value, info).reshape(-1)[lo - info.offset : hi - info.offset]
+
+
+def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's flat shard (zero elsewhere) on the shard's device, from the global values of some of
+    the unit's parameters (parameter index, value). DTensor values travel as chunks (an all-to-all);
+    full tensors are sliced where they are."""
+    layout, device = handle.layout, handle.flat_param.device
+    if layout.world_size > 1 and any(isinstance(v, DTensor) for _, v in values):
+        chunks = [
+            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=device)
+            for info in layout.infos
+        ]
+        for k, value in values:
+            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
+            chunks[k] = chunk.to(dtype=dtype, device=device)
+        return _chunks_to_flat(handle, chunks)
+    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    for k, value in values:
+        start, end, begin = _shard_piece(layout.infos[k], layout)
+        flat[start:end] = _whole(value, layout.infos[k]).reshape(-1)[begin : begin + end - start]
+    return flat
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT
