@@ -20,6 +20,7 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
+from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._runtime_utils import _settle_unfinished_step
 from fsdp_composable._state_dict_keys import _join
@@ -147,9 +148,6 @@ def _in_flat_mode(state: _FSDPState) -> bool:
 
 
 def _switch_flat_mode(state: _FSDPState, on: bool) -> None:
-    # The wrapper owns flat-parameter mode; imported here because the wrapper imports this module.
-    from fsdp_composable.wrapper import _use_flat_params, _use_orig_params
-
     _use_flat_params(state) if on else _use_orig_params(state)
 
 

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
+from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
-from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
 from fsdp_composable._torch_interop import _register_torch_api_hooks
@@ -204,32 +204,6 @@ def _unshard_in_orig_mode(wrapper: FullyShardedDataParallel, **kwargs: Any) -> I
     finally:
         if flat:
             _use_flat_params(state)
-
-
-# ---------------------------------------------------------------------------- flat-parameter mode
-def _registrations(handle: FlatParamHandle) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    return [(m, name, p) for p, info in zip(handle.params, handle.layout.infos) for m, name, _ in info.holders]
-
-
-def _use_flat_params(state: _FSDPState) -> None:
-    """Unregister original parameters (kept reachable as plain attributes for forward) and
-    register each unit's flat parameter on its module."""
-    for handle in state.handles:
-        for param in handle.params:
-            setattr(param, FLAT_MODE, True)
-        for module, name, param in _registrations(handle):
-            module._parameters.pop(name, None)
-            object.__setattr__(module, name, param)
-        handle.module.register_parameter(handle.name, handle.flat_param)
-
-
-def _use_orig_params(state: _FSDPState) -> None:
-    """The reverse of `_use_flat_params`, in the original registration order."""
-    for handle in state.handles:
-        handle.module._parameters.pop(handle.name, None)
-        for module, name, param in _registrations(handle):
-            module.__dict__.pop(name, None)
-            module._parameters[name] = param
 
 
 def _register_flat_mode_hooks(wrapper: nn.Module, state: _FSDPState) -> None:
