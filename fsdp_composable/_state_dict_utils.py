@@ -60,7 +60,8 @@ def state_dict_type(
 ) -> Iterator[None]:
     """Inside the context, ``module.state_dict()``, ``module.load_state_dict()`` and
     ``optim_state_dict`` use ``state_dict_type`` (with ``config``) for every `fully_shard` state in
-    ``module``'s subtree; the previous settings come back on exit.
+    ``module``'s subtree (after the first forward: every state under its root, see [Note: the
+    state-dict setting is root-wide]); the previous settings come back on exit.
 
     ``FULL_STATE_DICT`` (the default outside the context): the unsharded model's keys and full tensors.
     ``SHARDED_STATE_DICT``: one DTensor per original parameter and buffer, for

@@ -214,7 +214,7 @@ def local_part_of_full(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
 # A SHARDED value of a tensor-parallel parameter is a ``DTensor`` of the *global* shape over the 2-D
 # (dp, tp) mesh with placements ``(dp_placement, *tp placements)``; its local tensor is this rank's
 # `torch.chunk` rows (over the data-parallel group) of the tensor-parallel local tensor, exactly what
-# `_state_dict_utils._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
+# `_state_dict_sharded._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
 # tensor-parallel placement also splits dim 0, ``_StridedShard(0, split_factor=tp)`` says "rows of
 # each tensor-parallel chunk" (right-to-left sharding); DTensor's ``full_tensor()`` and DCP's chunk
 # offsets follow it, uneven sizes included. A FULL value is the parameter as the tensor-parallel model
