@@ -353,7 +353,8 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
     pieces = NormPieces()
     counted: set[int] = set()
-    for handle in _handles_holding(params):
+    handles = _handles_holding(params)
+    for handle in handles:
         if id(handle.flat_param) in ids:  # a flat-mode wrapper's parameter: its whole shard
             counted.add(id(handle.flat_param))
             pieces.add_unit(handle, handle.flat_param.grad)
@@ -364,7 +365,9 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         if id(p) not in counted and p.grad is not None:
             counted.add(id(p))
             pieces.add_whole(p.grad)
-    return pieces.norm(norm_type, dtype, params[0].device)
+    # the units' compute device, where their groups communicate (CPU-offloaded gradients included);
+    # torch's clip_grads_with_norm_ then scales each gradient with the coefficient on its own device
+    return pieces.norm(norm_type, dtype, handles[0].device if handles else params[0].device)
 
 
 def _torch_codes() -> tuple[CodeType, ...]:
