@@ -25,7 +25,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_composable import _rank_agreement, _tensor_parallel
@@ -43,9 +42,7 @@ from fsdp_composable._state_dict_sharded import (
     _sharded_value,
     to_flat_shard,
 )
-from fsdp_composable.api import (
-    StateDictConfig,
-)
+from fsdp_composable.api import StateDictConfig
 
 __all__: list[str] = []
 

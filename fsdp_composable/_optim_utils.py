@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.utils
 from torch import nn
 
 from fsdp_composable import _rank_agreement

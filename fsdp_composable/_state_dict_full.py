@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.utils
 from torch.distributed.tensor import DTensor
 
 from fsdp_composable import _tensor_parallel
@@ -23,9 +22,7 @@ from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit
 from fsdp_composable._state_dict_settings import _config, _drops_values, _rank0_only
 from fsdp_composable._state_dict_sharded import _take_assigned
-from fsdp_composable.api import (
-    StateDictType,
-)
+from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.nn.utils
 
 from fsdp_composable import _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState

@@ -19,7 +19,6 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -38,9 +37,7 @@ from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit, _unit_name
 from fsdp_composable._state_dict_settings import _to_output
-from fsdp_composable.api import (
-    StateDictType,
-)
+from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 

@@ -10,7 +10,6 @@ from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
-import torch.nn.utils
 from torch import nn
 from torch.distributed.tensor import DTensor
 
