@@ -35,7 +35,7 @@ from fsdp_composable._composable_state import _module_to_states
 from fsdp_composable._flat_layout import _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._rank_agreement import Op
-from fsdp_composable._state_dict_settings import _rank0_only
+from fsdp_composable._state_dict_settings import _copy, _rank0_only
 from fsdp_composable._state_dict_sharded import (
     _flat_to_chunks,
     _mesh_of,
@@ -64,12 +64,6 @@ def _optimizer_params(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 def _clone(value: Any) -> Any:
     return value.detach().clone() if isinstance(value, torch.Tensor) else value
-
-
-def _copy(value: Any, config: StateDictConfig) -> Any:
-    if not isinstance(value, torch.Tensor):
-        return value
-    return value.detach().cpu() if config.offload_to_cpu and value.device.type != "cpu" else value.detach().clone()
 
 
 # ---------------------------------------------------------------------------- saving

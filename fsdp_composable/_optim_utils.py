@@ -16,7 +16,6 @@ from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._optim_convert import (
     _check_same_on_all_ranks,
     _collect,
-    _copy,
     _export_entries,
     _flat_state,
     _full_value,
@@ -25,7 +24,7 @@ from fsdp_composable._optim_convert import (
     _UnitState,
 )
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
-from fsdp_composable._state_dict_settings import _config, _drops_values, _kind
+from fsdp_composable._state_dict_settings import _config, _copy, _drops_values, _kind
 from fsdp_composable._torch_interop import _install_optimizer_hooks
 from fsdp_composable.api import (
     FullStateDictConfig,

@@ -20,7 +20,7 @@ from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_fl
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit
-from fsdp_composable._state_dict_settings import _config, _drops_values, _rank0_only
+from fsdp_composable._state_dict_settings import _config, _copy, _drops_values, _rank0_only
 from fsdp_composable._state_dict_sharded import _take_assigned
 from fsdp_composable.api import StateDictType
 
@@ -29,7 +29,7 @@ __all__: list[str] = []
 
 def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
     """A copy of ``view`` that owns its memory (on the CPU if the config asks), so the source can be freed."""
-    return view.cpu() if _config(state).offload_to_cpu and view.device.type != "cpu" else view.clone()
+    return _copy(view, _config(state))  # type: ignore[no-any-return]
 
 
 def _open_full(handle: FlatParamHandle) -> _OpenUnit:

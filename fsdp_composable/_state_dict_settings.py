@@ -13,7 +13,7 @@ takes over the root state's copy when it is built. `_owners` gives the holders a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Any, Optional, Union
 
 import torch
 
@@ -102,7 +102,16 @@ def _first_tensor_parallel_rank(state: _FSDPState) -> bool:
     )
 
 
+def _copy(value: Any, config: StateDictConfig) -> Any:
+    """A copy of ``value`` that owns its memory (on the CPU if ``offload_to_cpu``), so its source can be
+    freed; anything but a tensor as it is."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    return value.detach().cpu() if config.offload_to_cpu and value.device.type != "cpu" else value.detach().clone()
+
+
 def _to_output(state: _FSDPState, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` itself, or on the CPU if ``offload_to_cpu``."""
     return tensor.cpu() if _config(state).offload_to_cpu else tensor
 
 
