@@ -105,8 +105,8 @@ __all__: list[str] = []
 # [Note: optimizers built before fully_shard]
 # fully_shard keeps the original parameter objects, so an optimizer built before it still steps the
 # right tensors. Two cases go wrong silently or cryptically, and a global step pre-hook checks for
-# them on each optimizer's first step after any fully_shard call (then not again until the next call,
-# so steps cost nothing):
+# them on each optimizer's first step after a fully_shard call over its parameters (then not again
+# until the next such call):
 # - optimizer state created before sharding (a step was taken first): its tensors have the full
 #   shape while the parameter is now a 1-D shard slice;
 # - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
