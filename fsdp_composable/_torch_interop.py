@@ -14,6 +14,10 @@
 4. On each root module, a state-dict and a load-state-dict pre-hook (``nn.Module``'s public hooks)
    that recognise torch's ``torch.distributed.checkpoint.state_dict`` API and switch the state-dict
    type its options ask for. Why, and why frames are read: see [Note: torch's model state-dict API].
+5. ``nn.Module``'s global parameter and module registration hooks (public:
+   ``register_module_parameter_registration_hook`` / ``register_module_module_registration_hook``),
+   installed when `_model_edit_checks` is imported, which owns what they count: they tell the checks
+   of a sharded model that a parameter or submodule was registered. Why: see [Note: cheap edit checks].
 
 Nothing here keeps a process-wide table: what was installed is found where torch keeps it (its
 global hook dict, the optimizer's and the module's hook dicts, the clip function's closure cell), and
