@@ -30,6 +30,7 @@ from fsdp_composable._flat_layout import (
     _chunk_range,
     _chunk_shape,
     _is_replicated_info,
+    _saved_shape,
     _shard_piece,
     _stride,
 )
@@ -57,6 +58,28 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
             opened.swaps.append((module, attr, param, dparam))
             module._parameters[attr] = dparam
     return opened
+
+
+def _match_sharded_placements(
+    handle: FlatParamHandle, opened: _OpenUnit, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """SHARDED load: each checkpoint value of a parameter the module holds becomes a DTensor of the open
+    unit's layout (a full tensor or a DTensor of another placement: this rank's chunk of it)."""
+    layout = handle.layout
+    for attr, k in attrs:
+        info, target = layout.infos[k], opened.dparams[k].data
+        assert isinstance(target, DTensor)
+        value = state_dict.get(prefix + attr)
+        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
+            continue  # absent, or nn.Module reports the size mismatch
+        if (
+            isinstance(value, DTensor)
+            and value.device_mesh == target.device_mesh
+            and value.placements == target.placements
+        ):
+            continue
+        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
 
 
 def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:

@@ -8,7 +8,6 @@ import contextlib
 import functools
 from typing import Any, Iterator, Optional
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -16,7 +15,6 @@ from torch.distributed.tensor import DTensor
 from fsdp_composable import _rank_agreement
 from fsdp_composable._checkpoint_comm import all_gather_object, gather_full_flat
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
-from fsdp_composable._flat_layout import _chunk_shape, _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
@@ -35,10 +33,9 @@ from fsdp_composable._state_dict_settings import (
 )
 from fsdp_composable._state_dict_sharded import (
     _is_replicated,
-    _local_chunk,
+    _match_sharded_placements,
     _open_sharded,
     _replicate_buffers,
-    _sharded_value,
     _write_back_sharded,
 )
 from fsdp_composable.api import (
@@ -221,24 +218,10 @@ def _match_placements(
     opened = _open_unit(state, handle)
     if opened is None:
         return
-    layout = handle.layout
     if opened.kind is StateDictType.FULL_STATE_DICT:
         _match_tp_placements(handle, attrs, state_dict, prefix)
-        return
-    for attr, k in attrs:
-        info, target = layout.infos[k], opened.dparams[k].data
-        assert isinstance(target, DTensor)
-        value = state_dict.get(prefix + attr)
-        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
-            continue  # absent, or nn.Module reports the size mismatch
-        if (
-            isinstance(value, DTensor)
-            and value.device_mesh == target.device_mesh
-            and value.placements == target.placements
-        ):
-            continue
-        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
-        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+    else:
+        _match_sharded_placements(handle, opened, attrs, state_dict, prefix)
 
 
 @_rank_agreement.entry_point("load_state_dict()")
