@@ -1,14 +1,17 @@
 """The conversion core of optimizer state: a unit's per-parameter state between this rank's slices
 (what the optimizer holds) and the global form (full tensors or DTensors of each parameter's shape).
 `_optim_utils` (optim_state_dict / optim_state_dict_to_load) and torch's ``optim.state_dict()`` hooks
-in `_torch_interop` both use it.
+in `_torch_interop` both use it: to the global form, `_collect` then `_export_entries` (and
+`_flat_global` for a flat parameter); back, `_local_state` (and `_flat_local` / `_flat_state`), over
+the model's conversion of global values, `to_flat_shard` (see [Note: a global value to this rank's
+piece]).
 
 [Note: optimizer state of a sharded unit]
 The optimizer steps the original parameters, each a 1-D view of its slice of this rank's shard (possibly
 empty), so every per-parameter state tensor (Adam's ``exp_avg``, ...) has that slice's shape. For each
 unit and state key we write the slices of all its parameters into one tensor laid out like the unit's
 flat shard; the unit's layout then moves them like parameters: an all-gather gives full tensors
-(FULL_STATE_DICT), the all-to-all of `_state_dict_utils` gives ``Shard(0)`` DTensors
+(FULL_STATE_DICT), the all-to-all of `_state_dict_sharded` gives ``Shard(0)`` DTensors
 (SHARDED_STATE_DICT). Loading goes back: slice a full value, or run the inverse all-to-all for
 DTensors, and hand each parameter its slice. With the wrapper's flat parameters
 (``use_orig_params=False``) the optimizer's state already is such a flat tensor. ``step`` and other
