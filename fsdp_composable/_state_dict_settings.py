@@ -8,7 +8,7 @@ ran, the setting is held once, by the `RootContext` every state under the root s
 root is decided yet (the first forward decides it), so each state holds its own copy and
 `state_dict_type(module, ...)` writes the copy of every state under ``module``; the `RootContext`
 takes over the root state's copy when it is built. `_owners` gives the holders a write must reach
-(a context once, or each uninitialised state), `_setting` the one a read sees.
+(a context once, or each uninitialised state), `_holder` the one a read (`_kind`, `_config`) sees.
 """
 
 from __future__ import annotations
