@@ -21,9 +21,10 @@
 
 Nothing here keeps a process-wide table: what was installed is found where torch keeps it (its
 global hook dict, the optimizer's and the module's hook dicts, the clip function's closure cell), and
-what an installed change remembers is held by the object it is installed on. Each change is tested in
-tests/test_torch_interop.py on the torch we run (2.13); code that depends on torch's internals has a
-fallback for other versions of the supported range (``torch>=2.5``).
+what an installed change remembers is held by the object it is installed on (5. is the exception:
+`_model_edit_checks` keeps its count). Changes 1 to 4 are tested in tests/test_torch_interop.py, 5. by
+the edit-check tests, on the torch we run (2.13); code that reads torch's internals (its hook dicts,
+the clip closure, the frames) has a fallback for other versions of the supported range (``torch>=2.5``).
 
 [Note: torch's clip_grad_norm_]
 Between steps each original parameter's ``.grad`` is this rank's slice of the reduced gradient, so
