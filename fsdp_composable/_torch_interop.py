@@ -399,7 +399,7 @@ def _torch_call_options(module: nn.Module) -> Optional[tuple[Any, bool]]:
 def _register_torch_api_hooks(module: nn.Module) -> None:
     """Called by `fully_shard` before it builds its state, so that on the root these pre-hooks run
     before the state-dict hooks of `_state_dict_utils` read the type."""
-    if _state_dict_pre_hook in module._state_dict_pre_hooks.values():
+    if _state_dict_pre_hook in getattr(module, "_state_dict_pre_hooks", {}).values():
         return
     module.register_state_dict_pre_hook(_state_dict_pre_hook)
     module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
@@ -451,7 +451,7 @@ def _switch(module: nn.Module) -> Optional[_OneShot]:
 
 def _restore(module: nn.Module) -> None:
     """Run the one-shot hooks a call that raised halfway left on ``module``."""
-    for hooks in (module._state_dict_hooks, module._load_state_dict_post_hooks):
+    for hooks in (getattr(module, "_state_dict_hooks", {}), getattr(module, "_load_state_dict_post_hooks", {})):
         for hook in list(hooks.values()):
             if isinstance(hook, _OneShot):
                 hook()
