@@ -76,6 +76,8 @@ class _FSDPState:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
+    # a state_dict()/load_state_dict() in progress: handle -> its open unit (see `_state_dict_open`)
+    open_units: dict[FlatParamHandle, Any] = field(default_factory=dict)
 
     def __repr__(self) -> str:  # the dataclass repr would print whole modules
         return (

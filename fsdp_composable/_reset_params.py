@@ -40,11 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
+from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._rank_agreement import Op
-from fsdp_composable._state_dict_utils import _gather_full_flat
 from fsdp_composable._tensor_parallel import is_tp_sharded, local_of, point_at
 from fsdp_composable._unshard_param_utils import _restore_handle, _Summoned, begin_summon, end_summon
 

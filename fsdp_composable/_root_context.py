@@ -45,6 +45,7 @@ from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._reduce_utils import GradState, PendingReduce
+from fsdp_composable.api import StateDictConfig, StateDictType
 
 if TYPE_CHECKING:
     from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -93,6 +94,13 @@ class RootContext:
     checked_registrations: Optional[int] = None
     # each unit's counters for the current step; the only place they live
     steps: dict["FlatParamHandle", UnitStep] = field(default_factory=dict)
+    # The root-wide state-dict setting (see [Note: the state-dict setting is root-wide] in
+    # `_state_dict_settings`); taken over from the root's state when the context is built.
+    state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
+    state_dict_config: Optional[StateDictConfig] = None
+
+    def __post_init__(self) -> None:
+        self.state_dict_type, self.state_dict_config = self.root.state_dict_type, self.root.state_dict_config
 
     @property
     def handles(self) -> list["FlatParamHandle"]:

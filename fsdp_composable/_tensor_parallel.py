@@ -134,19 +134,18 @@ def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
 
 
 # ---------------------------------------------------------------------------- state dicts
-# (id(dp group), id(tp mesh)) -> (dp group, tp mesh, 2-D mesh): building one is a collective, so once
-_MESHES_2D: dict[tuple[int, int], tuple[dist.ProcessGroup, DeviceMesh, DeviceMesh]] = {}
+# Set on a tensor-parallel mesh object: {data-parallel group name: the 2-D mesh of the pair}. Building
+# one may be a collective, so it is built once per pair and kept by the tensor-parallel mesh itself.
+_MESHES_2D_ATTR = "_fsdp_meshes_2d"
 
 
 def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
     data-parallel group as its other dimension, else one built from the two groups (once per pair)."""
-    key = (id(dp_group), id(spec.mesh))
-    cached = _MESHES_2D.get(key)
-    if cached is not None and cached[0] is dp_group and cached[1] is spec.mesh:
-        return cached[2]
-    mesh = _find_mesh_2d(dp_group, spec)
-    _MESHES_2D[key] = (dp_group, spec.mesh, mesh)
+    cache: dict[str, DeviceMesh] = spec.mesh.__dict__.setdefault(_MESHES_2D_ATTR, {})
+    mesh = cache.get(dp_group.group_name)
+    if mesh is None:
+        mesh = cache[dp_group.group_name] = _find_mesh_2d(dp_group, spec)
     return mesh
 
 
@@ -220,7 +219,7 @@ def local_part_of_full(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
 # A SHARDED value of a tensor-parallel parameter is a ``DTensor`` of the *global* shape over the 2-D
 # (dp, tp) mesh with placements ``(dp_placement, *tp placements)``; its local tensor is this rank's
 # `torch.chunk` rows (over the data-parallel group) of the tensor-parallel local tensor, exactly what
-# `_state_dict_utils._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
+# `_state_dict_sharded._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
 # tensor-parallel placement also splits dim 0, ``_StridedShard(0, split_factor=tp)`` says "rows of
 # each tensor-parallel chunk" (right-to-left sharding); DTensor's ``full_tensor()`` and DCP's chunk
 # offsets follow it, uneven sizes included. A FULL value is the parameter as the tensor-parallel model

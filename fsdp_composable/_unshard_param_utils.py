@@ -11,6 +11,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _rank_agreement, _reduce_utils
+from fsdp_composable._checkpoint_comm import any_rank, gather_full_flat
 from fsdp_composable._common_utils import (
     TrainingState,
     _FSDPState,
@@ -20,8 +21,9 @@ from fsdp_composable._common_utils import (
     _set_training_state,
 )
 from fsdp_composable._entry_points import _settle_unfinished_step
+from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
-from fsdp_composable._state_dict_utils import _gather_full_flat, _join
+from fsdp_composable._state_dict_keys import _join
 from fsdp_composable._tensor_parallel import as_param_grad, local_of, point_at
 from fsdp_composable.api import _check_bool
 
@@ -146,9 +148,6 @@ def _in_flat_mode(state: _FSDPState) -> bool:
 
 
 def _switch_flat_mode(state: _FSDPState, on: bool) -> None:
-    # The wrapper owns flat-parameter mode; imported here because the wrapper imports this module.
-    from fsdp_composable.wrapper import _use_flat_params, _use_orig_params
-
     _use_flat_params(state) if on else _use_orig_params(state)
 
 
@@ -167,7 +166,7 @@ class _Summoned:
 @_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
     _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
-    full = _gather_full_flat(handle)
+    full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
         _reduce_utils.expose_sharded_grads(handle)
@@ -193,11 +192,9 @@ def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bo
 def _gather_full_grad(handle: FlatParamHandle) -> Optional[torch.Tensor]:
     """The unit's full gradient, or None when no rank has one (before any backward, as in torch)."""
     grad = handle.flat_param.grad
-    has = torch.tensor([int(grad is not None)], device=handle.device)
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
-    if not has.item():
+    if not any_rank(handle, grad is not None):
         return None
-    return _gather_full_flat(handle, grad.detach() if grad is not None else torch.zeros_like(handle.flat_param))
+    return gather_full_flat(handle, grad.detach() if grad is not None else torch.zeros_like(handle.flat_param))
 
 
 def _is_view(tensor: torch.Tensor, view: torch.Tensor) -> bool:

@@ -13,12 +13,11 @@ from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
-from fsdp_composable._optim_utils import _register_stale_optimizer_check
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
-from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
+from fsdp_composable._torch_interop import _install_process_changes, _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["fully_shard"]
@@ -113,6 +112,6 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)
     _register_state_dict_hooks(state)
-    _register_stale_optimizer_check()
+    _install_process_changes()  # once per process: see `_torch_interop`
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
     return state

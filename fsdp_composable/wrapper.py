@@ -18,13 +18,16 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_composable import _comm_hooks, _fsdp1_static
-from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
+from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
-from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._fsdp2_names import _ignored_modules
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
+from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
+from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
-from fsdp_composable._torch_state_dict_api import _register_torch_api_hooks
+from fsdp_composable._state_dict_utils import state_dict_type as _state_dict_type
+from fsdp_composable._torch_interop import _register_torch_api_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable.fully_shard import _build_state
@@ -295,8 +298,6 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module, state_dict_type: Any, state_dict_config: Any = None
     ) -> contextlib.AbstractContextManager[None]:
         """See `fsdp_composable.state_dict_type` (a `StateDictType` and its matching config)."""
-        from fsdp_composable._state_dict_utils import state_dict_type as _state_dict_type
-
         return _state_dict_type(module, state_dict_type, state_dict_config)
 
     @staticmethod
@@ -305,8 +306,6 @@ class FullyShardedDataParallel(nn.Module):
     ) -> dict[str, Any]:
         """See `fsdp_composable.optim_state_dict`; works with flat parameters (``use_orig_params=False``).
         FSDP1's ``optim_state_dict`` (for its ``NamedOptimizer``) and ``group`` are not supported."""
-        from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
-
         _refuse("optim_state_dict", optim_state_dict=optim_state_dict, group=group)
         return _optim_state_dict(module, optim)
 
@@ -320,8 +319,6 @@ class FullyShardedDataParallel(nn.Module):
         group: Any = None,
     ) -> dict[str, Any]:
         """See `fsdp_composable.optim_state_dict_to_load`; ``load_directly=True`` also loads it into ``optim``."""
-        from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
-
         _refuse("optim_state_dict_to_load", is_named_optimizer=is_named_optimizer or None, group=group)
         result = _to_load(module, optim, optim_state_dict)
         if load_directly:
@@ -380,32 +377,6 @@ def _unshard_in_orig_mode(wrapper: FullyShardedDataParallel, **kwargs: Any) -> I
     finally:
         if flat:
             _use_flat_params(state)
-
-
-# ---------------------------------------------------------------------------- flat-parameter mode
-def _registrations(handle: FlatParamHandle) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    return [(m, name, p) for p, info in zip(handle.params, handle.layout.infos) for m, name, _ in info.holders]
-
-
-def _use_flat_params(state: _FSDPState) -> None:
-    """Unregister original parameters (kept reachable as plain attributes for forward) and
-    register each unit's flat parameter on its module."""
-    for handle in state.handles:
-        for param in handle.params:
-            setattr(param, FLAT_MODE, True)
-        for module, name, param in _registrations(handle):
-            module._parameters.pop(name, None)
-            object.__setattr__(module, name, param)
-        handle.module.register_parameter(handle.name, handle.flat_param)
-
-
-def _use_orig_params(state: _FSDPState) -> None:
-    """The reverse of `_use_flat_params`, in the original registration order."""
-    for handle in state.handles:
-        handle.module._parameters.pop(handle.name, None)
-        for module, name, param in _registrations(handle):
-            module.__dict__.pop(name, None)
-            module._parameters[name] = param
 
 
 def _register_flat_mode_hooks(wrapper: nn.Module, state: _FSDPState) -> None:

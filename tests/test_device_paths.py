@@ -23,7 +23,6 @@ REPO = os.path.dirname(TESTS_DIR)
 # device_audit_world.py runs real steps and every collective entry point in a world whose group
 # serves only `meta` (see its docstring): a collective handed a tensor on another device fails as
 # on NCCL. One fresh interpreter runs every check (the test process has its own gloo groups).
-_SD_BRANCH = pytest.mark.xfail(reason="needs the sd branch", strict=False)
 _AUDIT_CHECKS = [
     "training_full_shard",
     "training_strategies",
@@ -35,7 +34,7 @@ _AUDIT_CHECKS = [
     "reset_after_sharding",
     "unshard_params",
     "state_dict_full_state_dict",
-    pytest.param("state_dict_sharded_state_dict", marks=_SD_BRANCH),
+    "state_dict_sharded_state_dict",
     "state_dict_local_state_dict",
     "optim_state",
 ]

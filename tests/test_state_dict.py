@@ -18,7 +18,9 @@ from models import Block, OddMLP, TinyGPT
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-import fsdp_composable._state_dict_utils as sdu
+import fsdp_composable._collectives as collectives
+import fsdp_composable._flat_layout as flat_layout
+import fsdp_composable._state_dict_full as sd_full
 from fsdp_composable import (
     FullStateDictConfig,
     LocalStateDictConfig,
@@ -28,6 +30,7 @@ from fsdp_composable import (
     fully_shard,
     state_dict_type,
 )
+from fsdp_composable._flat_param import FlatLayout, ParamInfo
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
 
@@ -115,12 +118,85 @@ def test_state_dict_type_validates_and_restores(dist_run) -> None:
     )
 
 
+def setting_after_lazy_init() -> dict[str, Any]:
+    """The setting chosen before the first forward is the root's once lazy init built its context, and
+    a later switch is held once, by that context, for every state under the root."""
+    _, model = _gpt(0)
+    units = [m for m in model.modules() if m is model or isinstance(m, Block)]
+    with state_dict_type(model, SHARDED):
+        with torch.no_grad():
+            model(torch.zeros(1, 4, dtype=torch.long))  # lazy init inside the context
+        taken_over = sorted({type(v).__name__ for v in model.state_dict().values()})
+    ctx = fully_shard.state(model).ctx
+    assert ctx is not None
+    with state_dict_type(model.blocks[0], LOCAL):  # a unit's module: the switch is root-wide
+        inside = (ctx.state_dict_type.name, sorted({type(v).__name__ for v in model.state_dict().values()}))
+    return {
+        "taken_over": taken_over,
+        "inside": inside,
+        "after": ctx.state_dict_type.name,
+        "one_context": len({id(fully_shard.state(m).ctx) for m in units}),
+    }
+
+
+def test_state_dict_type_is_root_wide(dist_run) -> None:
+    r = dist_run(2, setting_after_lazy_init)[0]
+    assert r == {
+        "taken_over": ["DTensor"],
+        "inside": ("LOCAL_STATE_DICT", ["Tensor", "dict"]),
+        "after": "FULL_STATE_DICT",
+        "one_context": 1,
+    }
+
+
+def _simulate(layouts: list[FlatLayout], flats: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """Run `flat_layout.to_chunks` on every rank in one process: each rank's received chunks."""
+    world = len(layouts)
+    plans = [flat_layout.to_chunks(layout) for layout in layouts]
+    sent = [[flats[r][lo:hi] for _, lo, hi in plans[r].sends] for r in range(world)]
+    outboxes = [list(torch.cat(sent[r]).split(list(plans[r].in_splits))) if sent[r] else [] for r in range(world)]
+    out = []
+    for me, layout in enumerate(layouts):
+        recv = torch.cat([outboxes[src][me] for src in range(world)]) if any(outboxes) else torch.zeros(0)
+        chunks = [torch.zeros(flat_layout._chunk_shape(i, layout, me).numel()) for i in layout.infos]
+        pos = 0
+        for k, at, length in plans[me].receives:
+            chunks[k][at : at + length] = recv[pos : pos + length]
+            pos += length
+        out.append(chunks)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_flat_layout_plans_give_torch_chunks(world: int) -> None:
+    shapes = [(5, 3), (), (2,), (7,), (1, 4)]  # uneven rows, a 0-dim value, fewer rows than ranks
+    numels = [int(torch.Size(s).numel()) for s in shapes]
+    offsets = [sum(numels[:k]) for k in range(len(shapes))]
+    unpadded = sum(numels)
+    shard = -(-unpadded // world)
+    infos = tuple(
+        ParamInfo(f"p{k}", torch.Size(s), n, o, ()) for k, (s, n, o) in enumerate(zip(shapes, numels, offsets))
+    )
+    layouts = [FlatLayout(infos, unpadded, shard * world, shard, r, world) for r in range(world)]
+    full = torch.arange(float(shard * world))
+    full[unpadded:] = 0
+    received = _simulate(layouts, [full[r * shard : (r + 1) * shard] for r in range(world)])
+    for me in range(world):
+        for k, info in enumerate(infos):
+            value = full[info.offset : info.offset + info.numel].view(info.shape)
+            expected = value if info.shape == () else (list(value.chunk(world)) + [value[:0]] * world)[me]
+            assert torch.equal(received[me][k].view(expected.shape), expected), (world, me, info.fqn)
+    for me in range(world):  # the inverse plan sends each chunk range back where the shard holds it
+        plan = flat_layout.to_flat(layouts[me])
+        assert sum(plan.in_splits) == sum(c.numel() for k, c in enumerate(received[me]) if infos[k].shape != ())
+
+
 # ---------------------------------------------------------------------------- FULL
 def full_rank0_only() -> dict[str, Any]:
     ref, model = _gpt(0)
     alive: list[weakref.ref] = []
     peak = [0]
-    original = sdu._gather_full_flat
+    original = sd_full._gather_full_flat
 
     def spy(handle: Any, shard: Any = None) -> torch.Tensor:
         peak[0] = max(peak[0], sum(r() is not None for r in alive) + 1)
@@ -129,12 +205,12 @@ def full_rank0_only() -> dict[str, Any]:
         alive.append(weakref.ref(out))
         return out
 
-    sdu._gather_full_flat = spy
+    sd_full._gather_full_flat = spy
     try:
         with state_dict_type(model, FULL, FullStateDictConfig(offload_to_cpu=True, rank0_only=True)):
             sd = model.state_dict()
     finally:
-        sdu._gather_full_flat = original
+        sd_full._gather_full_flat = original
     default = model.state_dict()  # outside the context: FULL on every rank again
     return {
         "rank0_equal": _same(sd, ref.state_dict()) if dist.get_rank() == 0 else None,
@@ -165,18 +241,18 @@ def sharded_values() -> dict[str, Any]:
     for name, build in (("gpt", _gpt), ("mlp", _mlp)):
         ref, model = build(0)
         gathers = [0]
-        original = sdu._collectives.all_gather
+        original = collectives.all_gather
 
         def counting(*args: Any, _orig: Any = original, _count: list[int] = gathers, **kwargs: Any) -> Any:
             _count[0] += 1
             return _orig(*args, **kwargs)
 
-        sdu._collectives.all_gather = counting  # type: ignore[assignment]
+        collectives.all_gather = counting  # type: ignore[assignment]
         try:
             with state_dict_type(model, SHARDED):
                 sd = model.state_dict()
         finally:
-            sdu._collectives.all_gather = original  # type: ignore[assignment]
+            collectives.all_gather = original  # type: ignore[assignment]
         ref_sd = ref.state_dict()
         placements = {k: tuple(type(p).__name__ for p in v.placements) for k, v in sd.items()}
         rows_ok = all(

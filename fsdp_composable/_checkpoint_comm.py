@@ -1,0 +1,93 @@
+"""The collectives of checkpointing (FULL / SHARDED / LOCAL state dicts, optimizer-state conversion,
+`unshard_params`), each on its group's communication device.
+
+[Note: checkpoint collectives on the communication device]
+A collective's tensors must live on the device its group serves (`_collectives.comm_device`: NCCL
+serves CUDA only). The values checkpointing moves may live elsewhere: with
+``CPUOffload(offload_params=True)`` a unit's flat shard, its gradient and its optimizer state are on
+the CPU. So every function here copies its inputs to the unit's communication device, communicates
+there, and gives its result back on the device its input lived on (copy in, communicate, copy out);
+where the group serves that device already (gloo and CPU tensors, NCCL and CUDA tensors) nothing is
+copied. Object collectives (``all_gather_object``) build their tensors on torch's *current* CUDA
+device when the group is NCCL, so they run with the unit's device made current.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._rank_agreement import Op
+
+__all__: list[str] = []
+
+
+def comm_device_of(handle: FlatParamHandle) -> torch.device:
+    """Where the collectives of ``handle``'s unit take their tensors."""
+    return _collectives.comm_device(handle.process_group, handle.device)
+
+
+def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The unit's whole flat parameter (or flat ``shard`` of the same layout, e.g. its gradient) in
+    full precision, on the shard's device: a new tensor, never the unshard buffer."""
+    layout = handle.layout
+    shard = handle.flat_param.detach() if shard is None else shard
+    if layout.world_size == 1:
+        return shard.clone()
+    device = comm_device_of(handle)
+    full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
+    work = _collectives.all_gather(full, shard.to(device), handle.process_group)
+    _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
+    return full.to(shard.device)
+
+
+def all_to_all(
+    handle: FlatParamHandle, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], like: torch.Tensor
+) -> torch.Tensor:
+    """Send ``send`` (``in_splits[r]`` elements to rank r) and receive ``out_splits[r]`` from each rank,
+    over the unit's process group; the result has ``like``'s dtype and device."""
+    # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
+    device = comm_device_of(handle)
+    send_flat = torch.cat(send).to(device) if send else like.new_empty(0, device=device)
+    recv = like.new_empty(sum(out_splits), device=device)
+    group, numel = handle.process_group, handle.layout.padded_numel
+    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
+    dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=group)
+    return recv.to(like.device)
+
+
+def gather_flags(handle: FlatParamHandle, flags: list[bool]) -> torch.Tensor:
+    """Every rank's ``flags`` (the same length on each) as a CPU tensor of shape (world size, len)."""
+    device = comm_device_of(handle)
+    mine = torch.tensor(flags, dtype=torch.int32, device=device)
+    world = dist.get_world_size(handle.process_group)
+    everyone = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(everyone, mine, group=handle.process_group)
+    return torch.stack(everyone).cpu() if flags else torch.zeros((world, 0), dtype=torch.int32)
+
+
+def any_rank(handle: FlatParamHandle, flag: bool) -> bool:
+    """Whether ``flag`` holds on some rank of the unit's process group."""
+    has = torch.tensor([int(flag)], device=comm_device_of(handle))
+    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
+    return bool(has.item())
+
+
+@contextlib.contextmanager
+def _current_device(group: dist.ProcessGroup, device: torch.device) -> Iterator[None]:
+    comm = _collectives.comm_device(group, device)
+    with torch.cuda.device(comm) if comm.type == "cuda" else contextlib.nullcontext():
+        yield
+
+
+def all_gather_object(group: dist.ProcessGroup, obj: Any, device: torch.device) -> list[Any]:
+    """Every rank's ``obj`` over ``group`` (``device``: the compute device of the unit asking)."""
+    out: list[Any] = [None] * dist.get_world_size(group)
+    with _current_device(group, device):
+        dist.all_gather_object(out, obj, group=group)
+    return out

@@ -1,0 +1,284 @@
+"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
+
+[Note: sharded state dicts are DTensors in torch.chunk layout]
+Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
+is generally not a block of its rows: it may start mid-row, or be empty. A ``Shard(0)`` DTensor (and
+so `torch.distributed.checkpoint`, which reads each piece's offset from the placement) assumes the
+`torch.chunk` rule: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world). So we move the
+elements instead of describing them: one all-to-all per unit sends each element from the rank whose
+flat shard holds it to the rank whose row chunk holds it. Every value is then an ordinary DTensor of
+the parameter's original shape, ``Shard(0)`` over a 1-D mesh of the unit's process group
+(``Replicate()`` for 0-dim parameters and for units that are not sharded), which DCP saves and loads at
+any world size. Loading runs the inverse all-to-all. Each rank sends and receives about one shard:
+nothing is gathered in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_composable import _collectives, _flat_layout, _tensor_parallel
+from fsdp_composable._checkpoint_comm import all_to_all, comm_device_of, gather_flags
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat_layout import (
+    _chunk_range,
+    _chunk_shape,
+    _is_replicated_info,
+    _saved_shape,
+    _shard_piece,
+    _stride,
+)
+from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
+from fsdp_composable._state_dict_open import _check_registered, _OpenUnit, _unit_name
+from fsdp_composable._state_dict_settings import _to_output
+from fsdp_composable.api import StateDictType
+
+__all__: list[str] = []
+
+
+def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) -> _OpenUnit:
+    """Register a `DTensor` parameter of the original shape in place of each original parameter."""
+    _check_registered(handle)
+    layout = handle.layout
+    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
+    mesh = _mesh_of(handle.process_group, comm_device_of(handle))
+    opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
+    for param, info, chunk in zip(handle.params, layout.infos, chunks):
+        local = _to_output(state, chunk) if for_save else chunk
+        dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
+        opened.dparams.append(dparam)
+        for module, attr, _ in info.holders:
+            opened.swaps.append((module, attr, param, dparam))
+            module._parameters[attr] = dparam
+    return opened
+
+
+def _match_sharded_placements(
+    handle: FlatParamHandle, opened: _OpenUnit, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """SHARDED load: each checkpoint value of a parameter the module holds becomes a DTensor of the open
+    unit's layout (a full tensor or a DTensor of another placement: this rank's chunk of it)."""
+    layout = handle.layout
+    for attr, k in attrs:
+        info, target = layout.infos[k], opened.dparams[k].data
+        assert isinstance(target, DTensor)
+        value = state_dict.get(prefix + attr)
+        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
+            continue  # absent, or nn.Module reports the size mismatch
+        if (
+            isinstance(value, DTensor)
+            and value.device_mesh == target.device_mesh
+            and value.placements == target.placements
+        ):
+            continue
+        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+
+
+def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
+    into the open unit and register the original parameters again."""
+    layout = handle.layout
+    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
+        expected = opened.dparams[k] if opened.dparams else param
+        for module, attr, _ in info.holders:
+            current = module._parameters.get(attr)
+            if current is expected or current is None:
+                continue
+            with torch.no_grad():
+                if opened.full is not None:
+                    value = _whole(current.detach(), info)
+                    opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
+                else:
+                    target = expected.data
+                    assert isinstance(target, DTensor)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.process_group)
+                    target.to_local().copy_(chunk.view(target.to_local().shape))
+            module._parameters[attr] = expected
+
+
+def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
+    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard (an
+    all-to-all). A parameter loaded on some ranks but not others keeps its values on every rank and is
+    reported on every rank (see [Note: a sharded load is all or nothing per key])."""
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
+    by_rank = gather_flags(handle, loaded)
+    partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
+    chunks = []
+    for dparam in opened.dparams:
+        assert isinstance(dparam.data, DTensor)
+        chunks.append(dparam.data.to_local().reshape(-1).to(handle.dtype))
+    flat = _chunks_to_flat(handle, chunks)
+    with torch.no_grad():
+        current = handle.flat_param.detach()
+        for k, info in enumerate(layout.infos):
+            if partial[k]:
+                start, end = layout.shard_range(info)
+                flat[start:end] = current[start:end]
+                _report_partial_key(handle, opened, info, by_rank[:, k])
+        handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
+
+
+# [Note: a sharded load is all or nothing per key]
+# Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
+# zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
+# ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
+# loaded (`_write_back_sharded`), and a difference is an error on every rank.
+def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamInfo, flags: torch.Tensor) -> None:
+    if opened.error_msgs is None:
+        return
+    key = opened.prefix + info.fqn
+    if any(f"'{key}'" in m for m in opened.error_msgs):
+        return  # the key comparison of the whole state dict already reported it
+    lacking = [r for r, f in enumerate(flags.tolist()) if not f]
+    opened.error_msgs.append(
+        f"SHARDED_STATE_DICT: parameter '{key}' of {_unit_name(handle)} was loaded on some ranks but not on "
+        f"ranks {lacking} (of its process group); every rank must load the same keys. It keeps its previous "
+        "values on every rank"
+    )
+
+
+def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+    """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
+    flat tensor laid out like the unit's shard. A collective over the unit's process group."""
+    layout = handle.layout
+    infos, me = layout.infos, layout.rank
+    if layout.world_size == 1:
+        return [flat_shard[i.offset : i.offset + i.numel].view(i.shape).clone() for i in infos]
+    plan = _flat_layout.to_chunks(layout)
+    send = [flat_shard[lo:hi] for _, lo, hi in plan.sends]
+    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), flat_shard)
+    chunks = [flat_shard.new_empty(_chunk_shape(info, layout, me).numel()) for info in infos]
+    pos = 0
+    for k, at, length in plan.receives:
+        chunks[k][at : at + length] = recv[pos : pos + length]
+        pos += length
+    return [c.view(_chunk_shape(info, layout, me)) for c, info in zip(chunks, infos)]
+
+
+def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from every rank's
+    chunks. Replicated parameters are complete on every rank and need no communication."""
+    layout = handle.layout
+    like = chunks[0] if chunks else handle.flat_param.detach()
+    flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
+    for k, at, lo, hi in _flat_layout.replicated_in_shard(layout):
+        flat[at : at + hi - lo] = chunks[k].reshape(-1)[lo:hi]
+    if not _flat_layout.sharded_indices(layout):  # the same on every rank: all skip the all-to-all
+        return flat
+    plan = _flat_layout.to_flat(layout)
+    send = [chunks[k].reshape(-1)[lo:hi] for k, lo, hi in plan.sends]
+    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), like)
+    pos = 0
+    for _, at, length in plan.receives:
+        flat[at : at + length] = recv[pos : pos + length]
+        pos += length
+    return flat
+
+
+def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The 1-D mesh naming ``group``'s ranks. Built per call, not cached: it only names the ranks (no
+    communication, ~0.2 ms) and meshes compare by value, so equal meshes need not be one object."""
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
+    placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
+    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
+
+
+def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``info``'s SHARDED value whose local tensor is ``chunk``: over ``mesh`` (the unit's process
+    group), or for a tensor-parallel parameter over the 2-D mesh (see [Note: 2-D state-dict values])."""
+    if info.tp is not None:
+        replicated = _is_replicated_info(info, handle.layout)
+        return _tensor_parallel.as_sharded_value(chunk, handle.process_group, info.tp, replicated)
+    return _as_dtensor(chunk, info, handle.layout, mesh)
+
+
+def _is_replicated(value: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+# [Note: a global value to this rank's piece]
+# Loading (the model's SHARDED and FULL state dicts, ``assign=True``, optimizer state, both optimizer
+# APIs) always starts from a *global* value of an original parameter: a full tensor or a DTensor of
+# any placement and mesh size (of the global shape for a tensor-parallel parameter). `_whole` makes it
+# the unit's full value of the parameter, `_local_chunk` this rank's ``Shard(0)`` chunk of it (without
+# communication when it already is one), and `to_flat_shard` this rank's flat shard from the values of
+# several parameters: the one conversion of global values, built on `_flat_layout`.
+def _whole(value: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+    """``info``'s whole value (a tensor-parallel parameter's: this rank's tensor-parallel piece) from
+    a full tensor or a DTensor of any placement (a collective for a sharded DTensor)."""
+    if info.tp is not None:
+        return _tensor_parallel.tp_local_of(value, info.tp)
+    if isinstance(value, DTensor):
+        return value.to_local() if _is_replicated(value) else value.full_tensor()
+    return value
+
+
+def _local_chunk(
+    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
+) -> torch.Tensor:
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement.
+    A tensor-parallel parameter's value has the global shape; ``group`` is then the unit's process group."""
+    if info.tp is not None:
+        assert group is not None
+        replicated = _is_replicated_info(info, layout)
+        if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
+            return value.to_local().reshape(-1)
+    elif (
+        isinstance(value, DTensor)
+        and not _is_replicated_info(info, layout)
+        and tuple(value.placements) == (Shard(0),)
+        and value.device_mesh.size() == layout.world_size
+    ):
+        return value.to_local().reshape(-1)
+    lo, hi = _chunk_range(info, layout, layout.rank)
+    return _whole(value, info).reshape(-1)[lo - info.offset : hi - info.offset]
+
+
+def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's flat shard (zero elsewhere) on the shard's device, from the global values of some of
+    the unit's parameters (parameter index, value). DTensor values travel as chunks (an all-to-all);
+    full tensors are sliced where they are."""
+    layout, device = handle.layout, handle.flat_param.device
+    if layout.world_size > 1 and any(isinstance(v, DTensor) for _, v in values):
+        chunks = [
+            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=device)
+            for info in layout.infos
+        ]
+        for k, value in values:
+            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
+            chunks[k] = chunk.to(dtype=dtype, device=device)
+        return _chunks_to_flat(handle, chunks)
+    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    for k, value in values:
+        start, end, begin = _shard_piece(layout.infos[k], layout)
+        flat[start:end] = _whole(value, layout.infos[k]).reshape(-1)[begin : begin + end - start]
+    return flat
+
+
+# ---------------------------------------------------------------------------- SHARDED_STATE_DICT
+def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
+    mesh = _mesh_of(state.process_group, _collectives.comm_device(state.process_group, state.device))
+    for owner, fqn in _clean_module_fqns(state.module).items():
+        if owner in state.ignored_modules:
+            continue
+        for name, buf in owner._buffers.items():
+            key = prefix + _join(fqn, name)
+            value = state_dict.get(key)
+            if buf is None or name in owner._non_persistent_buffers_set or not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(value, DTensor):
+                state_dict[key] = DTensor.from_local(_to_output(state, value), mesh, [Replicate()], run_check=False)
