@@ -9,6 +9,7 @@ broadcast over everyone's. The constructor registers the module with ``self.modu
 before any collective; torch's global module-registration hook sees that assignment on every rank,
 and raises here when the module is, holds or sits inside a sharded unit. The hook runs for every
 submodule registration in the process, so it returns after one ``isinstance`` for anything but DDP.
+`_torch_interop` installs it with the first `fully_shard` call (a DDP wrap comes after sharding).
 """
 
 from __future__ import annotations
@@ -16,13 +17,12 @@ from __future__ import annotations
 from typing import Optional
 
 from torch import nn
-from torch.nn.modules import module as _module_hooks
 from torch.nn.parallel import DistributedDataParallel
 
 from fsdp_composable._common_utils import _get_fsdp_states, _is_inside_unit
 from fsdp_composable.api import ShardedModelWrappedError
 
-__all__ = ["ShardedModelWrappedError"]
+__all__ = ["ShardedModelWrappedError", "refuse_ddp_of_sharded"]
 
 
 def _sharded_part(module: nn.Module) -> Optional[str]:
@@ -41,7 +41,7 @@ def _sharded_part(module: nn.Module) -> Optional[str]:
     return None
 
 
-def _refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) -> None:
+def refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) -> None:
     if not isinstance(parent, DistributedDataParallel) or name != "module":
         return
     why = _sharded_part(submodule)
@@ -54,5 +54,3 @@ def _refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) -
             "fsdp_composable.lightning's strategies instead of the DDP strategy"
         )
 
-
-_module_hooks.register_module_module_registration_hook(_refuse_ddp_of_sharded)

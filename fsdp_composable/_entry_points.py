@@ -3,7 +3,8 @@
 previous step stopped midway ([Note: a step that stops midway]).
 
 The stack-frame walk in `_live_forward` recognises torch's ``nn.Module._call_impl``: it changes
-nothing in torch but depends on its internals (a candidate for `_torch_interop`)."""
+nothing in torch but depends on its internals (listed as 7. in `_torch_interop`, which cannot hold
+it: it imports the runtime that uses it)."""
 
 from __future__ import annotations
 

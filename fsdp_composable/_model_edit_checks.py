@@ -19,10 +19,9 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.nn.modules import module as _module_hooks
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
-from fsdp_composable._composable_state import count_registration, registrations
+from fsdp_composable._composable_state import registrations
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
 from fsdp_composable._tensor_parallel import local_of
@@ -39,9 +38,8 @@ __all__ = ["check_model_unchanged"]
 # (`_composable_state.registrations`); the full scan runs only when that count moved since the root's
 # last check, which the root context records (``RootContext.checked_registrations``). ``.data``
 # assignments (``.half()``, ``.to()``, ``p.data = t``) have no hook, so every forward compares each
-# parameter's data pointer with its view's: two C calls per parameter.
-_module_hooks.register_module_parameter_registration_hook(count_registration)
-_module_hooks.register_module_module_registration_hook(count_registration)
+# parameter's data pointer with its view's: two C calls per parameter. `_torch_interop` installs the
+# hooks with the first `fully_shard` call: registrations before it concern no sharded model.
 
 
 def check_model_unchanged(root: _FSDPState) -> None:

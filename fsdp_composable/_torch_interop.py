@@ -16,15 +16,24 @@
    type its options ask for. Why, and why frames are read: see [Note: torch's model state-dict API].
 5. ``nn.Module``'s global parameter and module registration hooks (public:
    ``register_module_parameter_registration_hook`` / ``register_module_module_registration_hook``),
-   installed when `_model_edit_checks` is imported, which owns what they count: they tell the checks
-   of a sharded model that a parameter or submodule was registered. Why: see [Note: cheap edit checks].
+   installed by the first `fully_shard` call: they count registrations in the registry, telling the
+   checks of a sharded model that a parameter or submodule was registered. Why: see [Note: cheap edit
+   checks] in `_model_edit_checks`.
+6. One more global module registration hook (public, as 5.), installed with it: ``DistributedDataParallel``
+   registering a sharded model as its ``module`` raises `ShardedModelWrappedError` on every rank
+   before DDP's first collective. Why: see [Note: DDP around a sharded model] in `_ddp_guard`.
+7. Read only, no change: `_entry_points._live_forward` reads the stack for torch's
+   ``nn.Module._call_impl`` of a root module, to tell a forward running now from one a
+   ``BaseException`` left open (which skips torch's ``always_call`` hooks); torch offers no public
+   way to ask, and it is read where the import order allows (this module imports the runtime).
 
 Nothing here keeps a process-wide table: what was installed is found where torch keeps it (its
-global hook dict, the optimizer's and the module's hook dicts, the clip function's closure cell), and
+global hook dicts, the optimizer's and the module's hook dicts, the clip function's closure cell), and
 what an installed change remembers is held by the object it is installed on (5. is the exception:
-`_model_edit_checks` keeps its count). Changes 1 to 4 are tested in tests/test_torch_interop.py, 5. by
-the edit-check tests, on the torch we run (2.13); code that reads torch's internals (its hook dicts,
-the clip closure, the frames) has a fallback for other versions of the supported range (``torch>=2.5``).
+the registry keeps its count). Changes 1 to 4 are tested in tests/test_torch_interop.py, 5. by the
+edit-check tests, 6. by tests/test_accelerate.py, 7. by the recovery tests, on the torch we run
+(2.13); code that reads torch's internals (its hook dicts, the clip closure, the frames) has a
+fallback for other versions of the supported range (``torch>=2.5``).
 
 [Note: torch's clip_grad_norm_]
 Between steps each original parameter's ``.grad`` is this rank's slice of the reduced gradient, so
@@ -75,11 +84,17 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
+from torch.nn.modules import module as torch_module
+from torch.nn.modules.module import (
+    register_module_module_registration_hook,
+    register_module_parameter_registration_hook,
+)
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
-from fsdp_composable._composable_state import _module_to_states
+from fsdp_composable._composable_state import _module_to_states, count_registration
+from fsdp_composable._ddp_guard import refuse_ddp_of_sharded
 from fsdp_composable._flat_param import FlatParameter
 from fsdp_composable._grad_utils import NormPieces
 from fsdp_composable._optim_convert import (
@@ -124,12 +139,21 @@ _CHECKED_ATTR = "_fsdp_checked_params"
 
 
 def _install_process_changes() -> None:
-    """Called by every fully_shard call (and the wrapper): the global hook into torch's optimizers
-    and the routing of torch's clip_grad_norm_, each installed once per process."""
+    """Called by every fully_shard call (and the wrapper): the global hook into torch's optimizers,
+    the routing of torch's clip_grad_norm_ and the module registration hooks, each installed once per
+    process."""
     _route_torch_clip_grad_norm()
     installed = getattr(torch_optimizer, "_global_optimizer_pre_hooks", None)  # torch's own record
     if installed is None or _check_optimizer_on_first_step not in installed.values():
         register_optimizer_step_pre_hook(_check_optimizer_on_first_step)
+    for register, record, hook in (
+        (register_module_parameter_registration_hook, "_global_parameter_registration_hooks", count_registration),
+        (register_module_module_registration_hook, "_global_module_registration_hooks", count_registration),
+        (register_module_module_registration_hook, "_global_module_registration_hooks", refuse_ddp_of_sharded),
+    ):
+        hooks = getattr(torch_module, record, None)  # torch's own record
+        if hooks is None or hook not in hooks.values():
+            register(hook)
 
 
 def _count_ours(optim: torch.optim.Optimizer) -> int:

@@ -7,7 +7,6 @@ from typing import Any, Callable, Iterable, Optional, Union
 import torch
 from torch import nn
 
-from fsdp_composable import _ddp_guard  # noqa: F401  (registers the DDP check: [Note: DDP around a sharded model])
 from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract

@@ -41,13 +41,16 @@ PUBLIC_ERRORS = {
     "StateTransitionError": RuntimeError,
 }
 NOT_IMPORTED = {"fsdp_composable.__main__"}  # importing it runs the main job
+# the main job's own control flow (a signal, a failed rank): raised and caught inside `python -m
+# fsdp_composable`, never by the library to its users
+JOB_ONLY = {"fsdp_composable._job_processes"}
 
 
 def _package_exception_classes() -> set[type]:
     """Every exception class defined in a module of the package."""
     found: set[type] = set()
     for info in pkgutil.walk_packages(fsdp_composable.__path__, "fsdp_composable."):
-        if info.name in NOT_IMPORTED:
+        if info.name in NOT_IMPORTED or info.name in JOB_ONLY:
             continue
         try:
             module = importlib.import_module(info.name)
