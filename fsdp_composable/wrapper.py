@@ -249,7 +249,18 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too)."""
+        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too). As in
+        FSDP1, ``FullyShardedDataParallel.summon_full_params(module)`` also takes any module holding
+        wrappers: every wrapper in its tree is unsharded."""
+        if not isinstance(self, FullyShardedDataParallel):  # FSDP1's static call on a plain module
+            return unshard_params(
+                self,
+                recurse=recurse,
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                with_grads=with_grads,
+            )
         return _unshard_in_orig_mode(
             self,
             recurse=recurse,
