@@ -177,14 +177,20 @@ def test_torch_size_policy_on_gpt_trains(dist_run: Callable[..., Any]) -> None:
 
 
 def _bad_torch_policies() -> dict[str, str]:
-    from torch.distributed.fsdp import wrap
+    from torch.distributed.fsdp import MixedPrecision, wrap
 
     def bad_keyword(m: nn.Module) -> Any:
         return {"limit_all_gathers": False} if isinstance(m, nn.Linear) else False
 
+    model = OddMLP()
+
+    def ignoring_nothing(m: nn.Module) -> Any:  # torch's MixedPrecision with a field we cannot honour
+        return {"mixed_precision": MixedPrecision(_module_classes_to_ignore=())} if m is model.l3 else False
+
     return {
         "custom_bad_key": error_of(lambda: fully_shard(OddMLP(), wrap.CustomPolicy(bad_keyword))),
         "custom_bad_return": error_of(lambda: fully_shard(OddMLP(), wrap.CustomPolicy(lambda m: 1))),
+        "custom_mp_classes_to_ignore": error_of(lambda: fully_shard(model, wrap.CustomPolicy(ignoring_nothing))),
     }
 
 
@@ -198,6 +204,10 @@ def test_torch_policy_errors(dist_run: Callable[..., Any]) -> None:
     tc.assertExpectedInline(
         errors["custom_bad_return"],
         """ValueError: torch CustomPolicy's function returned int for module 'l1'; return a bool or a dict of keyword overrides""",
+    )
+    tc.assertExpectedInline(
+        errors["custom_mp_classes_to_ignore"],
+        """ValueError: torch CustomPolicy's mixed_precision for module 'l3': torch.distributed.fsdp.MixedPrecision(_module_classes_to_ignore=()) has no equivalent: every BatchNorm module (and only those) gets its own full-precision unit here; leave _module_classes_to_ignore at its default (a CustomPolicy can give other modules units with mixed_precision=None)""",
     )
 
 
