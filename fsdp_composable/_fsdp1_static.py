@@ -28,6 +28,7 @@ from torch import nn
 
 from fsdp_composable._collectives import comm_device
 from fsdp_composable._common_utils import _get_fsdp_states
+from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._optim_utils import optim_state_dict, optim_state_dict_to_load
 from fsdp_composable._state_dict_utils import _CONFIG_TYPES, state_dict_type
 from fsdp_composable.api import FullStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
@@ -61,6 +62,8 @@ def set_state_dict_type(
 ) -> StateDictSettings:
     """Set, until changed, what ``state_dict()`` and `optim_state_dict` return for every state under
     ``module``; returns the previous settings. Checked as `state_dict_type` checks its arguments."""
+    sd_type = as_ours("set_state_dict_type argument 'state_dict_type'", sd_type)
+    state_dict_config = as_ours("set_state_dict_type argument 'state_dict_config'", state_dict_config)
     _check_optim_config(optim_state_dict_config, state_dict_config)
     with state_dict_type(module, sd_type, state_dict_config):
         pass  # the context manager's checks: a StateDictType, its config, a fully_shard state below
@@ -93,7 +96,9 @@ def _config_of(sd_type: StateDictType, config: Optional[StateDictConfig]) -> Sta
     return config if config is not None else _CONFIG_TYPES[sd_type]()
 
 
-def _check_optim_config(optim_config: Any, config: Optional[StateDictConfig]) -> None:
+def _check_optim_config(
+    optim_config: Any, config: Optional[StateDictConfig], where: str = "set_state_dict_type"
+) -> None:
     """FSDP1 has a second config for optimizer state; ours follows the model's. One that asks for the
     same (``offload_to_cpu`` and ``rank0_only``) is accepted, anything else is refused."""
     if optim_config is None:
@@ -102,7 +107,7 @@ def _check_optim_config(optim_config: Any, config: Optional[StateDictConfig]) ->
         wanted, ours = getattr(optim_config, field, False), getattr(config, field, False)
         if wanted != ours:
             raise ValueError(
-                f"set_state_dict_type: optim_state_dict_config.{field}={wanted} differs from the state_dict_config's "
+                f"{where}: optim_state_dict_config.{field}={wanted} differs from the state_dict_config's "
                 f"({ours}); optimizer state dicts follow the model's state_dict_config here, so pass "
                 "optim_state_dict_config=None and set the option in state_dict_config"
             )

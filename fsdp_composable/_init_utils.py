@@ -28,7 +28,7 @@ from fsdp_composable._wrap_utils import (
     _get_submodule_to_states,
     _join,
 )
-from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, _torch_twin_error
+from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__: list[str] = []
 
@@ -51,10 +51,6 @@ def _arg(api: str, name: str) -> str:
 def _check_type(api: str, name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
     if isinstance(value, types):
         return
-    expected = types if isinstance(types, tuple) else (types,)
-    twin = _torch_twin_error(_arg(api, name), value, expected[0], type(None) in expected)
-    if twin is not None:
-        raise twin
     raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
 
 

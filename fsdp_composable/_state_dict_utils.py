@@ -16,6 +16,7 @@ from fsdp_composable import _rank_agreement
 from fsdp_composable._checkpoint_comm import all_gather_object
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._state_dict_keys import _join as _join
@@ -38,11 +39,7 @@ from fsdp_composable._state_dict_sharded import (
     _replicate_buffers,
     _write_back_sharded,
 )
-from fsdp_composable.api import (
-    StateDictConfig,
-    StateDictType,
-    _torch_twin_error,
-)
+from fsdp_composable.api import StateDictConfig, StateDictType
 
 __all__: list[str] = ["state_dict_type"]
 
@@ -64,24 +61,15 @@ def state_dict_type(
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"state_dict_type argument 'module' must be an nn.Module, got {type(module).__name__}")
-    twin = _torch_twin_error("state_dict_type argument 'state_dict_type'", state_dict_type, StateDictType)
-    if twin:
-        raise twin
+    # FSDP1's classes from torch.distributed.fsdp: see [Note: torch's FSDP1 objects]
+    state_dict_type = as_ours("state_dict_type argument 'state_dict_type'", state_dict_type)
+    config = as_ours("state_dict_type argument 'config'", config)
     if not isinstance(state_dict_type, StateDictType):
         raise TypeError(
             "state_dict_type argument 'state_dict_type' must be a StateDictType (e.g. "
             f"StateDictType.SHARDED_STATE_DICT), got {type(state_dict_type).__name__}: {state_dict_type!r}"
         )
     expected = _CONFIG_TYPES[state_dict_type]
-    twin = _torch_twin_error(
-        "state_dict_type argument 'config'",
-        config,
-        expected,
-        or_none=True,
-        suffix=f" for StateDictType.{state_dict_type.name}",
-    )
-    if twin:
-        raise twin
     if config is not None and not isinstance(config, expected):
         raise TypeError(
             f"state_dict_type argument 'config' must be a {expected.__name__} or None for "

@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional
 
 from torch import nn
 
+from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable.api import MixedPrecision, ShardingStrategy
 
 __all__ = ["TorchPolicy", "read_torch_policy"]
@@ -43,14 +44,6 @@ _TORCH_FSDP = "torch.distributed.fsdp"
 _TORCH_WRAP = "torch.distributed.fsdp.wrap"  # where FSDP1's policies live
 # FSDP1's CustomPolicy keyword -> ours; values are converted by `_override_value`
 _OVERRIDE_NAMES = {"sharding_strategy": "strategy", "strategy": "strategy", "mixed_precision": "mixed_precision"}
-_MIXED_PRECISION_FIELDS = (
-    "param_dtype",
-    "reduce_dtype",
-    "buffer_dtype",
-    "keep_low_precision_grads",
-    "cast_forward_inputs",
-    "cast_root_forward_inputs",
-)
 
 # What `TorchPolicy.select` is told about the module tree: the root, each managed module's FQN (pre-order),
 # its managed children, and the parameters counted as FSDP1 counts them (ignored ones left out).
@@ -210,9 +203,10 @@ def _override_value(key: str, value: Any, fqn: str) -> Any:
             )
         return ours
     if key == "mixed_precision" and value is not None and not isinstance(value, MixedPrecision):
-        if type(value).__name__ != "MixedPrecision":
+        ours = as_ours(f"torch CustomPolicy's mixed_precision for module '{fqn}'", value)  # see `_fsdp1_names`
+        if not isinstance(ours, MixedPrecision):
             raise ValueError(
                 f"torch CustomPolicy returned mixed_precision={value!r} for module '{fqn}'; expected a MixedPrecision"
             )
-        return MixedPrecision(**{f: getattr(value, f) for f in _MIXED_PRECISION_FIELDS})
+        return ours
     return value

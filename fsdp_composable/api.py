@@ -69,27 +69,6 @@ class StateDictType(enum.Enum):
     LOCAL_STATE_DICT = enum.auto()
 
 
-# torch.distributed.fsdp has classes with the same names; a message printing only the class name would
-# read "must be a ShardingStrategy, got ShardingStrategy", so name both packages.
-_TORCH_TWIN_NOTE = "(torch.distributed.fsdp's class of the same name is not interchangeable)"
-
-
-def _torch_twin_error(
-    where: str, value: Any, expected: type, or_none: bool = False, suffix: str = ""
-) -> Optional[TypeError]:
-    """The TypeError for ``value`` of torch.distributed.fsdp's class named like ``expected``, else None.
-
-    Checked by module name: this package must not import torch.distributed.fsdp."""
-    cls = type(value)
-    if cls.__name__ != expected.__name__ or not cls.__module__.startswith("torch.distributed.fsdp"):
-        return None
-    got = f"torch.distributed.fsdp.{cls.__name__}" + (f".{value.name}" if isinstance(value, enum.Enum) else "")
-    return TypeError(
-        f"{where} must be a fsdp_composable.{expected.__name__}{' or None' if or_none else ''}{suffix}, "
-        f"got {got} {_TORCH_TWIN_NOTE}"
-    )
-
-
 def _check_bool(where: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{where} must be True or False, got {type(value).__name__}: {value!r}")

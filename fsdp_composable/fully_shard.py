@@ -11,6 +11,7 @@ from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
+from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
@@ -55,8 +56,14 @@ def fully_shard(
 
     FSDP2's names are accepted too: ``mesh`` (for ``process_group``; 2-D means HYBRID_SHARD),
     ``reshard_after_forward`` (False is SHARD_GRAD_OP), ``mp_policy``, ``offload_policy`` and
-    ``ignored_params`` (see [Note: FSDP2 names] in `_fsdp2_names`).
+    ``ignored_params`` (see [Note: FSDP2 names] in `_fsdp2_names`). FSDP1's enums and configs from
+    ``torch.distributed.fsdp`` are taken as ours (see [Note: torch's FSDP1 objects] in `_fsdp1_names`).
     """
+    # FSDP1's classes from torch.distributed.fsdp: see [Note: torch's FSDP1 objects]
+    strategy = as_ours("fully_shard argument 'strategy'", strategy)
+    mixed_precision = as_ours("fully_shard argument 'mixed_precision'", mixed_precision)
+    cpu_offload = as_ours("fully_shard argument 'cpu_offload'", cpu_offload)
+    backward_prefetch = as_ours("fully_shard argument 'backward_prefetch'", backward_prefetch)
     ours = map_fsdp2_names(
         module,
         OurArgs(process_group, strategy, mixed_precision, cpu_offload, ignored_modules),

@@ -21,6 +21,7 @@ from fsdp_composable import _comm_hooks, _fsdp1_static
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
+from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import _ignored_modules
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
@@ -106,6 +107,12 @@ class FullyShardedDataParallel(nn.Module):
         super().__init__()
         self._fsdp_wrapped_module = module
         strategy = ShardingStrategy.FULL_SHARD if sharding_strategy is None else sharding_strategy
+        # FSDP1's classes from torch.distributed.fsdp: see [Note: torch's FSDP1 objects]
+        where = "FullyShardedDataParallel argument"
+        strategy = as_ours(f"{where} 'sharding_strategy'", strategy)
+        mixed_precision = as_ours(f"{where} 'mixed_precision'", mixed_precision)
+        cpu_offload = as_ours(f"{where} 'cpu_offload'", cpu_offload)
+        backward_prefetch = as_ours(f"{where} 'backward_prefetch'", backward_prefetch)
         args = ShardConfig(
             policy=auto_wrap_policy,
             process_group=process_group,
@@ -242,7 +249,18 @@ class FullyShardedDataParallel(nn.Module):
         offload_to_cpu: bool = False,
         with_grads: bool = False,
     ) -> contextlib.AbstractContextManager[None]:
-        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too)."""
+        """See `fsdp_composable.unshard_params` (FSDP1's order, so positional arguments work too). As in
+        FSDP1, ``FullyShardedDataParallel.summon_full_params(module)`` also takes any module holding
+        wrappers: every wrapper in its tree is unsharded."""
+        if not isinstance(self, FullyShardedDataParallel):  # FSDP1's static call on a plain module
+            return unshard_params(
+                self,
+                recurse=recurse,
+                writeback=writeback,
+                rank0_only=rank0_only,
+                offload_to_cpu=offload_to_cpu,
+                with_grads=with_grads,
+            )
         return _unshard_in_orig_mode(
             self,
             recurse=recurse,
@@ -295,10 +313,13 @@ class FullyShardedDataParallel(nn.Module):
 
     @staticmethod
     def state_dict_type(
-        module: nn.Module, state_dict_type: Any, state_dict_config: Any = None
+        module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
     ) -> contextlib.AbstractContextManager[None]:
-        """See `fsdp_composable.state_dict_type` (a `StateDictType` and its matching config)."""
-        return _state_dict_type(module, state_dict_type, state_dict_config)
+        """See `fsdp_composable.state_dict_type` (a `StateDictType` and its matching config). Optimizer
+        state dicts follow ``state_dict_config``: an ``optim_state_dict_config`` asking otherwise is refused."""
+        config = as_ours("state_dict_type argument 'config'", state_dict_config)
+        _fsdp1_static._check_optim_config(optim_state_dict_config, config, "state_dict_type")
+        return _state_dict_type(module, state_dict_type, config)
 
     @staticmethod
     def optim_state_dict(

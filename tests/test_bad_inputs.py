@@ -48,7 +48,6 @@ ACCEPTED = "<accepted>"
 # Cases whose current behaviour is an internal error, a silent acceptance, or a message that names the
 # wrong argument or gives the wrong advice. The test pins what happens today; the value is the message
 # the case should raise instead. When the library is fixed, accept the new expectation and drop the entry.
-_TORCH_TWIN = "(torch.distributed.fsdp's class of the same name is not interchangeable)"
 KNOWN_GAPS: dict[str, str] = {}  # every gap found so far is closed; add new ones here with the message they need
 
 
@@ -208,7 +207,7 @@ def constructor_cases() -> dict[str, Outcome]:
     case("fully_shard/strategy_none", lambda: fully_shard(_gpt(), strategy=None))  # type: ignore[arg-type]
     case(
         "fully_shard/strategy_torch_fsdp_enum",
-        lambda: fully_shard(_gpt(), strategy=torch_fsdp.ShardingStrategy.FULL_SHARD),  # type: ignore[arg-type]
+        lambda: fully_shard(_gpt(), strategy=torch_fsdp.ShardingStrategy.HYBRID_SHARD),  # type: ignore[arg-type]
     )
     # mixed_precision
     case("fully_shard/mixed_precision_dtype", lambda: fully_shard(_gpt(), mixed_precision=torch.float16))  # type: ignore[arg-type]
@@ -218,13 +217,13 @@ def constructor_cases() -> dict[str, Outcome]:
     )
     case(
         "fully_shard/mixed_precision_torch_fsdp",
-        lambda: fully_shard(_gpt(), mixed_precision=torch_fsdp.MixedPrecision(param_dtype=torch.float16)),  # type: ignore[arg-type]
+        lambda: fully_shard(_gpt(), mixed_precision=torch_fsdp.MixedPrecision(_module_classes_to_ignore=())),  # type: ignore[arg-type]
     )
     # cpu_offload
     case("fully_shard/cpu_offload_bool", lambda: fully_shard(_gpt(), cpu_offload=True))  # type: ignore[arg-type]
     case(
         "fully_shard/cpu_offload_torch_fsdp",
-        lambda: fully_shard(_gpt(), cpu_offload=torch_fsdp.CPUOffload(offload_params=True)),  # type: ignore[arg-type]
+        lambda: fully_shard(_gpt(), cpu_offload=torch_fsdp.CPUOffload(offload_params=1)),  # type: ignore[arg-type]
     )
     # ignored_modules
     gpt = _gpt()
@@ -253,10 +252,6 @@ def constructor_cases() -> dict[str, Outcome]:
     case("fully_shard/forward_prefetch_int", lambda: fully_shard(_gpt(), forward_prefetch=1))  # type: ignore[arg-type]
     case("fully_shard/limit_all_gathers_none", lambda: fully_shard(_gpt(), limit_all_gathers=None))  # type: ignore[arg-type]
     case("fully_shard/backward_prefetch_str", lambda: fully_shard(_gpt(), backward_prefetch="BACKWARD_PRE"))  # type: ignore[arg-type]
-    case(
-        "fully_shard/backward_prefetch_torch_fsdp",
-        lambda: fully_shard(_gpt(), backward_prefetch=torch_fsdp.BackwardPrefetch.BACKWARD_PRE),  # type: ignore[arg-type]
-    )
     case("fully_shard/unknown_keyword", lambda: fully_shard(_gpt(), auto_wrap_policy=ModuleWrapPolicy({Block})))
 
     def twice() -> None:
@@ -449,13 +444,15 @@ def runtime_cases() -> dict[str, Outcome]:
     case("state_dict_type/type_str", lambda: _enter(state_dict_type(model, "SHARDED_STATE_DICT")))  # type: ignore[arg-type]
     case(
         "state_dict_type/type_torch_fsdp",
-        lambda: _enter(state_dict_type(model, torch_fsdp.StateDictType.SHARDED_STATE_DICT)),  # type: ignore[arg-type]
+        lambda: _enter(
+            state_dict_type(model, torch_fsdp.StateDictType.SHARDED_STATE_DICT, torch_fsdp.FullStateDictConfig())  # type: ignore[arg-type]
+        ),
     )
     case("state_dict_type/config_for_other_type", lambda: _enter(state_dict_type(model, sdt, FullStateDictConfig())))
     case(
         "state_dict_type/config_torch_fsdp",
         lambda: _enter(
-            state_dict_type(model, StateDictType.FULL_STATE_DICT, torch_fsdp.FullStateDictConfig())  # type: ignore[arg-type]
+            state_dict_type(model, StateDictType.FULL_STATE_DICT, torch_fsdp.FullOptimStateDictConfig())  # type: ignore[arg-type]
         ),
     )
     case("state_dict_type/plain_module", lambda: _enter(state_dict_type(plain, sdt, ShardedStateDictConfig())))
@@ -664,7 +661,7 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     )
     expect(
         "fully_shard/strategy_torch_fsdp_enum",
-        """TypeError: fully_shard argument 'strategy' must be a fsdp_composable.ShardingStrategy, got torch.distributed.fsdp.ShardingStrategy.FULL_SHARD (torch.distributed.fsdp's class of the same name is not interchangeable)""",
+        """ValueError: ShardingStrategy.HYBRID_SHARD needs process_group=(shard_group, replicate_group) or a 2-D DeviceMesh (replicate, shard): say which ranks shard together and which replicate""",
     )
     expect(
         "fully_shard/mixed_precision_dtype",
@@ -676,7 +673,7 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     )
     expect(
         "fully_shard/mixed_precision_torch_fsdp",
-        """TypeError: fully_shard argument 'mixed_precision' must be a fsdp_composable.MixedPrecision or None, got torch.distributed.fsdp.MixedPrecision (torch.distributed.fsdp's class of the same name is not interchangeable)""",
+        """ValueError: fully_shard argument 'mixed_precision': torch.distributed.fsdp.MixedPrecision(_module_classes_to_ignore=()) has no equivalent: every BatchNorm module (and only those) gets its own full-precision unit here; leave _module_classes_to_ignore at its default (a CustomPolicy can give other modules units with mixed_precision=None)""",
     )
     expect(
         "fully_shard/cpu_offload_bool",
@@ -684,7 +681,7 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     )
     expect(
         "fully_shard/cpu_offload_torch_fsdp",
-        """TypeError: fully_shard argument 'cpu_offload' must be a fsdp_composable.CPUOffload or None, got torch.distributed.fsdp.CPUOffload (torch.distributed.fsdp's class of the same name is not interchangeable)""",
+        """TypeError: CPUOffload.offload_params must be True or False, got int: 1""",
     )
     expect(
         "fully_shard/ignored_modules_single_module",
@@ -762,10 +759,6 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     expect(
         "fully_shard/backward_prefetch_str",
         """TypeError: fully_shard argument 'backward_prefetch' must be a BackwardPrefetch or None, got str: 'BACKWARD_PRE'""",
-    )
-    expect(
-        "fully_shard/backward_prefetch_torch_fsdp",
-        """TypeError: fully_shard argument 'backward_prefetch' must be a fsdp_composable.BackwardPrefetch or None, got torch.distributed.fsdp.BackwardPrefetch.BACKWARD_PRE (torch.distributed.fsdp's class of the same name is not interchangeable)""",
     )
     expect(
         "fully_shard/unknown_keyword",
@@ -1068,7 +1061,7 @@ def test_state_dict_type_and_forward_methods(dist_run: Any) -> None:
     )
     expect(
         "state_dict_type/type_torch_fsdp",
-        """TypeError: state_dict_type argument 'state_dict_type' must be a fsdp_composable.StateDictType, got torch.distributed.fsdp.StateDictType.SHARDED_STATE_DICT (torch.distributed.fsdp's class of the same name is not interchangeable)""",
+        """TypeError: state_dict_type argument 'config' must be a ShardedStateDictConfig or None for StateDictType.SHARDED_STATE_DICT, got FullStateDictConfig""",
     )
     expect(
         "state_dict_type/config_for_other_type",
@@ -1076,7 +1069,7 @@ def test_state_dict_type_and_forward_methods(dist_run: Any) -> None:
     )
     expect(
         "state_dict_type/config_torch_fsdp",
-        """TypeError: state_dict_type argument 'config' must be a fsdp_composable.FullStateDictConfig or None for StateDictType.FULL_STATE_DICT, got torch.distributed.fsdp.FullStateDictConfig (torch.distributed.fsdp's class of the same name is not interchangeable)""",
+        """TypeError: state_dict_type argument 'config' must be a FullStateDictConfig or None for StateDictType.FULL_STATE_DICT, got FullOptimStateDictConfig""",
     )
     expect(
         "state_dict_type/plain_module",

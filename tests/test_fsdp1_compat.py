@@ -177,14 +177,20 @@ def test_torch_size_policy_on_gpt_trains(dist_run: Callable[..., Any]) -> None:
 
 
 def _bad_torch_policies() -> dict[str, str]:
-    from torch.distributed.fsdp import wrap
+    from torch.distributed.fsdp import MixedPrecision, wrap
 
     def bad_keyword(m: nn.Module) -> Any:
         return {"limit_all_gathers": False} if isinstance(m, nn.Linear) else False
 
+    model = OddMLP()
+
+    def ignoring_nothing(m: nn.Module) -> Any:  # torch's MixedPrecision with a field we cannot honour
+        return {"mixed_precision": MixedPrecision(_module_classes_to_ignore=())} if m is model.l3 else False
+
     return {
         "custom_bad_key": error_of(lambda: fully_shard(OddMLP(), wrap.CustomPolicy(bad_keyword))),
         "custom_bad_return": error_of(lambda: fully_shard(OddMLP(), wrap.CustomPolicy(lambda m: 1))),
+        "custom_mp_classes_to_ignore": error_of(lambda: fully_shard(model, wrap.CustomPolicy(ignoring_nothing))),
     }
 
 
@@ -198,6 +204,10 @@ def test_torch_policy_errors(dist_run: Callable[..., Any]) -> None:
     tc.assertExpectedInline(
         errors["custom_bad_return"],
         """ValueError: torch CustomPolicy's function returned int for module 'l1'; return a bool or a dict of keyword overrides""",
+    )
+    tc.assertExpectedInline(
+        errors["custom_mp_classes_to_ignore"],
+        """ValueError: torch CustomPolicy's mixed_precision for module 'l3': torch.distributed.fsdp.MixedPrecision(_module_classes_to_ignore=()) has no equivalent: every BatchNorm module (and only those) gets its own full-precision unit here; leave _module_classes_to_ignore at its default (a CustomPolicy can give other modules units with mixed_precision=None)""",
     )
 
 
@@ -316,3 +326,91 @@ def test_torch_custom_policy_overrides(dist_run: Callable[..., Any]) -> None:
             ("l1", "SHARD_GRAD_OP", "None"),
             ("l3", "FULL_SHARD", "torch.bfloat16"),
         ], units
+
+
+# ---------------------------------------------------------------------------- torch's enums and configs
+def _fsdp1_script(names: Any) -> dict[str, Any]:
+    """A typical FSDP1 script with its enums, configs and policy from ``names`` (torch.distributed.fsdp
+    or fsdp_composable): FULL_SHARD, fp16 compute, BACKWARD_POST, then a rank-0 FULL state dict saved
+    and a FULL state dict loaded. The reference: fp32 master weights, an fp16 copy computes the global
+    batch (as tests/test_mixed_precision.py)."""
+    import copy
+
+    import torch.distributed as dist
+    import torch.distributed.fsdp as torch_fsdp
+    from parity import global_mean, local_slice
+    from torch.distributed.fsdp.wrap import ModuleWrapPolicy as TorchModuleWrapPolicy
+
+    fsdp = FullyShardedDataParallel
+    torch.manual_seed(0)
+    master = TinyGPT()
+    model = fsdp(
+        copy.deepcopy(master),
+        sharding_strategy=names.ShardingStrategy.FULL_SHARD,
+        auto_wrap_policy=TorchModuleWrapPolicy({Block}),
+        mixed_precision=names.MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        backward_prefetch=names.BackwardPrefetch.BACKWARD_POST,
+        cpu_offload=names.CPUOffload(offload_params=False),
+    )
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt_ref, opt = torch.optim.SGD(master.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict[str, Any] = {"losses": [], "ref_losses": []}
+    for step in range(3):
+        batch = gpt_batch(step, 2 * world)
+        low = copy.deepcopy(master).to(torch.float16)
+        gpt_loss(low, batch).backward()
+        for p, q in zip(master.parameters(), low.parameters()):
+            p.grad = q.grad.float()  # type: ignore[union-attr]
+        opt_ref.step()
+        opt_ref.zero_grad()
+        out["ref_losses"].append(gpt_loss(low, batch).item())
+        loss = gpt_loss(model, local_slice(batch, rank, world))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        out["losses"].append(global_mean(loss.float()))
+    out["settings"] = (model.sharding_strategy, model.mixed_precision, model.backward_prefetch, model.cpu_offload)
+    save = names.FullStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    optim_save = torch_fsdp.FullOptimStateDictConfig(offload_to_cpu=True, rank0_only=True)
+    with fsdp.state_dict_type(model, names.StateDictType.FULL_STATE_DICT, save, optim_save):
+        saved = model.state_dict()
+    out["saved_keys"] = list(saved)
+    ref_sd = master.state_dict()
+    out["saved_diff"] = max(((v - ref_sd[k]).abs().max().item() for k, v in saved.items()), default=-1.0)
+    # load: a fresh model's full state dict into the trained one, then read back
+    torch.manual_seed(1)
+    fresh = TinyGPT().state_dict()
+    fsdp.set_state_dict_type(model, names.StateDictType.FULL_STATE_DICT, names.FullStateDictConfig())
+    out["set_type"] = fsdp.get_state_dict_type(model).state_dict_type
+    model.load_state_dict(fresh)
+    reread = model.state_dict()
+    out["loaded"] = list(reread) == list(fresh) and all(torch.equal(reread[k], v) for k, v in fresh.items())
+    return out
+
+
+def _fsdp1_script_both() -> tuple[dict[str, Any], dict[str, Any]]:
+    import torch.distributed.fsdp as torch_names
+
+    import fsdp_composable as our_names
+
+    return _fsdp1_script(torch_names), _fsdp1_script(our_names)
+
+
+def test_fsdp1_script_with_torch_enums_and_configs(dist_run: Callable[..., Any]) -> None:
+    from fsdp_composable import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy, StateDictType
+
+    for rank, (theirs, ours) in enumerate(dist_run(2, _fsdp1_script_both)):
+        # torch's objects arrive as ours, field by field
+        assert theirs["settings"] == (
+            ShardingStrategy.FULL_SHARD,
+            MixedPrecision(param_dtype=torch.float16, reduce_dtype=torch.float32),
+            BackwardPrefetch.BACKWARD_POST,
+            CPUOffload(offload_params=False),
+        )
+        assert theirs["set_type"] is StateDictType.FULL_STATE_DICT
+        # the same run as with our classes, exactly, and like the unsharded fp16 model
+        assert theirs["losses"] == ours["losses"]
+        torch.testing.assert_close(theirs["losses"], theirs["ref_losses"], rtol=5e-3, atol=5e-3)
+        assert theirs["saved_keys"] == (list(TinyGPT().state_dict()) if rank == 0 else [])
+        assert theirs["saved_diff"] < 5e-3 if rank == 0 else theirs["saved_diff"] == -1.0
+        assert theirs["loaded"]

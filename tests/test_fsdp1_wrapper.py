@@ -444,3 +444,45 @@ def test_wrapper_unsupported_fsdp1_keywords(dist_run: Callable[..., Any]) -> Non
         errors["optim_config"],
         """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""",
     )
+
+
+# ---------------------------------------------------------------------------- summon_full_params on a plain module
+def _summon_on_plain_module() -> dict[str, Any]:
+    """FSDP1's static call on a module that only contains wrappers (two roots, flat-parameter mode)."""
+    import copy
+
+    fsdp = FullyShardedDataParallel
+    torch.manual_seed(0)
+    ref = OddMLP()
+    inner = copy.deepcopy(ref)
+    holder = nn.Sequential(fsdp(inner.l1), nn.ReLU(), fsdp(inner.l2), nn.ReLU(), fsdp(inner.l3))
+    ref_holder = nn.Sequential(ref.l1, nn.ReLU(), ref.l2, nn.ReLU(), ref.l3)
+    expected = dict(ref_holder.named_parameters())
+
+    def params() -> dict[str, nn.Parameter]:  # a plain parent's names keep the wrapper's prefix, as in FSDP1
+        return {n.replace("_fsdp_wrapped_module.", ""): p for n, p in holder.named_parameters()}
+
+    out: dict[str, Any] = {"outside": sorted(params())}
+    with fsdp.summon_full_params(holder):
+        inside = params()
+        out["inside_equal"] = list(inside) == list(expected) and all(
+            torch.equal(p, expected[n]) for n, p in inside.items()
+        )
+        with torch.no_grad():
+            for p in inside.values():
+                p.mul_(2)  # written back on exit
+    with torch.no_grad():
+        for p in ref_holder.parameters():
+            p.mul_(2)
+    x = mlp_batch(0, 3)[0]
+    with torch.no_grad():
+        out["forward_equal"] = torch.allclose(holder(x), ref_holder(x), atol=1e-6)
+    with fsdp.summon_full_params(holder, writeback=False):
+        out["written_back"] = all(torch.equal(p, expected[n]) for n, p in params().items())
+    return out
+
+
+def test_summon_full_params_on_a_plain_module(dist_run: Callable[..., Any]) -> None:
+    for r in dist_run(2, _summon_on_plain_module):
+        assert r["outside"] == ["0._flat_param", "2._flat_param", "4._flat_param"]  # sharded between the calls
+        assert r["inside_equal"] and r["written_back"] and r["forward_equal"]
