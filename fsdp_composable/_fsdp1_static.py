@@ -30,6 +30,7 @@ from fsdp_composable._collectives import comm_device
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._optim_utils import optim_state_dict, optim_state_dict_to_load
+from fsdp_composable._state_dict_settings import _config, _kind, _set_setting
 from fsdp_composable._state_dict_utils import _CONFIG_TYPES, state_dict_type
 from fsdp_composable.api import FullStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
 
@@ -69,8 +70,7 @@ def set_state_dict_type(
         pass  # the context manager's checks: a StateDictType, its config, a fully_shard state below
     previous = get_state_dict_type(module)
     config = state_dict_config if state_dict_config is not None else _CONFIG_TYPES[sd_type]()
-    for state in _get_fsdp_states(module):
-        state.state_dict_type, state.state_dict_config = sd_type, config
+    _set_setting(_get_fsdp_states(module), sd_type, config)  # the root-wide holder once initialised
     return previous
 
 
@@ -82,7 +82,7 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
             f"get_state_dict_type: no fully_shard state on this {type(module).__name__} or its submodules; "
             "call fully_shard(module) or wrap it first"
         )
-    settings = {(s.state_dict_type, _config_of(s.state_dict_type, s.state_dict_config)) for s in states}
+    settings = {(_kind(s), _config_of(_kind(s), _config(s))) for s in states}
     if len(settings) > 1:
         raise ValueError(
             f"get_state_dict_type: the states under this {type(module).__name__} have different state-dict "
