@@ -24,6 +24,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     if state.ctx is not None:
         return
     states = _get_fsdp_states(root_module)
+    _check_no_unit_in_no_sync(state, states, root_module)
     streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
     if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
         streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
@@ -45,6 +46,19 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+def _check_no_unit_in_no_sync(state: _FSDPState, states: list[_FSDPState], root_module: nn.Module) -> None:
+    """``no_sync`` entered on a unit before the root's first forward made that unit a root of its own,
+    and its switch would be dropped with its context here: refuse, as ``no_sync`` does on a unit once
+    the root is known, instead of reducing inside ``no_sync``."""
+    for s in states:
+        if s is not state and s.ctx is not None and s.ctx.root is s and not s.ctx.sync_gradients:
+            fqn = next((name for name, m in root_module.named_modules() if m is s.module), "")
+            raise ValueError(
+                f"no_sync must be called on the fully_shard root ({type(root_module).__name__}), not on its "
+                f"unit {fqn!r}: it must skip the reduction of every unit"
+            )
 
 
 def _ctx(state: _FSDPState) -> RootContext:

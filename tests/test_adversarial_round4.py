@@ -1,0 +1,56 @@
+"""Paths found broken by an adversarial pass over the CUDA path, the root-context consolidation, the
+FSDP1 compatibility layer, the framework integrations and the main job. Each test failed before its fix."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from models import TinyGPT, gpt_batch, gpt_loss
+from parity import local_slice
+
+from fsdp_composable import fully_shard, no_sync, unshard_params
+
+
+def _bottom_up_gpt() -> tuple[TinyGPT, TinyGPT]:
+    torch.manual_seed(0)
+    ref = TinyGPT()
+    model = copy.deepcopy(ref)
+    for block in model.blocks:  # bottom-up by hand: the root is known only at the first forward
+        fully_shard(block)
+    fully_shard(model)
+    return ref, model
+
+
+def no_sync_on_unit_before_first_forward() -> dict[str, Any]:
+    """no_sync on a non-root unit is refused after the first forward; before it, the same call must not be
+    accepted and then silently ignored (the root's first forward builds the context the switch lives in)."""
+    ref, model = _bottom_up_gpt()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b0 = gpt_batch(0, 2 * world)
+    err = ""
+    try:
+        with no_sync(model.blocks[0]):
+            gpt_loss(model, local_slice(b0, rank, world)).backward()
+    except Exception as e:  # noqa: BLE001
+        err = f"{type(e).__name__}: {e}"
+    # the model stays usable: the next step matches the unsharded model's
+    gpt_loss(model, local_slice(b0, rank, world)).backward()
+    gpt_loss(ref, b0).backward()
+    with unshard_params(model, with_grads=True, writeback=False):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    after = list(grads) == [n for n, _ in ref.named_parameters()] and all(
+        torch.allclose(grads[n], p.grad, atol=1e-6) for n, p in ref.named_parameters()
+    )
+    return {"error": err, "after": after}
+
+
+def test_no_sync_on_unit_before_first_forward(dist_run) -> None:
+    expected = {
+        "error": "ValueError: no_sync must be called on the fully_shard root (TinyGPT), not on its unit "
+        "'blocks.0': it must skip the reduction of every unit",
+        "after": True,
+    }
+    assert dist_run(2, no_sync_on_unit_before_first_forward) == [expected] * 2
