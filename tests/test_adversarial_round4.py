@@ -8,8 +8,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from models import TinyGPT, gpt_batch, gpt_loss
+from models import OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
+from torch import nn
 
 from fsdp_composable import fully_shard, no_sync, unshard_params
 
@@ -54,3 +55,47 @@ def test_no_sync_on_unit_before_first_forward(dist_run) -> None:
         "after": True,
     }
     assert dist_run(2, no_sync_on_unit_before_first_forward) == [expected] * 2
+
+
+class _TwoRoots(nn.Module):
+    """A plain parent of two separately sharded siblings (as a Lightning parallelize_fn may leave it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = OddMLP()
+        self.out = nn.Linear(1, 3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.body(x)).sum(-1, keepdim=True)
+
+
+def no_sync_on_parent_of_two_roots(warm: bool) -> dict[str, Any]:
+    """no_sync on the parent must skip the reduction of both roots, not only the first one's."""
+    torch.manual_seed(0)
+    ref = _TwoRoots()
+    model = copy.deepcopy(ref)
+    fully_shard(model.body)
+    fully_shard(model.out)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    b0, b1 = mlp_batch(0, 2 * world), mlp_batch(1, 2 * world)
+    if warm:  # the roots are known (lazy init ran)
+        with torch.no_grad():
+            model(local_slice(b0, rank, world)[0])
+    with no_sync(model):
+        (0.5 * mlp_loss(model, local_slice(b0, rank, world))).backward()
+    reduced_inside = [n for n, p in model.named_parameters() if p.grad is not None]
+    (0.5 * mlp_loss(model, local_slice(b1, rank, world))).backward()
+    (0.5 * mlp_loss(ref, b0) + 0.5 * mlp_loss(ref, b1)).backward()
+    grads = {}
+    for sub in (model.body, model.out):
+        with unshard_params(sub, with_grads=True, writeback=False):
+            grads.update({id(p): p.grad.clone() for p in sub.parameters()})
+    names = dict(zip(map(id, model.parameters()), (n for n, _ in model.named_parameters())))
+    full = {names[k]: g for k, g in grads.items()}
+    parity = all(torch.allclose(full[n], p.grad, atol=1e-6) for n, p in ref.named_parameters())
+    return {"reduced_inside": reduced_inside, "parity": parity}
+
+
+def test_no_sync_on_parent_of_two_roots(dist_run) -> None:
+    for warm in (False, True):
+        assert dist_run(2, no_sync_on_parent_of_two_roots, warm) == [{"reduced_inside": [], "parity": True}] * 2
