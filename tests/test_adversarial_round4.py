@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 from models import OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
@@ -99,3 +100,34 @@ def no_sync_on_parent_of_two_roots(warm: bool) -> dict[str, Any]:
 def test_no_sync_on_parent_of_two_roots(dist_run) -> None:
     for warm in (False, True):
         assert dist_run(2, no_sync_on_parent_of_two_roots, warm) == [{"reduced_inside": [], "parity": True}] * 2
+
+
+def shard_after_ddp() -> dict[str, float]:
+    """DDP built first, fully_shard on a child afterwards: the guard sees only DDP's construction, and
+    the backward mixes both reductions (one gradient comes out wrong, silently)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    ddp = DistributedDataParallel(model)
+    error = ""
+    try:
+        fully_shard(model.l2)
+    except Exception as e:  # noqa: BLE001 - what a fix would raise, on every rank
+        error = f"{type(e).__name__}: {e}"
+    if error:
+        return {"refused": 1.0}
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = mlp_batch(0, 2 * world)
+    mlp_loss(ddp, local_slice(batch, rank, world)).backward()
+    mlp_loss(ref, batch).backward()
+    with unshard_params(model.l2, with_grads=True, writeback=False):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"max_diff": max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())}
+
+
+@pytest.mark.xfail(strict=True, reason="not fixed: fully_shard inside an existing DDP is neither refused nor correct")
+def test_fully_shard_inside_existing_ddp(dist_run) -> None:
+    for r in dist_run(2, shard_after_ddp):
+        assert r == {"refused": 1.0} or r["max_diff"] < 1e-6, r
