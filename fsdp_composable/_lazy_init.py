@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from fsdp_composable import _comm_hooks
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -25,6 +26,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         return
     states = _get_fsdp_states(root_module)
     _check_no_unit_in_no_sync(state, states, root_module)
+    _check_comm_hook_on_root(state, states, root_module)
     streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
     if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
         streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
@@ -59,6 +61,19 @@ def _check_no_unit_in_no_sync(state: _FSDPState, states: list[_FSDPState], root_
                 f"no_sync must be called on the fully_shard root ({type(root_module).__name__}), not on its "
                 f"unit {fqn!r}: it must skip the reduction of every unit"
             )
+
+
+def _check_comm_hook_on_root(state: _FSDPState, states: list[_FSDPState], root_module: nn.Module) -> None:
+    """A communication hook registered on a unit before the root was known would reduce only that
+    unit's gradients: refuse, as `register_comm_hook` does on a unit once the root is known."""
+    hooked = [s for s in states if any(_comm_hooks.registered(h) is not None for h in s.handles)]
+    if hooked and any(_comm_hooks.registered(h) is None for s in states for h in s.handles):
+        unit = next((s for s in hooked if s is not state), hooked[0])
+        fqn = next((name for name, m in root_module.named_modules() if m is unit.module), "")
+        raise RuntimeError(
+            "register_comm_hook: call it on the root (the outermost sharded module), not on the "
+            f"{type(unit.module).__name__} {fqn!r} inside it"
+        )
 
 
 def _ctx(state: _FSDPState) -> RootContext:

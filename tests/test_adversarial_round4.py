@@ -13,7 +13,7 @@ from models import OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
 from torch import nn
 
-from fsdp_composable import fully_shard, no_sync, unshard_params
+from fsdp_composable import fully_shard, no_sync, register_comm_hook, unshard_params
 
 
 def _bottom_up_gpt() -> tuple[TinyGPT, TinyGPT]:
@@ -131,3 +131,35 @@ def shard_after_ddp() -> dict[str, float]:
 def test_fully_shard_inside_existing_ddp(dist_run) -> None:
     for r in dist_run(2, shard_after_ddp):
         assert r == {"refused": 1.0} or r["max_diff"] < 1e-6, r
+
+
+def comm_hook_on_unit_before_first_forward() -> dict[str, Any]:
+    """register_comm_hook on a unit of a model sharded bottom-up is refused once the root is known;
+    before it, the hook must not silently reduce only that unit's gradients."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    _, model = _bottom_up_gpt()
+    calls: list[int] = []
+
+    def hook(state: Any, grad: torch.Tensor, output: torch.Tensor) -> None:
+        calls.append(grad.numel())
+        default_hooks.reduce_scatter_hook(state, grad, output)
+
+    register_comm_hook(model.blocks[0], default_hooks.DefaultState(dist.group.WORLD), hook)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = local_slice(gpt_batch(0, 2 * world), rank, world)
+    err = ""
+    try:
+        gpt_loss(model, batch).backward()
+    except Exception as e:  # noqa: BLE001 - the test compares the text on every rank
+        err = f"{type(e).__name__}: {e}"
+    return {"error": err, "hooked_units": len(calls)}
+
+
+def test_comm_hook_on_unit_before_first_forward(dist_run) -> None:
+    expected = {
+        "error": "RuntimeError: register_comm_hook: call it on the root (the outermost sharded module), "
+        "not on the Block 'blocks.0' inside it",
+        "hooked_units": 0,
+    }
+    assert dist_run(2, comm_hook_on_unit_before_first_forward) == [expected] * 2
