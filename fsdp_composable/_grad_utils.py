@@ -72,20 +72,32 @@ def _check_root(outer: _FSDPState, module: nn.Module, api: str, why: str) -> Non
 @contextlib.contextmanager
 def no_sync(module: nn.Module) -> Iterator[None]:
     """Accumulate unsharded gradients locally, without communication, until the context exits."""
-    states = _root_states(module, "no_sync", "it must skip the reduction of every unit")
+    # every root under ``module``: a plain parent may hold several sharded siblings, each its own root
+    roots = _outermost(_root_states(module, "no_sync", "it must skip the reduction of every unit"))
     # A step that stopped midway is closed first; between a forward and its backward is fine (the
     # choice to reduce is made at each unit's post-backward), as in torch FSDP.
-    _settle_unfinished_step(states[0])
-    if _in_backward() or _forward_running(states[0]):
+    for root in roots:
+        _settle_unfinished_step(root)
+    if _in_backward() or any(_forward_running(root) for root in roots):
         raise RuntimeError("no_sync must be entered between steps, not during forward/backward")
     # the switch lives in the root context: before the first forward, build it now ([Note: the root context])
-    _lazy_init(states[0], states[0].module)
-    ctx = _ctx(states[0])
-    previous, ctx.sync_gradients = ctx.sync_gradients, False
+    for root in roots:
+        _lazy_init(root, root.module)
+    ctxs = [_ctx(root) for root in roots]
+    previous = [ctx.sync_gradients for ctx in ctxs]
+    for ctx in ctxs:
+        ctx.sync_gradients = False
     try:
         yield
     finally:
-        ctx.sync_gradients = previous
+        for ctx, was in zip(ctxs, previous):
+            ctx.sync_gradients = was
+
+
+def _outermost(states: list[_FSDPState]) -> list[_FSDPState]:
+    """The states (outermost first) whose module lies inside no other state's module."""
+    inner = {id(m) for s in states for m in s.module.modules() if m is not s.module}
+    return [s for s in states if id(s.module) not in inner]
 
 
 @_rank_agreement.entry_point("clip_grad_norm_()")

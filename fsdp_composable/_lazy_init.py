@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
+from fsdp_composable import _comm_hooks
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -24,6 +25,8 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     if state.ctx is not None:
         return
     states = _get_fsdp_states(root_module)
+    _check_no_unit_in_no_sync(state, states, root_module)
+    _check_comm_hook_on_root(state, states, root_module)
     streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
     if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
         streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
@@ -45,6 +48,32 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+def _check_no_unit_in_no_sync(state: _FSDPState, states: list[_FSDPState], root_module: nn.Module) -> None:
+    """``no_sync`` entered on a unit before the root's first forward made that unit a root of its own,
+    and its switch would be dropped with its context here: refuse, as ``no_sync`` does on a unit once
+    the root is known, instead of reducing inside ``no_sync``."""
+    for s in states:
+        if s is not state and s.ctx is not None and s.ctx.root is s and not s.ctx.sync_gradients:
+            fqn = next((name for name, m in root_module.named_modules() if m is s.module), "")
+            raise ValueError(
+                f"no_sync must be called on the fully_shard root ({type(root_module).__name__}), not on its "
+                f"unit {fqn!r}: it must skip the reduction of every unit"
+            )
+
+
+def _check_comm_hook_on_root(state: _FSDPState, states: list[_FSDPState], root_module: nn.Module) -> None:
+    """A communication hook registered on a unit before the root was known would reduce only that
+    unit's gradients: refuse, as `register_comm_hook` does on a unit once the root is known."""
+    hooked = [s for s in states if any(_comm_hooks.registered(h) is not None for h in s.handles)]
+    if hooked and any(_comm_hooks.registered(h) is None for s in states for h in s.handles):
+        unit = next((s for s in hooked if s is not state), hooked[0])
+        fqn = next((name for name, m in root_module.named_modules() if m is unit.module), "")
+        raise RuntimeError(
+            "register_comm_hook: call it on the root (the outermost sharded module), not on the "
+            f"{type(unit.module).__name__} {fqn!r} inside it"
+        )
 
 
 def _ctx(state: _FSDPState) -> RootContext:
