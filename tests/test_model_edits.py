@@ -9,19 +9,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from models import Block, TinyGPT, gpt_batch, gpt_loss
-from parity import global_mean, local_slice
+from models import Block, TinyGPT, gpt_batch
+from parity import gpt_step as _step
+from parity import local_slice
 from torch import nn
 
 from fsdp_composable import ModuleWrapPolicy, fully_shard
-
-
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
-    loss = gpt_loss(model, local_slice(gpt_batch(step, 4), dist.get_rank(), dist.get_world_size()))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return global_mean(loss)
 
 
 # ---------------------------------------------------------------------------- edit checks

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from models import OddMLP
+from parity import error_text as _error
 from parity import same_values
 from torch import nn
 from torch.distributed.tensor import DTensor
@@ -32,14 +33,6 @@ FULL, SHARDED = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT
 
 def _full_values(sd: dict[str, Any]) -> dict[str, torch.Tensor]:
     return {k: v.full_tensor() if isinstance(v, DTensor) else v for k, v in sd.items()}
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what we compare
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 # ---------------------------------------------------------------------------- state dicts

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import global_mean, local_slice
+from parity import gpt_step as _step
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -204,14 +205,6 @@ def ours_and_torch_agree() -> bool:
 
 def test_our_optim_state_dict_equals_torchs(dist_run) -> None:
     assert dist_run(2, ours_and_torch_agree) == [True, True]
-
-
-def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
-    loss = gpt_loss(model, local_slice(gpt_batch(step, 4), dist.get_rank(), dist.get_world_size()))
-    loss.backward()
-    optim.step()
-    optim.zero_grad()
-    return global_mean(loss)
 
 
 # ---------------------------------------------------------------------------- optimizer state order

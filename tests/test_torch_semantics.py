@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from models import Block, OddMLP, TinyGPT
+from parity import error_text as _error
 from parity import same_values
 from torch import nn
 
@@ -26,14 +27,6 @@ from fsdp_composable import (
     fully_shard,
     unshard_params,
 )
-
-
-def _error(fn: Any) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what we compare
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 # ---------------------------------------------------------------------------- unshard_params writeback
