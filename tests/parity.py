@@ -7,6 +7,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+from models import gpt_batch, gpt_loss
 from torch import nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -92,3 +93,21 @@ def count_forwards(modules: list[nn.Module]) -> list[int]:
     for m in modules:
         m.register_forward_pre_hook(hook)  # a pre-hook: recomputation may stop early, before any post-hook
     return calls
+
+
+def gpt_step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    """One training step of a GPT model on this rank's slice of ``gpt_batch(step, 4)``: the global mean loss."""
+    loss = gpt_loss(model, local_slice(gpt_batch(step, 4), dist.get_rank(), dist.get_world_size()))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return global_mean(loss)
+
+
+def error_text(fn: Callable[[], Any]) -> str:
+    """``"<ExceptionType>: <message>"`` of what ``fn()`` raises, or ``"no error"``."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what we compare
+        return f"{type(e).__name__}: {e}"
+    return "no error"

@@ -228,7 +228,7 @@ def model_specs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> ModelSpec:
         a = draw(st.integers(0, n_leaves - 2))
         tie = (a, draw(st.integers(a + 1, n_leaves - 1)))
     # without a stem the first unit's inputs need no grad; a leaf called twice there has a call
-    # without a post-backward trigger (the pattern of test_edge_cases.test_unit_called_twice)
+    # without a post-backward trigger (the pattern of test_unit_shapes_and_calls.test_unit_called_twice)
     stem = draw(st.booleans())
     return ModelSpec(
         seed=draw(st.integers(0, 2**16)),

@@ -1,0 +1,100 @@
+"""Edits to a model after ``fully_shard`` (``p.data = t``, a new parameter) found broken by an
+adversarial pass: the error leaves no cleared gradient behind, and it is raised on every rank even
+where the edited parameter has no element. Every comparison is exact against a run without the edit."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from models import Block, TinyGPT, gpt_batch
+from parity import gpt_step as _step
+from parity import local_slice
+from torch import nn
+
+from fsdp_composable import ModuleWrapPolicy, fully_shard
+
+
+# ---------------------------------------------------------------------------- edit checks
+class _Generating(TinyGPT):
+    def generate(self, idx: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            return self(self(idx).argmax(-1))
+
+
+def _gen_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+    from fsdp_composable import register_fsdp_forward_method
+
+    torch.manual_seed(0)
+    model = fully_shard(_Generating(vocab=37, d=12), ModuleWrapPolicy({Block}))
+    register_fsdp_forward_method(model, "generate")
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01)
+
+
+def edit_error_after_zero_grad(edit: str, via: str) -> bool:
+    from fsdp_composable._model_edit_checks import ModelEditedAfterShardingError
+
+    model, optim = _gen_model()
+    ref, ref_optim = _gen_model()
+    _step(model, optim, 0)  # ends with zero_grad(): the flat gradient is released at the next forward
+    _step(ref, ref_optim, 0)
+    if edit == "data":
+        model.blocks[0].fc1.weight.data = model.blocks[0].fc1.weight.data.clone()
+    else:
+        model.blocks[0].extra = nn.Parameter(torch.zeros(3))
+    idx = local_slice(gpt_batch(9, 4), dist.get_rank(), dist.get_world_size())[0]
+    try:
+        model.generate(idx) if via == "generate" else model(idx)
+    except ModelEditedAfterShardingError:
+        pass
+    else:
+        raise AssertionError("the edit was not detected")
+    if edit == "param":
+        del model.blocks[0].extra
+    for step in (1, 2):
+        _step(model, optim, step)
+        _step(ref, ref_optim, step)
+    return all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+
+
+@pytest.mark.parametrize("edit", ["data", "param"])
+@pytest.mark.parametrize("via", ["forward", "generate"])
+def test_edit_error_does_not_bring_back_cleared_gradients(dist_run, edit: str, via: str) -> None:
+    """The edit check raises in the root's pre-forward, before it releases the gradient that
+    ``zero_grad()`` cleared; aborting that forward re-exposed the previous step's gradient as
+    ``.grad``, and the next step silently trained on old + new gradients."""
+    assert dist_run(2, edit_error_after_zero_grad, edit, via) == [True, True]
+
+
+def data_edit_of_empty_local_slice() -> dict[str, Any]:
+    from fsdp_composable._model_edit_checks import ModelEditedAfterShardingError
+
+    model, optim = _gen_model()
+    ref, ref_optim = _gen_model()
+    _step(model, optim, 0)
+    _step(ref, ref_optim, 0)
+    param = model.ln_f.weight  # 12 elements that all live on rank 1 at world size 2
+    local_numel = param.numel()
+    param.data = param.data.clone()
+    try:
+        model(local_slice(gpt_batch(9, 4), dist.get_rank(), dist.get_world_size())[0])
+        raised = ""
+    except ModelEditedAfterShardingError as e:
+        raised = str(e).split(":")[0]
+    _step(model, optim, 1)
+    _step(ref, ref_optim, 1)
+    same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    return {"local_numel": local_numel, "raised": raised, "same": same}
+
+
+def test_data_edit_of_a_parameter_with_an_empty_local_slice_raises_on_every_rank(dist_run) -> None:
+    """Every empty tensor has data pointer 0, so ``p.data = t`` of a parameter with no element on a
+    rank went unnoticed there: that rank ran the forward's all-gathers while the others raised
+    (a hang until the process-group timeout, or a gloo abort)."""
+    results = dist_run(2, data_edit_of_empty_local_slice, timeout=90)
+    assert sorted(r["local_numel"] for r in results) == [0, 12]
+    for r in results:
+        assert r["raised"] == "parameter 'ln_f.weight' had its .data replaced after fully_shard (p.data = t)"
+        assert r["same"]
