@@ -1,5 +1,6 @@
-"""Paths found broken by an adversarial pass over the CUDA path, the root-context consolidation, the
-FSDP1 compatibility layer, the framework integrations and the main job. Each test failed before its fix."""
+"""Which units a root-wide switch reaches: `no_sync` and `register_comm_hook` given a unit before the
+first forward, `no_sync` over a parent of several sharded roots, and `fully_shard` under an existing
+DDP (a known gap, pinned as a strict expected failure). Each fixed test failed before its fix."""
 
 from __future__ import annotations
 
