@@ -313,12 +313,13 @@ def _rank_entry_for_test(rank: int, seconds: float) -> None:
 def test_a_failing_rank_stops_the_others() -> None:
     """The first rank that fails ends the run: the others are stopped (not waited for) and its
     traceback comes back to the main process."""
+    before = set(multiprocessing.active_children())  # e.g. the suite's pools of gloo ranks
     with pytest.raises(_job_processes.RankFailed) as info:
         _job_processes.run_ranks(f"{__name__}:_rank_entry_for_test", 2, (600.0,))
     assert info.value.rank == 0
     assert info.value.details.startswith("failed:\nTraceback"), info.value.details
     assert "ValueError: rank 0 fails on purpose" in info.value.details
-    assert multiprocessing.active_children() == []
+    assert set(multiprocessing.active_children()) <= before  # the ranks it started are all gone
 
 
 @pytest.mark.skipif(sys.platform == "win32", reason="needs a pseudo-terminal")
