@@ -15,6 +15,7 @@ import sys
 
 import pytest
 from expecttest import TestCase
+from offload_comm_spy import offload_entry_points
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -120,3 +121,21 @@ def test_offloaded_gradients_copied_during_backward_with_one_sync(audit: dict[st
     """CPU offload: each unit's reduced gradient starts its copy to the host on the side stream that
     produced it, during backward; the host synchronises once per step, before the commit."""
     assert audit["offload_copies_one_sync"] == "ok", audit["offload_copies_one_sync"]
+
+
+def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
+    """CPU offload with a group serving another device than the shards' ([Note: the offload spy] in
+    offload_comm_spy.py): every entry point copies its CPU values to the communication device for
+    each collective (FULL and SHARDED state dicts, optimizer-state conversion, unshard_params, reset
+    after sharding, both clip_grad_norm_ routes)."""
+    expected = {
+        "full_state_dict": ["all_gather_into_tensor:meta"],
+        "sharded_state_dict": ["all_gather:meta", "all_to_all_single:meta"],
+        "optim_state": ["all_gather_into_tensor:meta"],
+        "unshard_params": ["all_gather_into_tensor:meta"],
+        "reset_parameters": ["all_gather_into_tensor:meta", "all_reduce:meta", "broadcast:meta"],
+        "clip_ours": ["all_reduce:meta"],
+        "clip_torch": ["all_reduce:meta"],
+    }
+    for seen in dist_run(2, offload_entry_points):
+        assert seen == expected
