@@ -12,10 +12,16 @@ import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 import pytest
+import torch
 from expecttest import TestCase
+from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
+
+from fsdp_composable import ModuleWrapPolicy, _init_utils, fully_shard
+from fsdp_composable._flat_param import FSDP_FLATTENED
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -139,3 +145,48 @@ def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
     }
     for seen in dist_run(2, offload_entry_points):
         assert seen == expected
+
+
+def _placement_order() -> list[str]:
+    """With ``device_id``, what happens to the model's parameters while fully_shard builds its units:
+    "move <unit>" when a unit's parameters are moved (with how many parameters outside it belong to
+    units flattened already: the units below it); "apply <module>" whenever
+    a module moves its parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through
+    ``nn.Module._apply``)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    params = list(model.parameters())
+    names = {m: n or "<root>" for n, m in model.named_modules()}
+    events: list[str] = []
+    real_move, real_apply = _init_utils._move_unit_params, torch.nn.Module._apply
+
+    def move(sub: Any, device: torch.device) -> None:
+        unit = {id(p) for p in sub.params}
+        built = sum(1 for p in params if id(p) not in unit and getattr(p, FSDP_FLATTENED, False))
+        events.append(f"move {sub.fqn or '<root>'} ({built} parameters built before)")
+        real_move(sub, device)
+
+    def apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if module in names and fn.__name__ != "compute_should_use_set_data":
+            events.append(f"apply {names[module]}")
+        return real_apply(module, fn, *args, **kwargs)
+
+    _init_utils._move_unit_params = move  # type: ignore[assignment]
+    torch.nn.Module._apply = apply  # type: ignore[method-assign]
+    try:
+        fully_shard(model, ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    finally:
+        _init_utils._move_unit_params = real_move  # type: ignore[assignment]
+        torch.nn.Module._apply = real_apply  # type: ignore[method-assign]
+    return events
+
+
+def test_device_id_moves_one_unit_at_a_time(dist_run) -> None:
+    """``device_id``: each unit's parameters are moved right before the unit is flattened and sharded,
+    bottom-up (peak device memory about one unit unsharded); the model is never moved as a whole."""
+    for events in dist_run(2, _placement_order):
+        assert events == [
+            "move blocks.1 (0 parameters built before)",
+            "move blocks.0 (10 parameters built before)",
+            "move <root> (20 parameters built before)",
+        ], events
