@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -190,3 +191,34 @@ def test_device_id_moves_one_unit_at_a_time(dist_run) -> None:
             "move blocks.0 (10 parameters built before)",
             "move <root> (20 parameters built before)",
         ], events
+
+
+def test_meta_model_lands_on_the_chosen_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The placement decisions for a meta-device model, with CUDA faked as present (current device 1):
+    without ``device_id`` it computes on the current CUDA device, with a CUDA ``device_id`` there; its
+    modules are materialised on that device (``to_empty``), never on the CPU first; and a
+    ``param_init_fn`` that materialises the first unit somewhere else decides the compute device (the
+    model is not copied back to where it was assumed to go). The rest needs a GPU: tests/test_cuda.py."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda1 = torch.device("cuda", 1)
+    with torch.device("meta"):
+        model = TinyGPT()
+    assert _init_utils._init_device(model, None, set()) == cuda1
+    assert _init_utils._init_device(model, cuda1, set()) == cuda1
+
+    asked: list[torch.device] = []
+    real_to_empty = torch.nn.Module.to_empty
+
+    def to_empty(module: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
+        asked.append(torch.device(device))
+        return real_to_empty(module, device="cpu", recurse=recurse)  # no CUDA memory here
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", to_empty)
+    _init_utils._materialize_meta_module(model.blocks[0].fc1, "blocks.0.fc1", None, cuda1)
+    assert asked and set(asked) == {cuda1}, asked
+
+    # a param_init_fn put the first unit on another device than the assumed one: that device wins
+    state = SimpleNamespace(device=cuda1, module=model)
+    _init_utils._adopt_materialised_device(state, SimpleNamespace(params=list(model.blocks[0].fc1.parameters())))  # type: ignore[arg-type]
+    assert state.device == torch.device("cpu")
