@@ -68,14 +68,14 @@ def gather_flags(handle: FlatParamHandle, flags: list[bool]) -> torch.Tensor:
     world = dist.get_world_size(handle.process_group)
     everyone = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(everyone, mine, group=handle.process_group)
-    return torch.stack(everyone).cpu() if flags else torch.zeros((world, 0), dtype=torch.int32)
+    return _collectives.host_values(torch.stack(everyone)) if flags else torch.zeros((world, 0), dtype=torch.int32)
 
 
 def any_rank(handle: FlatParamHandle, flag: bool) -> bool:
     """Whether ``flag`` holds on some rank of the unit's process group."""
     has = torch.tensor([int(flag)], device=comm_device_of(handle))
     dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
-    return bool(has.item())
+    return bool(_collectives.host_values(has)[0])
 
 
 @contextlib.contextmanager

@@ -222,3 +222,65 @@ def test_meta_model_lands_on_the_chosen_device(monkeypatch: pytest.MonkeyPatch) 
     state = SimpleNamespace(device=cuda1, module=model)
     _init_utils._adopt_materialised_device(state, SimpleNamespace(params=list(model.blocks[0].fc1.parameters())))  # type: ignore[arg-type]
     assert state.device == torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- collective tensors
+# Functions that hand tensors to a torch.distributed collective and may build one without device=
+# or read a tensor it sent with .item()/.tolist()/.cpu(), and why each is right (see [Note: the communication
+# device] in _collectives.py: collective tensors are built on `comm_device`, read with `host_values`).
+_ALLOWED = {
+    "_rank_agreement.py:_post_recv torch.empty": "the headers travel on gloo groups only, on the CPU",
+    "_tensor_parallel.py:_mesh_from_groups torch.full": "the mesh layout, built from gathered values",
+    "_checkpoint_comm.py:gather_flags torch.zeros": "the result when there are no flags: not communicated",
+    "_rank_agreement.py:agree .tolist()": "this rank's header, on the CPU (gloo groups only)",
+    "demo.py:train_step .item()": "the demo's reported loss, read once per step for printing",
+}
+_COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_to_all_single", "isend", "irecv", "send", "recv",
+    "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor", "scatter", "gather",
+}  # fmt: skip
+_FACTORIES = {"tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn"}
+
+
+def _collective_tensor_findings() -> list[str]:
+    import ast
+
+    package = os.path.join(REPO, "fsdp_composable")
+    found = []
+    for name in sorted(os.listdir(package)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(package, name)) as f:
+            tree = ast.parse(f.read())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            collectives = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            if not collectives:
+                continue
+            # the names of tensors handed to a collective (directly or in a list)
+            sent = {
+                n.id
+                for c in collectives
+                for a in (*c.args, *(k.value for k in c.keywords))
+                for n in ([a] if isinstance(a, ast.Name) else a.elts if isinstance(a, ast.List) else [])
+                if isinstance(n, ast.Name)
+            }
+            for c in calls:
+                func = c.func
+                assert isinstance(func, ast.Attribute)
+                base = func.value.id if isinstance(func.value, ast.Name) else None
+                if base == "torch" and func.attr in _FACTORIES and not any(k.arg == "device" for k in c.keywords):
+                    found.append(f"{name}:{fn.name} torch.{func.attr}")
+                elif func.attr in ("item", "tolist", "cpu") and base in sent:
+                    found.append(f"{name}:{fn.name} .{func.attr}()")
+    return sorted(set(found) - set(_ALLOWED))
+
+
+def test_no_collective_tensor_on_the_default_device() -> None:
+    """No function of the package that calls a collective builds a tensor without ``device=`` (it would
+    land on the default device, the CPU, which NCCL does not serve) or reads a tensor it handed to a
+    collective with ``.item()``, ``.tolist()`` or ``.cpu()`` instead of `_collectives.host_values`,
+    unless listed with its reason."""
+    assert _collective_tensor_findings() == []
