@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from expecttest import TestCase
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
@@ -256,6 +257,15 @@ def _collective_tensor_findings() -> list[str]:
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 continue
             calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            # DTensor's collectives take its local tensor where it is: `_tensor_parallel.full_tensor`
+            # moves it to the mesh's device first
+            if not (name == "_tensor_parallel.py" and fn.name == "full_tensor"):
+                found += [
+                    f"{name}:{fn.name} .full_tensor()"
+                    for c in calls
+                    if c.func.attr == "full_tensor"  # type: ignore[attr-defined]
+                    and not (isinstance(c.func.value, ast.Name) and c.func.value.id == "_tensor_parallel")  # type: ignore[attr-defined]
+                ]
             collectives = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
             if not collectives:
                 continue
@@ -282,5 +292,41 @@ def test_no_collective_tensor_on_the_default_device() -> None:
     """No function of the package that calls a collective builds a tensor without ``device=`` (it would
     land on the default device, the CPU, which NCCL does not serve) or reads a tensor it handed to a
     collective with ``.item()``, ``.tolist()`` or ``.cpu()`` instead of `_collectives.host_values`,
-    unless listed with its reason."""
+    unless listed with its reason; and no DTensor is gathered with ``.full_tensor()`` but through
+    `_tensor_parallel.full_tensor` (which communicates on the mesh's device)."""
     assert _collective_tensor_findings() == []
+
+
+def _full_tensor_devices() -> dict[str, Any]:
+    """A DTensor whose local tensor is on the CPU (an offloaded value) over a mesh of another device
+    type (``meta`` stands in for CUDA): the devices DTensor's gather gets, and the result's device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_composable import _tensor_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    value = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+    mesh._device_type = "meta"  # the group this mesh stands for serves meta (CUDA) tensors only
+    seen: list[str] = []
+    real = DTensor.full_tensor
+
+    def spy(self: DTensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(f"local on {self._local_tensor.device.type}, mesh of {self.device_mesh.device_type}")
+        return torch.zeros(self.shape)  # no data moves on meta
+
+    DTensor.full_tensor = spy  # type: ignore[method-assign]
+    try:
+        out = _tensor_parallel.full_tensor(value)
+    finally:
+        DTensor.full_tensor = real  # type: ignore[method-assign]
+        mesh._device_type = "cpu"
+    return {"seen": seen, "result": str(out.device), "shape": list(out.shape)}
+
+
+def test_dtensor_gathered_on_its_meshs_device(dist_run) -> None:
+    """The tensor-parallel paths (FULL / SHARDED state dicts, optimizer-state conversion, loading a
+    user's DTensors) gather a DTensor on its mesh's device even when its local tensor is a CPU-offloaded
+    value, and give the result back on the CPU."""
+    for r in dist_run(2, _full_tensor_devices):
+        assert r == {"seen": ["local on meta, mesh of meta"], "result": "cpu", "shape": [4]}
