@@ -8,8 +8,11 @@ serves CUDA only). The values checkpointing moves may live elsewhere: with
 the CPU. So every function here copies its inputs to the unit's communication device, communicates
 there, and gives its result back on the device its input lived on (copy in, communicate, copy out);
 where the group serves that device already (gloo and CPU tensors, NCCL and CUDA tensors) nothing is
-copied. Object collectives (``all_gather_object``) build their tensors on torch's *current* CUDA
-device when the group is NCCL, so they run with the unit's device made current.
+copied. The same holds outside this file: `reset_parameters`'s broadcasts of the CPU full copy
+(`_reset_params`) and DTensor gathers (`_tensor_parallel.full_tensor`, on the mesh's device). Results
+are read on the host with `_collectives.host_values` only. Object collectives
+(``all_gather_object``) build their tensors on torch's *current* CUDA device when the group is NCCL,
+so they run with the unit's device made current.
 """
 
 from __future__ import annotations

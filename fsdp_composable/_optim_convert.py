@@ -248,13 +248,13 @@ def _full_tp_value(spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: S
     value = _tensor_parallel.as_param_grad(spec, local)
     assert isinstance(value, DTensor)
     if _rank0_only(config):
-        return value.full_tensor()
+        return _tensor_parallel.full_tensor(value)
     return value
 
 
 def _full_value(value: torch.Tensor) -> torch.Tensor:
     if isinstance(value, DTensor):
-        return value.full_tensor()  # a collective over the DTensor's mesh
+        return _tensor_parallel.full_tensor(value)  # a collective over the DTensor's mesh
     return value
 
 
@@ -337,7 +337,7 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             local = value.to_local()
             if local.shape == (layout.shard_numel,):
                 return local.clone()
-        value = value.full_tensor()
+        value = _tensor_parallel.full_tensor(value)
     if value.shape != (layout.padded_numel,):
         raise ValueError(
             f"optimizer state {key!r} of the flat parameter of unit '{unit.handle.unit_fqn or '<root>'}' has shape "

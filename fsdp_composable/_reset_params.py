@@ -258,7 +258,9 @@ def _broadcast_params(handle: FlatParamHandle, entry: _Summoned, indices: list[i
 
 
 def _broadcast_slices(handle: FlatParamHandle, group: dist.ProcessGroup, slices: list[torch.Tensor]) -> None:
-    packed = torch.cat(slices) if len(slices) > 1 else slices[0].clone()
+    # the full copy lives on the shard's device (the CPU under offload): communicate on the group's
+    comm = _collectives.comm_device(group, handle.device)
+    packed = torch.cat(slices).to(comm) if len(slices) > 1 else slices[0].to(comm, copy=True)
     what = f"broadcast of unit '{handle.unit_fqn or '<root>'}'"
     _rank_agreement.agree_before(group, Op.BROADCAST, packed.numel(), packed.dtype, what)
     dist.broadcast(packed, src=dist.get_global_rank(group, 0), group=group)
@@ -291,7 +293,7 @@ def _reset_inside_unshard_params(
             for group in _groups([handle]):
                 for param in params:
                     local = local_of(param)
-                    data = local.contiguous()
+                    data = local.contiguous().to(_collectives.comm_device(group, handle.device))
                     what = f"broadcast of unit '{handle.unit_fqn or '<root>'}'"
                     _rank_agreement.agree_before(group, Op.BROADCAST, data.numel(), data.dtype, what)
                     dist.broadcast(data, src=dist.get_global_rank(group, 0), group=group)

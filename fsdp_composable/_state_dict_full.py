@@ -60,7 +60,7 @@ def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str
             # model holds it; ``rank0_only`` wants the whole tensor in one process
             config = _config(state)
             if drop or _rank0_only(config):
-                whole = value.full_tensor()
+                whole = _tensor_parallel.full_tensor(value)
                 if drop:
                     del state_dict[key]
                 else:

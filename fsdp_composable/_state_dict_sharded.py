@@ -222,7 +222,7 @@ def _whole(value: torch.Tensor, info: ParamInfo) -> torch.Tensor:
     if info.tp is not None:
         return _tensor_parallel.tp_local_of(value, info.tp)
     if isinstance(value, DTensor):
-        return value.to_local() if _is_replicated(value) else value.full_tensor()
+        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value)
     return value
 
 

@@ -263,6 +263,25 @@ def is_tp_value(value: torch.Tensor, spec: TPSpec) -> bool:
     )
 
 
+def full_tensor(value: DTensor) -> torch.Tensor:
+    """``value.full_tensor()``, communicated on its mesh's device: DTensor's collectives take the local
+    tensor as it is, and a local on another device than the mesh's (a CPU-offloaded shard or value
+    on a CUDA mesh, which NCCL does not serve) is copied there first and the result copied back."""
+    local = value._local_tensor
+    mesh = value.device_mesh
+    if local.device.type == mesh.device_type:
+        return value.full_tensor()
+    device = (
+        torch.device("cuda", torch.cuda.current_device())
+        if mesh.device_type == "cuda"
+        else torch.device(mesh.device_type)
+    )
+    moved = DTensor.from_local(
+        local.to(device), mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+    )
+    return moved.full_tensor().to(local.device)
+
+
 def tp_local_of(value: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     """This rank's tensor-parallel local tensor (a plain tensor) of a value in global form: a
     ``DTensor`` laid out like the parameter (no communication), a ``DTensor`` of any other mesh or
@@ -270,7 +289,7 @@ def tp_local_of(value: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     if isinstance(value, DTensor):
         if is_tp_value(value, spec):
             return value.to_local()
-        value = value.full_tensor()
+        value = full_tensor(value)
     return local_part_of_full(value, spec)
 
 

@@ -12,9 +12,18 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
+import torch
+import torch.distributed as dist
 from expecttest import TestCase
+from models import Block, TinyGPT
+from offload_comm_spy import offload_entry_points
+
+from fsdp_composable import ModuleWrapPolicy, _init_utils, fully_shard
+from fsdp_composable._flat_param import FSDP_FLATTENED
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -120,3 +129,204 @@ def test_offloaded_gradients_copied_during_backward_with_one_sync(audit: dict[st
     """CPU offload: each unit's reduced gradient starts its copy to the host on the side stream that
     produced it, during backward; the host synchronises once per step, before the commit."""
     assert audit["offload_copies_one_sync"] == "ok", audit["offload_copies_one_sync"]
+
+
+def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
+    """CPU offload with a group serving another device than the shards' ([Note: the offload spy] in
+    offload_comm_spy.py): every entry point copies its CPU values to the communication device for
+    each collective (FULL and SHARDED state dicts, optimizer-state conversion, unshard_params, reset
+    after sharding, both clip_grad_norm_ routes)."""
+    expected = {
+        "full_state_dict": ["all_gather_into_tensor:meta"],
+        "sharded_state_dict": ["all_gather:meta", "all_to_all_single:meta"],
+        "optim_state": ["all_gather_into_tensor:meta"],
+        "unshard_params": ["all_gather_into_tensor:meta"],
+        "reset_parameters": ["all_gather_into_tensor:meta", "all_reduce:meta", "broadcast:meta"],
+        "clip_ours": ["all_reduce:meta"],
+        "clip_torch": ["all_reduce:meta"],
+    }
+    for seen in dist_run(2, offload_entry_points):
+        assert seen == expected
+
+
+def _placement_order() -> list[str]:
+    """With ``device_id``, what happens to the model's parameters while fully_shard builds its units:
+    "move <unit>" when a unit's parameters are moved (with how many parameters outside it belong to
+    units flattened already: the units below it); "apply <module>" whenever
+    a module moves its parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through
+    ``nn.Module._apply``)."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    params = list(model.parameters())
+    names = {m: n or "<root>" for n, m in model.named_modules()}
+    events: list[str] = []
+    real_move, real_apply = _init_utils._move_unit_params, torch.nn.Module._apply
+
+    def move(sub: Any, device: torch.device) -> None:
+        unit = {id(p) for p in sub.params}
+        built = sum(1 for p in params if id(p) not in unit and getattr(p, FSDP_FLATTENED, False))
+        events.append(f"move {sub.fqn or '<root>'} ({built} parameters built before)")
+        real_move(sub, device)
+
+    def apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
+        if module in names and fn.__name__ != "compute_should_use_set_data":
+            events.append(f"apply {names[module]}")
+        return real_apply(module, fn, *args, **kwargs)
+
+    _init_utils._move_unit_params = move  # type: ignore[assignment]
+    torch.nn.Module._apply = apply  # type: ignore[method-assign]
+    try:
+        fully_shard(model, ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
+    finally:
+        _init_utils._move_unit_params = real_move  # type: ignore[assignment]
+        torch.nn.Module._apply = real_apply  # type: ignore[method-assign]
+    return events
+
+
+def test_device_id_moves_one_unit_at_a_time(dist_run) -> None:
+    """``device_id``: each unit's parameters are moved right before the unit is flattened and sharded,
+    bottom-up (peak device memory about one unit unsharded); the model is never moved as a whole."""
+    for events in dist_run(2, _placement_order):
+        assert events == [
+            "move blocks.1 (0 parameters built before)",
+            "move blocks.0 (10 parameters built before)",
+            "move <root> (20 parameters built before)",
+        ], events
+
+
+def test_meta_model_lands_on_the_chosen_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The placement decisions for a meta-device model, with CUDA faked as present (current device 1):
+    without ``device_id`` it computes on the current CUDA device, with a CUDA ``device_id`` there; its
+    modules are materialised on that device (``to_empty``), never on the CPU first; and a
+    ``param_init_fn`` that materialises the first unit somewhere else decides the compute device (the
+    model is not copied back to where it was assumed to go). The rest needs a GPU: tests/test_cuda.py."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda1 = torch.device("cuda", 1)
+    with torch.device("meta"):
+        model = TinyGPT()
+    assert _init_utils._init_device(model, None, set()) == cuda1
+    assert _init_utils._init_device(model, cuda1, set()) == cuda1
+
+    asked: list[torch.device] = []
+    real_to_empty = torch.nn.Module.to_empty
+
+    def to_empty(module: torch.nn.Module, *, device: Any, recurse: bool = True) -> torch.nn.Module:
+        asked.append(torch.device(device))
+        return real_to_empty(module, device="cpu", recurse=recurse)  # no CUDA memory here
+
+    monkeypatch.setattr(torch.nn.Module, "to_empty", to_empty)
+    _init_utils._materialize_meta_module(model.blocks[0].fc1, "blocks.0.fc1", None, cuda1)
+    assert asked and set(asked) == {cuda1}, asked
+
+    # a param_init_fn put the first unit on another device than the assumed one: that device wins
+    state = SimpleNamespace(device=cuda1, module=model)
+    _init_utils._adopt_materialised_device(state, SimpleNamespace(params=list(model.blocks[0].fc1.parameters())))  # type: ignore[arg-type]
+    assert state.device == torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- collective tensors
+# Functions that hand tensors to a torch.distributed collective and may build one without device=
+# or read a tensor it sent with .item()/.tolist()/.cpu(), and why each is right (see [Note: the communication
+# device] in _collectives.py: collective tensors are built on `comm_device`, read with `host_values`).
+_ALLOWED = {
+    "_rank_agreement.py:_post_recv torch.empty": "the headers travel on gloo groups only, on the CPU",
+    "_tensor_parallel.py:_mesh_from_groups torch.full": "the mesh layout, built from gathered values",
+    "_checkpoint_comm.py:gather_flags torch.zeros": "the result when there are no flags: not communicated",
+    "_rank_agreement.py:agree .tolist()": "this rank's header, on the CPU (gloo groups only)",
+    "demo.py:train_step .item()": "the demo's reported loss, read once per step for printing",
+}
+_COLLECTIVES = {
+    "all_reduce", "broadcast", "all_gather", "all_to_all_single", "isend", "irecv", "send", "recv",
+    "reduce_scatter", "all_gather_into_tensor", "reduce_scatter_tensor", "scatter", "gather",
+}  # fmt: skip
+_FACTORIES = {"tensor", "as_tensor", "empty", "zeros", "ones", "full", "arange", "rand", "randn"}
+
+
+def _collective_tensor_findings() -> list[str]:
+    import ast
+
+    package = os.path.join(REPO, "fsdp_composable")
+    found = []
+    for name in sorted(os.listdir(package)):
+        if not name.endswith(".py"):
+            continue
+        with open(os.path.join(package, name)) as f:
+            tree = ast.parse(f.read())
+        for fn in ast.walk(tree):
+            if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute)]
+            # DTensor's collectives take its local tensor where it is: `_tensor_parallel.full_tensor`
+            # moves it to the mesh's device first
+            if not (name == "_tensor_parallel.py" and fn.name == "full_tensor"):
+                found += [
+                    f"{name}:{fn.name} .full_tensor()"
+                    for c in calls
+                    if c.func.attr == "full_tensor"  # type: ignore[attr-defined]
+                    and not (isinstance(c.func.value, ast.Name) and c.func.value.id == "_tensor_parallel")  # type: ignore[attr-defined]
+                ]
+            collectives = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            if not collectives:
+                continue
+            # the names of tensors handed to a collective (directly or in a list)
+            sent = {
+                n.id
+                for c in collectives
+                for a in (*c.args, *(k.value for k in c.keywords))
+                for n in ([a] if isinstance(a, ast.Name) else a.elts if isinstance(a, ast.List) else [])
+                if isinstance(n, ast.Name)
+            }
+            for c in calls:
+                func = c.func
+                assert isinstance(func, ast.Attribute)
+                base = func.value.id if isinstance(func.value, ast.Name) else None
+                if base == "torch" and func.attr in _FACTORIES and not any(k.arg == "device" for k in c.keywords):
+                    found.append(f"{name}:{fn.name} torch.{func.attr}")
+                elif func.attr in ("item", "tolist", "cpu") and base in sent:
+                    found.append(f"{name}:{fn.name} .{func.attr}()")
+    return sorted(set(found) - set(_ALLOWED))
+
+
+def test_no_collective_tensor_on_the_default_device() -> None:
+    """No function of the package that calls a collective builds a tensor without ``device=`` (it would
+    land on the default device, the CPU, which NCCL does not serve) or reads a tensor it handed to a
+    collective with ``.item()``, ``.tolist()`` or ``.cpu()`` instead of `_collectives.host_values`,
+    unless listed with its reason; and no DTensor is gathered with ``.full_tensor()`` but through
+    `_tensor_parallel.full_tensor` (which communicates on the mesh's device)."""
+    assert _collective_tensor_findings() == []
+
+
+def _full_tensor_devices() -> dict[str, Any]:
+    """A DTensor whose local tensor is on the CPU (an offloaded value) over a mesh of another device
+    type (``meta`` stands in for CUDA): the devices DTensor's gather gets, and the result's device."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from fsdp_composable import _tensor_parallel
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    value = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)
+    mesh._device_type = "meta"  # the group this mesh stands for serves meta (CUDA) tensors only
+    seen: list[str] = []
+    real = DTensor.full_tensor
+
+    def spy(self: DTensor, **kwargs: Any) -> torch.Tensor:
+        seen.append(f"local on {self._local_tensor.device.type}, mesh of {self.device_mesh.device_type}")
+        return torch.zeros(self.shape)  # no data moves on meta
+
+    DTensor.full_tensor = spy  # type: ignore[method-assign]
+    try:
+        out = _tensor_parallel.full_tensor(value)
+    finally:
+        DTensor.full_tensor = real  # type: ignore[method-assign]
+        mesh._device_type = "cpu"
+    return {"seen": seen, "result": str(out.device), "shape": list(out.shape)}
+
+
+def test_dtensor_gathered_on_its_meshs_device(dist_run) -> None:
+    """The tensor-parallel paths (FULL / SHARDED state dicts, optimizer-state conversion, loading a
+    user's DTensors) gather a DTensor on its mesh's device even when its local tensor is a CPU-offloaded
+    value, and give the result back on the CPU."""
+    for r in dist_run(2, _full_tensor_devices):
+        assert r == {"seen": ["local on meta, mesh of meta"], "result": "cpu", "shape": [4]}
