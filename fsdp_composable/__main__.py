@@ -427,10 +427,10 @@ def launch(args: argparse.Namespace) -> None:
     wait for them (see [Note: how the main job stops its ranks] in ``_job_processes.py``)."""
     _quiet_numpy_warning()
     if _launched_by_torchrun():
-        from fsdp_composable.demo import run_rank  # torch: after the first lines
+        from fsdp_composable.demo import end_trained_rank, run_rank  # torch: after the first lines
 
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ.get("LOCAL_RANK", "0")))
-        return
+        end_trained_rank()
     if args.threads is None and args.device == "cpu":
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)  # do not oversubscribe the cores
     init_method = f"tcp://127.0.0.1:{free_port()}"

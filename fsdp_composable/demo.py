@@ -24,7 +24,7 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterator, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -327,13 +327,19 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
 
 
 def spawned_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
-    """A rank that ``python -m fsdp_composable`` started: once it has trained and left its process
-    group, it ends without the interpreter's teardown. Gloo's worker threads can still hold tensors
-    then, and freeing them while the interpreter finalises aborts the process now and then (SIGABRT
-    after a finished run, about 1 run in 12 on a loaded 2-core machine). An error still propagates to
-    ``python -m fsdp_composable`` as usual (`fsdp_composable._job_processes`)."""
+    """A rank that ``python -m fsdp_composable`` started; it ends as `end_trained_rank` says. An error
+    still propagates to ``python -m fsdp_composable`` as usual (`fsdp_composable._job_processes`)."""
     print(f"rank {rank} (pid {os.getpid()}) imported torch after {_since_start(args)}; joining", flush=True)
     run_rank(rank, args, init_method)
+    end_trained_rank()
+
+
+def end_trained_rank() -> NoReturn:
+    """A rank that has trained and left its process group (started by ``python -m fsdp_composable``
+    or by torchrun) ends without the interpreter's teardown. Gloo's worker threads can still hold
+    tensors then, and freeing them while the interpreter finalises aborts the process now and then
+    (SIGABRT, "terminate called without an active exception", after a finished run: about 1 run in 12
+    on a loaded 2-core machine)."""
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -33,7 +33,9 @@ try:
     import lightning  # noqa: F401
 except ImportError as e:  # a clear message instead of "No module named 'lightning'" further down
     raise ImportError(
-        "fsdp_composable.lightning needs Lightning: pip install 'fsdp_composable[lightning]' (or pip install lightning)"
+        "fsdp_composable.lightning needs Lightning: pip install 'fsdp_composable[lightning]' "
+        "(or pip install lightning)",
+        name="lightning",  # the missing module, as Python's own ImportError names it
     ) from e
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.strategies import ModelParallelStrategy as _FabricModelParallel
