@@ -3,16 +3,19 @@
 Standard library only: the process that starts the ranks never imports torch (each rank does).
 
 [Note: how the main job stops its ranks]
-`python -m fsdp_composable` starts its ranks with multiprocessing's spawn method and then only
-waits for them. `raise_on_signals` turns SIGINT (Ctrl-C) and SIGTERM into `Interrupted`, which ends
-the wait; `run_ranks` then sends SIGTERM to every rank still running and SIGKILL to any that
-outlives `STOP_GRACE_S`, and the caller prints one line and exits with 128 + the signal number
-(130 for Ctrl-C). Three details make "every rank, within seconds" hold:
+`python -m fsdp_composable` starts its ranks with multiprocessing's fork method where the platform
+has it (the main process has imported no torch and runs no thread, so a forked rank starts clean
+and imports torch itself; elsewhere spawn) and then only waits for them. `raise_on_signals` turns
+SIGINT (Ctrl-C) and SIGTERM into `Interrupted`, which ends the wait; `run_ranks` then sends
+SIGTERM to every rank still running and SIGKILL to any that outlives `STOP_GRACE_S`, and the caller
+prints one line and exits with 128 + the signal number (130 for Ctrl-C). Three details make "every rank, within seconds" hold:
 - The ranks ignore SIGINT. A Ctrl-C at the terminal reaches the whole foreground process group; N
   ranks each dying with a KeyboardInterrupt traceback is the wall of text this avoids, and the main
-  process alone decides. SIGINT is blocked in the main process while it creates the ranks (a
-  blocked mask is inherited, a handler is not), so they are born deaf to it even before their own
-  code runs; the main process receives a Ctrl-C of that moment as soon as it unblocks it.
+  process alone decides. SIGINT is blocked in the main process while it creates the ranks, and a
+  forked process keeps the blocked mask, so they are born deaf to it until their first line sets
+  it ignored; the main process receives a Ctrl-C of that moment as soon as it unblocks it. (spawn
+  does not keep the mask: a spawned child unblocks SIGINT and imports the package, torch included,
+  before any code of ours runs, so a Ctrl-C then printed a rank's traceback.)
 - A rank whose main process is gone (killed with SIGKILL, which nothing can catch) sees its parent
   change within `PARENT_POLL_S` and exits: no orphan trains on.
 - The first rank that fails writes its traceback to a file; the main process stops the others the
@@ -103,7 +106,8 @@ def run_ranks(entry: str, nprocs: int, entry_args: tuple[Any, ...]) -> None:
     """Run ``module:function`` ``entry`` as ``function(rank, *entry_args)`` in ``nprocs`` new processes
     and return once every one has exited with status 0. On the first failure, or on `Interrupted`,
     every rank still running is stopped before `RankFailed` (or `Interrupted`) propagates."""
-    context = multiprocessing.get_context("spawn")
+    methods = multiprocessing.get_all_start_methods()
+    context: Any = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
     procs: list[Any] = []
     with tempfile.TemporaryDirectory(prefix="fsdp_composable-") as tmp:
         errors = [os.path.join(tmp, f"rank{rank}.traceback") for rank in range(nprocs)]
@@ -172,6 +176,7 @@ def _stop(procs: list[Any]) -> None:
 def _rank_process(entry: str, rank: int, entry_args: tuple[Any, ...], error_file: str, parent: int) -> NoReturn:
     """What a started process runs: ``entry`` for ``rank``; its traceback goes to ``error_file``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the main process alone answers Ctrl-C
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # forked: not the main process's handler
     threading.Thread(target=_exit_without_parent, args=(parent,), name="parent watch", daemon=True).start()
     module, _, function = entry.partition(":")
     try:
