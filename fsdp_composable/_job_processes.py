@@ -8,7 +8,8 @@ has it (the main process has imported no torch and runs no thread, so a forked r
 and imports torch itself; elsewhere spawn) and then only waits for them. `raise_on_signals` turns
 SIGINT (Ctrl-C) and SIGTERM into `Interrupted`, which ends the wait; `run_ranks` then sends
 SIGTERM to every rank still running and SIGKILL to any that outlives `STOP_GRACE_S`, and the caller
-prints one line and exits with 128 + the signal number (130 for Ctrl-C). Three details make "every rank, within seconds" hold:
+prints one line and exits with 128 + the signal number (130 for Ctrl-C). Three details make "every
+rank, within seconds" hold:
 - The ranks ignore SIGINT. A Ctrl-C at the terminal reaches the whole foreground process group; N
   ranks each dying with a KeyboardInterrupt traceback is the wall of text this avoids, and the main
   process alone decides. SIGINT is blocked in the main process while it creates the ranks, and a
