@@ -282,18 +282,19 @@ class FlatParamHandle:
         shard = self.flat_param.data
         if self.layout.world_size == 1:
             self._wait_freed(None)
-            self._alloc_unsharded()
-            self._storage_stream = None
+            if self._alloc_unsharded():
+                self._storage_stream = None
             self._unsharded.copy_(shard)
             self.is_unsharded = True
             return
         # input and output belong to the unshard stream: [Note: streams without record_stream]
         self._wait_freed(stream)
         with _collectives.on_stream(stream):
-            self._alloc_unsharded()
+            allocated = self._alloc_unsharded()
             src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
             src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
-        self._storage_stream = stream
+        if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
+            self._storage_stream = stream
         self._unshard_src = src
         unsharded, group = self._unsharded, self.process_group
         self._unshard_work = _collectives.issue(
@@ -332,12 +333,15 @@ class FlatParamHandle:
         work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
         self._unshard_src = None
 
-    def _alloc_unsharded(self) -> None:
+    def _alloc_unsharded(self) -> bool:
+        """Give the unsharded flat parameter its storage; whether it had to be allocated now."""
         assert self._unsharded is not None
         storage = self._unsharded.untyped_storage()
         nbytes = self._unsharded.numel() * self._unsharded.element_size()
         if storage.size() != nbytes:
             storage.resize_(nbytes)
+            return True
+        return False
 
     def _free_unsharded(self) -> None:
         """Free the unsharded storage; on CUDA only once the unshard stream, which allocated it, has
