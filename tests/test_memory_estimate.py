@@ -89,11 +89,12 @@ def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
         assert handle._unsharded is not None
         return int(handle._unsharded.untyped_storage().size())
 
-    def counted_alloc(handle: FlatParamHandle) -> None:
+    def counted_alloc(handle: FlatParamHandle) -> bool:
         before = storage_bytes(handle)
-        alloc(handle)
+        allocated = alloc(handle)
         live["now"] += storage_bytes(handle) - before
         live["peak"] = max(live["peak"], live["now"])
+        return allocated
 
     def counted_free(handle: FlatParamHandle) -> None:
         live["now"] -= storage_bytes(handle)
