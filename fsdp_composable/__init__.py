@@ -26,6 +26,17 @@ if not _RUN_AS_MAIN:
     from fsdp_composable._comm_hooks import register_comm_hook
     from fsdp_composable._forward_methods import register_fsdp_forward_method
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
+    from fsdp_composable._module_controls import UnshardHandle, is_sharded, reshard, sharded_modules, unshard
+    from fsdp_composable._module_switches import (
+        set_is_last_backward,
+        set_modules_to_backward_prefetch,
+        set_modules_to_forward_prefetch,
+        set_requires_all_reduce,
+        set_requires_gradient_sync,
+        set_reshard_after_backward,
+        set_reshard_after_forward,
+        set_unshard_in_backward,
+    )
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
     from fsdp_composable._state_dict_utils import state_dict_type
     from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
@@ -90,6 +101,7 @@ __all__ = [
     "ShardedModelWrappedError",
     "StateTransitionError",
     "UnitPlan",
+    "UnshardHandle",
     "apply_activation_checkpointing",
     "checkpoint",
     "checkpoint_wrapper",
@@ -98,12 +110,24 @@ __all__ = [
     "clip_grad_norm_",
     "fully_shard",
     "init_optim_state",
+    "is_sharded",
     "no_sync",
     "optim_state_dict",
     "optim_state_dict_to_load",
     "register_comm_hook",
     "register_fsdp_forward_method",
+    "reshard",
+    "set_is_last_backward",
+    "set_modules_to_backward_prefetch",
+    "set_modules_to_forward_prefetch",
+    "set_requires_all_reduce",
+    "set_requires_gradient_sync",
+    "set_reshard_after_backward",
+    "set_reshard_after_forward",
+    "set_unshard_in_backward",
+    "sharded_modules",
     "state_dict_type",
     "summon_full_params",
+    "unshard",
     "unshard_params",
 ]

@@ -34,6 +34,7 @@ from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
+from fsdp_composable._unit_switches import UnitSwitches
 
 if TYPE_CHECKING:
     from fsdp_composable._reduce_utils import UnitGrads
@@ -164,6 +165,7 @@ class FlatParamHandle:
         # CPUOffload: the shard, its gradient and the optimizer live on the CPU; compute stays on `device`
         self.shard_device = config.shard_device(device)
         self.training_state = HandleTrainingState.IDLE
+        self.switches = UnitSwitches()  # what the per-module controls flip: [Note: per-unit switches]
         sharded = config.sharded
         rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
         self.layout = _build_layout(params, holders, rank, world)

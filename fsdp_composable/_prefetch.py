@@ -37,8 +37,27 @@ def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) 
     _unshard(state, handle)
 
 
+def _prefetch_for_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Pre-forward: the units ``set_modules_to_forward_prefetch`` named for ``handle``'s, else (with
+    ``forward_prefetch``) the next unit of the recorded order. Never in the first iteration, whose
+    every unit's all-gather must follow its execution-order check ([Note: execution order validation])."""
+    ctx = _ctx(state)
+    if ctx.exec_order.is_first_iter:
+        return
+    if handle.switches.forward_prefetch is not None:
+        for target in handle.switches.forward_prefetch:  # each one within the limiter's bound
+            _prefetch(state, target, "forward")
+    elif state.forward_prefetch:
+        _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
+
+
 def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if state.ctx is not None:
         steps = state.ctx.steps
+        if handle.switches.backward_prefetch is not None:  # set_modules_to_backward_prefetch
+            for explicit in handle.switches.backward_prefetch:
+                if explicit in steps and not steps[explicit].ran_pre_backward:
+                    _prefetch(state, explicit, "backward")
+            return
         target = state.ctx.exec_order.backward_prefetch_target(handle, lambda h: steps[h].ran_pre_backward)
         _prefetch(state, target, "backward")

@@ -87,6 +87,8 @@ class RootContext:
     finished_reductions: list["PendingReduce"] = field(default_factory=list)
     # root-wide switch: False inside `no_sync` (keep unsharded gradients locally instead of reducing)
     sync_gradients: bool = True
+    # set_is_last_backward: accepted for FSDP2 code; every backward here completes its reductions
+    is_last_backward: bool = True
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
@@ -163,7 +165,10 @@ class RootContext:
         """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
         self.wait_reductions()
         for handle in self.handles:
-            if handle.is_unsharded or handle.unshard_in_flight:
+            # set_reshard_after_backward(unit, False): stays unsharded for the next forward
+            after_backward = handle.training_state is HandleTrainingState.BACKWARD_POST
+            kept = after_backward and not handle.switches.reshard_after_backward
+            if (handle.is_unsharded or handle.unshard_in_flight) and not kept:
                 handle.reshard()
             if handle.training_state is not HandleTrainingState.IDLE:
                 handle.set_training_state(HandleTrainingState.IDLE)

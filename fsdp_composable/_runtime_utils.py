@@ -40,7 +40,7 @@ from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
 from fsdp_composable._model_edit_checks import check_model_unchanged
-from fsdp_composable._prefetch import _prefetch, _prefetch_for_backward, _unshard
+from fsdp_composable._prefetch import _prefetch_for_backward, _prefetch_for_forward, _unshard
 from fsdp_composable._reduce_utils import GradState
 from fsdp_composable._root_context import RootContext
 from fsdp_composable.api import BackwardPrefetch
@@ -153,8 +153,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         ctx.exec_order.record_pre_forward(handle, unit)
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
             _unshard(state, sibling)
-        if state.forward_prefetch:
-            _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
+        _prefetch_for_forward(state, handle)
         handle.wait_unshard()
     dtype = handle.config.input_dtype(is_root=False)
     if dtype is not None:
@@ -186,6 +185,8 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
 
 
 def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:
+    if handle.switches.reshard_after_forward is not None:  # set_reshard_after_forward: [Note: per-unit switches]
+        return handle.switches.reshard_after_forward
     if _is_root_unit(state, handle):
         return False  # needed first in backward; the root post-forward reshards it if none follows
     return not torch.is_grad_enabled() or handle.config.reshard_after_forward
@@ -204,17 +205,21 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     step.ran_pre_backward = True
     handle.set_training_state(HandleTrainingState.BACKWARD_PRE)
     ctx.exec_order.record_pre_backward(handle)
-    _unshard(state, handle)
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE:
+    gather = handle.switches.unshard_in_backward or handle.is_unsharded  # else: not needed for gradients
+    if gather:
+        _unshard(state, handle)
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_PRE or handle.switches.backward_prefetch is not None:
         _prefetch_for_backward(state, handle)
-    handle.wait_unshard()
+    if gather:
+        handle.wait_unshard()
     if handle.requires_grad:
         # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
         untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
-        lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
+        # (and a sharded unit's .grad cannot view an unsharded buffer)
+        lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle) or not gather
         grads.begin_backward(handle, lazy=lazy)
 
 
@@ -226,16 +231,17 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
     handle.set_training_state(HandleTrainingState.BACKWARD_POST)
     ctx = _ctx(state)
     if handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD):
-        if ctx.sync_gradients:
+        if _syncs(ctx, handle):
             # Keep one reduction in flight: it overlaps the next unit's backward, and finishing the
             # older one frees its unsharded gradient buffer, so gradient memory stays at ~one unit.
             ctx.wait_reductions()
             ctx.start_reduce(handle)
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
-    handle.reshard()
+    if handle.switches.reshard_after_backward:
+        handle.reshard()
     grads.expose_sharded_grads(handle)
-    if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST:
+    if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST and handle.switches.backward_prefetch is None:
         _prefetch_for_backward(state, handle)
 
 
@@ -246,9 +252,15 @@ def _post_backward_final_callback(ctx: RootContext) -> None:
             _post_backward(state, handle)
     for handle in ctx.handles:
         # a unit that ran in earlier `no_sync` micro-batches but not in this synced backward
-        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and ctx.sync_gradients:
+        if handle.grads.state is GradState.KEPT_FOR_NO_SYNC and _syncs(ctx, handle):
             ctx.start_reduce(handle)
     ctx.end_step()
+
+
+def _syncs(ctx: RootContext, handle: FlatParamHandle) -> bool:
+    """Whether this backward reduces ``handle``'s gradients: not inside ``no_sync``, nor after
+    ``set_requires_gradient_sync(unit, False)`` (both keep them unsharded locally)."""
+    return ctx.sync_gradients and handle.switches.reduce_grads
 
 
 # ---------------------------------------------------------------------------- post-backward trigger
