@@ -135,7 +135,9 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
         return
     current = [p.grad for p in handle.params]
     ours = grads.exposed
-    if all(g is None for g in current):
+    if not ours and all(g is None for g in current):
+        pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
+    elif all(g is None for g in current):
         handle.flat_param.grad = None
     elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
         flat_grad = handle.flat_param.grad

@@ -1,0 +1,357 @@
+"""Per-module controls (FSDP2's ``FSDPModule`` methods as functions): explicit ``unshard`` /
+``reshard``, ``is_sharded`` / ``sharded_modules``, the per-unit switches and explicit prefetch lists.
+Numerics against the unsharded model on the same global batch (OddMLP: padded units), and the
+collectives each control saves, counted."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from typing import Any, Callable, Iterator
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
+from parity import error_text, local_slice
+from torch import nn
+
+from fsdp_composable import (
+    FullyShardedDataParallel,
+    ModuleWrapPolicy,
+    _collectives,
+    fully_shard,
+    is_sharded,
+    reshard,
+    set_is_last_backward,
+    set_modules_to_backward_prefetch,
+    set_modules_to_forward_prefetch,
+    set_requires_gradient_sync,
+    set_reshard_after_backward,
+    set_reshard_after_forward,
+    set_unshard_in_backward,
+    sharded_modules,
+    unshard,
+    unshard_params,
+)
+
+LINEAR = ModuleWrapPolicy({nn.Linear})  # OddMLP: units l1, l2.0, l2.2, l3 (42 elements: padded at 4)
+
+
+@contextlib.contextmanager
+def counting() -> Iterator[dict[str, int]]:
+    """Count our all-gathers and reduce-scatters while the context is open."""
+    calls = {"all_gather": 0, "reduce_scatter": 0}
+    originals = {name: getattr(_collectives, name) for name in calls}
+
+    def counted(name: str) -> Callable[..., Any]:
+        def fn(*args: Any, **kwargs: Any) -> Any:
+            calls[name] += 1
+            return originals[name](*args, **kwargs)
+
+        return fn
+
+    for name in calls:
+        setattr(_collectives, name, counted(name))
+    try:
+        yield calls
+    finally:
+        for name, fn in originals.items():
+            setattr(_collectives, name, fn)
+
+
+def _pair(warm_up: bool = True, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
+    """The reference and a sharded copy; ``warm_up``: one step without an update has run (its forward
+    holds the first iteration's execution-order checks, which are all-gathers too)."""
+    torch.manual_seed(0)
+    ref = OddMLP()
+    model = fully_shard(copy.deepcopy(ref), LINEAR, **kwargs)
+    if warm_up:
+        mlp_loss(model, _batch(100)[1]).backward()
+        model.zero_grad(set_to_none=True)
+    return ref, model
+
+
+def _batch(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """The global batch (for the reference) and this rank's slice of it."""
+    batch = mlp_batch(step, 2 * dist.get_world_size())
+    return batch, local_slice(batch, dist.get_rank(), dist.get_world_size())
+
+
+def _max_diff(ref: nn.Module, model: nn.Module) -> float:
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+
+
+# ---------------------------------------------------------------------------- 1. unshard / reshard
+def explicit_unshard() -> dict[str, Any]:
+    ref, model = _pair()
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    counts = []
+    for step in range(3):
+        batch, local = _batch(step)
+        mlp_loss(ref, batch).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        with counting() as explicit:
+            unshard(model.l1)
+            pending = unshard(model.l2[0], async_op=True)
+        shapes = (tuple(model.l1.weight.shape), tuple(model.l2[0].weight.shape))
+        with counting() as forward:
+            loss = mlp_loss(model, local)
+        with counting() as backward:
+            loss.backward()
+        assert pending is not None
+        pending.wait()  # the pre-forward waited already: nothing left to do
+        opt.step()
+        opt.zero_grad()
+        counts.append((explicit["all_gather"], forward["all_gather"], backward["all_gather"], shapes))
+    unshard(model.l3)
+    gathered = tuple(model.l3.weight.shape)
+    reshard(model.l3)
+    with counting() as after_reshard:
+        model(torch.randn(2, 5))
+    return {
+        "counts": counts,
+        "diff": _max_diff(ref, model),
+        "l3": (gathered, tuple(model.l3.weight.shape)),
+        "after_reshard": after_reshard["all_gather"],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_explicit_unshard_replaces_the_forward_all_gather(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, explicit_unshard):
+        # explicit: l1 and l2.0; forward gathers only l2.2 and l3; backward all four as usual
+        assert [c[:3] for c in r["counts"]] == [(2, 2, 4)] * 3
+        # l1 whole right after unshard; l2.0's all-gather is in flight until its pre-forward waits
+        assert r["counts"][0][3][0] == (7, 5) and len(r["counts"][0][3][1]) == 1
+        assert r["diff"] < 1e-6
+        assert r["l3"][0] == (1, 7) and len(r["l3"][1]) == 1  # full, then this rank's 1-D slice
+        assert r["after_reshard"] == 4
+
+
+def unshard_refusals() -> list[str]:
+    _, model = _pair()
+    out = [
+        error_text(lambda: unshard(model.l2)),
+        error_text(lambda: unshard(model.l2[1])),
+        error_text(lambda: reshard(model.l1.weight)),  # type: ignore[arg-type]
+        error_text(lambda: unshard(model.l1, async_op=1)),  # type: ignore[arg-type]
+    ]
+    with unshard_params(model):
+        out.append(error_text(lambda: unshard(model.l1)))
+        out.append(error_text(lambda: model(torch.randn(2, 5))))
+    model(torch.randn(2, 5)).sum().backward()  # still usable
+    return out
+
+
+def test_unshard_bad_inputs(dist_run: Any) -> None:
+    errors = dist_run(2, unshard_refusals)
+    assert errors[0] == errors[1]  # the same on every rank
+    tc = expecttest.TestCase()
+    tc.assertExpectedInline(
+        "\n".join(errors[0]),
+        """\
+ValueError: unshard: module 'l2' (Sequential) is not a sharded module (its parameters belong to an enclosing unit); call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)
+ValueError: unshard: this Tanh is not a sharded module; call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)
+TypeError: reshard expects a sharded nn.Module (one fully_shard was applied to or made a unit), got Parameter
+TypeError: unshard argument 'async_op' must be True or False, got int: 1
+RuntimeError: unshard of Linear 'l1' was called inside unshard_params(); leave the unshard_params context first
+RuntimeError: forward of OddMLP was called inside unshard_params(); leave the unshard_params context before running forward""",  # noqa: E501
+    )
+
+
+# ---------------------------------------------------------------------------- 4. is_sharded / sharded_modules
+def listing() -> dict[str, Any]:
+    _, model = _pair()
+    names = {id(m): n for n, m in model.named_modules()}
+    wrapper = FullyShardedDataParallel(OddMLP(), auto_wrap_policy=LINEAR, use_orig_params=True)
+    wnames = {id(m): n for n, m in wrapper.named_modules()}
+    inner = fully_shard(nn.Sequential(fully_shard(nn.Linear(3, 3)), nn.ReLU()))  # by hand, bottom-up
+    return {
+        "composable": [names[id(m)] for m in sharded_modules(model)],
+        "wrapper": [wnames[id(m)] for m in sharded_modules(wrapper)],
+        "by_hand": [type(m).__name__ for m in sharded_modules(inner)],
+        "is_sharded": [is_sharded(x) for x in (model, model.l1, model.l2, model.l2[1], wrapper, model.l1.weight, 3)],
+        "fsdp_modules": len(FullyShardedDataParallel.fsdp_modules(wrapper)),
+    }
+
+
+def test_is_sharded_and_sharded_modules(dist_run: Any) -> None:
+    (r,) = dist_run(1, listing)
+    assert r["composable"] == ["", "l1", "l2.0", "l2.2", "l3"]
+    prefix = "_fsdp_wrapped_module."
+    assert r["wrapper"] == ["", prefix + "l1", prefix + "l2.0", prefix + "l2.2", prefix + "l3"]
+    assert r["by_hand"] == ["Sequential", "Linear"]
+    assert r["is_sharded"] == [True, True, False, False, True, False, False]
+    assert r["fsdp_modules"] == 1
+
+
+# ---------------------------------------------------------------------------- 2. switches
+def gradient_sync(recurse: bool) -> dict[str, Any]:
+    """Two micro-batches (the first without gradient sync), one optimizer step, three times."""
+    ref, model = _pair()
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    target = model if recurse else model.l1
+    reduced = []
+    for step in range(3):
+        for micro in range(2):
+            batch, local = _batch(2 * step + micro)
+            mlp_loss(ref, batch).backward()
+            set_requires_gradient_sync(target, micro == 1, recurse=recurse)
+            with counting() as calls:
+                mlp_loss(model, local).backward()
+            reduced.append(calls["reduce_scatter"])
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    return {"reduced": reduced, "diff": _max_diff(ref, model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_requires_gradient_sync_accumulates_locally(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, gradient_sync, True):
+        assert r["reduced"] == [0, 4] * 3  # no communication in the first micro-batch
+        assert r["diff"] < 1e-6
+    for r in dist_run(world, gradient_sync, False):
+        assert r["reduced"] == [3, 4] * 3  # only l1 skipped (recurse=False)
+        assert r["diff"] < 1e-6
+
+
+def reshard_switches() -> dict[str, Any]:
+    ref, model = _pair()
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    gathers = []
+    for step in range(2):
+        set_reshard_after_backward(model, False)  # keep every unit whole between micro-batches
+        set_reshard_after_forward(model, step == 1)
+        for micro in range(2):
+            if micro == 1:
+                set_reshard_after_backward(model, True)  # the last micro-batch: shard again for the step
+            batch, local = _batch(2 * step + micro)
+            mlp_loss(ref, batch).backward()
+            with counting() as forward:
+                loss = mlp_loss(model, local)
+            with counting() as backward:
+                loss.backward()
+            gathers.append((forward["all_gather"], backward["all_gather"]))
+        opt_ref.step()
+        opt_ref.zero_grad()
+        opt.step()
+        opt.zero_grad()
+    refused = error_text(lambda: _step_while_unsharded(model))
+    return {"gathers": gathers, "diff": _max_diff(ref, model), "refused": refused}
+
+
+def _step_while_unsharded(model: nn.Module) -> None:
+    set_reshard_after_backward(model, False)
+    mlp_loss(model, _batch(9)[1]).backward()
+    try:
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+    finally:
+        for unit in (model.l1, model.l2[0], model.l2[2], model.l3):
+            reshard(unit)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_after_forward_and_backward(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, reshard_switches):
+        # step 0 (kept after forward): backward gathers nothing; the second micro-batch's forward
+        # finds every unit whole from the first backward. Step 1 (resharded after forward): backward
+        # gathers all four again.
+        assert r["gathers"] == [(4, 0), (0, 0), (4, 4), (0, 4)]
+        assert r["diff"] < 1e-6
+        assert r["refused"].startswith("RuntimeError") and "'l1'" in r["refused"], r["refused"]
+
+
+def embedding_unit() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = TinyGPT(n_layers=2)
+    model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({Block, nn.Embedding}))
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    set_unshard_in_backward(model.tok, False)  # an embedding's gradient needs only the indices
+    set_is_last_backward(model, True)
+    gathers = []
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in range(2):
+        batch = gpt_batch(step, 2 * world)
+        gpt_loss(ref, batch).backward()
+        loss = gpt_loss(model, local_slice(batch, rank, world))
+        with counting() as backward:
+            loss.backward()
+        gathers.append(backward["all_gather"])
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return {"gathers": gathers, "diff": _max_diff(ref, model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_unshard_in_backward_false_skips_the_all_gather(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, embedding_unit):
+        assert r["gathers"] == [2, 2]  # blocks.0 and blocks.1; not tok, not the root (kept whole)
+        assert r["diff"] < 1e-5
+
+
+def switch_refusals() -> list[str]:
+    _, model = _pair()
+    return [
+        error_text(lambda: set_requires_gradient_sync(model.l2, False)),
+        error_text(lambda: set_reshard_after_forward(model, 0)),  # type: ignore[arg-type]
+        error_text(lambda: set_reshard_after_backward(model, True, recurse="yes")),  # type: ignore[arg-type]
+        error_text(lambda: set_modules_to_forward_prefetch(model.l1, model.l2)),  # type: ignore[arg-type]
+        error_text(lambda: set_modules_to_backward_prefetch(model.l3, [model.l2[2], model.l2])),
+    ]
+
+
+def test_switch_bad_inputs(dist_run: Any) -> None:
+    errors = dist_run(2, switch_refusals)
+    assert errors[0] == errors[1]
+    expecttest.TestCase().assertExpectedInline(
+        "\n".join(errors[0]),
+        """\
+ValueError: set_requires_gradient_sync: module 'l2' (Sequential) is not a sharded module (its parameters belong to an enclosing unit); call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)
+TypeError: set_reshard_after_forward argument 'reshard_after_forward' must be True or False, got int: 0
+TypeError: set_reshard_after_backward argument 'recurse' must be True or False, got str: 'yes'
+TypeError: set_modules_to_forward_prefetch argument 'modules' must be a list of sharded modules, got Sequential
+ValueError: set_modules_to_backward_prefetch (modules[1]): module 'l2' (Sequential) is not a sharded module (its parameters belong to an enclosing unit); call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)""",  # noqa: E501
+    )
+
+
+# ---------------------------------------------------------------------------- 3. explicit prefetch
+def explicit_prefetch(limit: bool) -> dict[str, Any]:
+    ref, model = _pair(warm_up=False, limit_all_gathers=limit, backward_prefetch=None)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    set_modules_to_forward_prefetch(model.l1, [model.l2[0], model.l2[2]])  # two ahead
+    set_modules_to_backward_prefetch(model.l3, [model.l2[2], model.l2[0]])
+    state = fully_shard.state(model)
+    logs, peaks = [], []
+    for step in range(3):
+        batch, local = _batch(step)
+        mlp_loss(ref, batch).backward()
+        mlp_loss(model, local).backward()
+        assert state.exec_order_data is not None and state.limiter is not None
+        logs.append(state.exec_order_data.last_prefetch_log)
+        peaks.append(state.limiter.peak)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return {"logs": logs, "peak": max(peaks), "diff": _max_diff(ref, model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_explicit_prefetch_lists_within_the_limiter(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, explicit_prefetch, True):
+        # first iteration: no forward prefetch (the order check comes first); the limiter (two units)
+        # lets one of the two named units through in forward, and in backward
+        assert r["logs"][0] == [("backward", "l2.2")]
+        assert r["logs"][1] == r["logs"][2] == [("forward", "l2.0"), ("backward", "l2.2")]
+        assert r["peak"] <= 2
+        assert r["diff"] < 1e-6
+    for r in dist_run(world, explicit_prefetch, False):
+        assert r["logs"][1] == [("forward", "l2.0"), ("forward", "l2.2"), ("backward", "l2.2"), ("backward", "l2.0")]
+        assert r["peak"] == 3
+        assert r["diff"] < 1e-6
