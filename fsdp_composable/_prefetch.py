@@ -30,6 +30,8 @@ def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) 
     """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
     if handle is None or handle.is_unsharded or handle.unshard_in_flight:
         return
+    if phase == "backward" and not handle.switches.unshard_in_backward:
+        return  # set_unshard_in_backward(unit, False): its backward does not gather it either
     ctx = _ctx(state)
     if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
         return

@@ -212,14 +212,15 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         _prefetch_for_backward(state, handle)
     if gather:
         handle.wait_unshard()
+    else:  # full shapes without storage, as autograd checks gradients against the parameters' shapes
+        handle.use_unsharded_views()
     if handle.requires_grad:
         # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
         untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
-        # (and a sharded unit's .grad cannot view an unsharded buffer)
-        lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle) or not gather
+        lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
         grads.begin_backward(handle, lazy=lazy)
 
 
@@ -238,7 +239,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
             ctx.start_reduce(handle)
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
-    if handle.switches.reshard_after_backward:
+    if handle.switches.reshard_after_backward or not handle.is_unsharded:  # not gathered: views of nothing
         handle.reshard()
     grads.expose_sharded_grads(handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST and handle.switches.backward_prefetch is None:
