@@ -93,6 +93,9 @@ class UnitGrads:
     state: GradState = GradState.NONE
     buffer: Optional[torch.Tensor] = None  # FLAT: autograd's target; STAGED: this backward's gradient
     kept: Optional[torch.Tensor] = None  # the sum of completed no_sync micro-batches
+    # HYBRID_SHARD with set_requires_all_reduce(False): reduced shards not yet all-reduced across
+    # replicas, summed; the next reduction that all-reduces adds them in (see `PendingReduce.wait`)
+    partial: Optional[torch.Tensor] = None
     # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
 
@@ -324,7 +327,10 @@ def start_reduce(
             if pre > 1:
                 one.div_(pre)
             send = [one]
-        pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, handle.replicate_group, post)
+        # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
+        replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
+        pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
+        pending.partial_only = handle.replicate_group is not None and replicas is None
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
             out = send[0]
             shard_world = dist.get_world_size(group)
@@ -344,7 +350,6 @@ def start_reduce(
             pending.work = _collectives.issue(None, collective)
             return pending
         pending.post_divide = 1  # divided on the reduce stream
-        replicas = handle.replicate_group
         last = replicas is None or all_reduce_stream is None
         pending.work = _collectives.issue(
             stream, collective, then=lambda: _after_reduce(pending, post, copy_out=last)
@@ -365,6 +370,7 @@ def _after_reduce(pending: "PendingReduce", divide: int, copy_out: bool) -> None
     """On the side stream, once the reduced value is final: divide, and start its copy to the host."""
     if divide > 1:
         pending.out.div_(divide)
+    pending.add_partial()
     if copy_out:
         pending.host = offload_copy(pending.handle, pending.out)
 
@@ -436,6 +442,8 @@ class PendingReduce:
     # CUDA, HYBRID_SHARD: the all-reduce across replicas, issued with the reduce-scatter
     replica: Optional[_collectives.InFlight] = None
     host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
+    partial_only: bool = False  # not all-reduced across replicas: committed to ``grads.partial``
+    partial_added: bool = False
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -449,6 +457,7 @@ class PendingReduce:
             self.send = []
         if self.post_divide > 1:
             self.out.div_(self.post_divide)
+        self.add_partial()
         if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
             work = _collectives.all_reduce(self.out, self.replicate_group)
             _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
@@ -462,12 +471,27 @@ class PendingReduce:
             replica.wait(f"the gradient all-reduce across replicas of unit '{self.handle.unit_fqn or '<root>'}'")
             self.send = []
 
+    def add_partial(self) -> None:
+        """Before the all-reduce across replicas: add the shards earlier backwards kept apart
+        (``set_requires_all_reduce(False)``); the kept sum itself stays until `commit`."""
+        partial = self.handle.grads.partial
+        if partial is not None and not self.partial_only and not self.partial_added:
+            self.out.add_(partial)
+            self.partial_added = True
+
     def commit(self) -> None:
-        """Add the reduced shard into ``flat_param.grad``; the kept ``no_sync`` sum it included goes."""
+        """Add the reduced shard into ``flat_param.grad`` (or, not all-reduced, into the partial sum);
+        the kept ``no_sync`` sum and partial sum it included go."""
         self.finish()
         handle = self.handle
-        handle.grads.kept = None
+        grads = handle.grads
+        grads.kept = None
         _set_state(handle, GradState.NONE)
+        if self.partial_only:
+            grads.partial = self.out if grads.partial is None else grads.partial.add_(self.out)
+            return
+        if self.partial_added:
+            grads.partial = None
         _accumulate_sharded_grad(handle, self.host if self.host is not None else self.out)
 
 

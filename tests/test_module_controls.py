@@ -20,6 +20,7 @@ from torch import nn
 from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
+    ShardingStrategy,
     _collectives,
     fully_shard,
     is_sharded,
@@ -27,6 +28,7 @@ from fsdp_composable import (
     set_is_last_backward,
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
+    set_requires_all_reduce,
     set_requires_gradient_sync,
     set_reshard_after_backward,
     set_reshard_after_forward,
@@ -41,8 +43,8 @@ LINEAR = ModuleWrapPolicy({nn.Linear})  # OddMLP: units l1, l2.0, l2.2, l3 (42 e
 
 @contextlib.contextmanager
 def counting() -> Iterator[dict[str, int]]:
-    """Count our all-gathers and reduce-scatters while the context is open."""
-    calls = {"all_gather": 0, "reduce_scatter": 0}
+    """Count our all-gathers, reduce-scatters and all-reduces while the context is open."""
+    calls = {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0}
     originals = {name: getattr(_collectives, name) for name in calls}
 
     def counted(name: str) -> Callable[..., Any]:
@@ -218,6 +220,37 @@ def test_requires_gradient_sync_accumulates_locally(dist_run: Any, world: int) -
         assert r["diff"] < 1e-6
     for r in dist_run(world, gradient_sync, False):
         assert r["reduced"] == [3, 4] * 3  # only l1 skipped (recurse=False)
+        assert r["diff"] < 1e-6
+
+
+def all_reduce_switch() -> dict[str, Any]:
+    """HYBRID_SHARD 2 x 2: three micro-batches, the first two without the all-reduce across replicas."""
+    rank = dist.get_rank()
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    ref = OddMLP()
+    group = (shards[rank // 2], replicas[rank % 2])
+    model = fully_shard(copy.deepcopy(ref), LINEAR, strategy=ShardingStrategy.HYBRID_SHARD, process_group=group)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    calls = []
+    for step in range(2):
+        for micro in range(3):
+            batch, local = _batch(3 * step + micro)
+            mlp_loss(ref, batch).backward()
+            set_requires_all_reduce(model, micro == 2)
+            with counting() as counted:
+                mlp_loss(model, local).backward()
+            calls.append((counted["reduce_scatter"], counted["all_reduce"]))
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return {"calls": calls, "diff": _max_diff(ref, model)}
+
+
+def test_requires_all_reduce_skips_only_the_cross_replica_all_reduce(dist_run: Any) -> None:
+    for r in dist_run(4, all_reduce_switch):
+        assert r["calls"] == [(4, 0), (4, 0), (4, 4)] * 2
         assert r["diff"] < 1e-6
 
 
