@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable import _comm_hooks, _fsdp1_static
+from fsdp_composable import _comm_hooks, _fsdp1_static, _module_switches
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import _ignored_modules
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
+from fsdp_composable._module_controls import UnshardHandle, reshard, unshard
 from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
 from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
 from fsdp_composable._state_dict_utils import _register_prefix_hooks
@@ -232,6 +233,37 @@ class FullyShardedDataParallel(nn.Module):
     def no_sync(self) -> contextlib.AbstractContextManager[None]:
         """FSDP1's method: see `fsdp_composable.no_sync`."""
         return no_sync(self)
+
+    # FSDP2's per-module controls (see docs/api.md "Per-module controls"), for this wrapper's unit
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        return unshard(self, async_op)
+
+    def reshard(self) -> None:
+        reshard(self)
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
+        _module_switches.set_requires_gradient_sync(self, requires_gradient_sync, recurse)
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
+        _module_switches.set_requires_all_reduce(self, requires_all_reduce, recurse)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool, recurse: bool = True) -> None:
+        _module_switches.set_reshard_after_forward(self, reshard_after_forward, recurse)
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
+        _module_switches.set_reshard_after_backward(self, reshard_after_backward, recurse)
+
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        _module_switches.set_unshard_in_backward(self, unshard_in_backward)
+
+    def set_is_last_backward(self, is_last_backward: bool) -> None:
+        _module_switches.set_is_last_backward(self, is_last_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list[nn.Module]) -> None:
+        _module_switches.set_modules_to_forward_prefetch(self, modules)
+
+    def set_modules_to_backward_prefetch(self, modules: list[nn.Module]) -> None:
+        _module_switches.set_modules_to_backward_prefetch(self, modules)
 
     def named_buffers(
         self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True

@@ -388,3 +388,35 @@ def test_explicit_prefetch_lists_within_the_limiter(dist_run: Any, world: int) -
         assert r["logs"][1] == [("forward", "l2.0"), ("forward", "l2.2"), ("backward", "l2.2"), ("backward", "l2.0")]
         assert r["peak"] == 3
         assert r["diff"] < 1e-6
+
+
+# ---------------------------------------------------------------------------- the wrapper's methods
+def wrapper_controls() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = OddMLP()
+    model = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=LINEAR, use_orig_params=True)
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    reduced = []
+    for micro in range(2):
+        batch, local = _batch(micro)
+        mlp_loss(ref, batch).backward()
+        model.set_requires_gradient_sync(micro == 1)  # the wrapper's method, recursive
+        with counting() as calls:
+            mlp_loss(model, local).backward()
+        reduced.append(calls["reduce_scatter"])
+    for o in (opt_ref, opt):
+        o.step()
+        o.zero_grad()
+    model.unshard()  # its own unit: the root holds no parameter of its own here, so nothing to gather
+    model.reshard()
+    handle = unshard(model.module.l1, async_op=True)
+    assert handle is not None
+    handle.wait()
+    return {"reduced": reduced, "diff": _max_diff(ref, model), "l1": tuple(model.module.l1.weight.shape)}
+
+
+def test_wrapper_exposes_the_controls(dist_run: Any) -> None:
+    for r in dist_run(2, wrapper_controls):
+        assert r["reduced"] == [0, 4]
+        assert r["diff"] < 1e-6
+        assert r["l1"] == (7, 5)
