@@ -5,9 +5,12 @@
 between steps (`_module_controls`: ``set_requires_gradient_sync``, ``set_reshard_after_forward``,
 ...), as FSDP2's per-module methods do. Each handle owns its own record (``handle.switches``; a unit
 with several handles has one per handle, all set together), and the runtime hooks read it where the
-matching decision is made: post-forward (reshard), pre-backward (unshard), post-backward (reduce or
-keep, reshard), the final callback (reduce kept gradients) and `RootContext.end_step` (what stays
-unsharded). Defaults reproduce the behaviour without any control call.
+matching decision is made: post-forward (reshard), pre-backward (unshard; a unit not gathered there
+points its parameters at full-shape views without storage, since autograd checks gradients against
+the parameters' shapes), post-backward (reduce or keep, reshard), the final callback (reduce kept
+gradients), `RootContext.end_step` (what stays unsharded), `_prefetch` (explicit targets, and no
+backward prefetch of a unit not gathered in backward) and `_reduce_utils.start_reduce` (the
+all-reduce across replicas). Defaults reproduce the behaviour without any control call.
 """
 
 from __future__ import annotations

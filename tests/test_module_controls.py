@@ -329,6 +329,34 @@ def test_unshard_in_backward_false_skips_the_all_gather(dist_run: Any, world: in
         assert r["diff"] < 1e-5
 
 
+def root_resharded() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = TinyGPT(n_layers=2)
+    model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({Block}))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gathers = []
+    for step in range(2):
+        set_reshard_after_forward(model, step == 1, recurse=False)  # the root unit only
+        batch = gpt_batch(step, 2 * world)
+        gpt_loss(ref, batch).backward()
+        loss = gpt_loss(model, local_slice(batch, rank, world))
+        with counting() as backward:
+            loss.backward()
+        gathers.append(backward["all_gather"])
+    grads = {n: p.grad for n, p in ref.named_parameters()}
+    with unshard_params(model, with_grads=True):
+        diff = max((p.grad - grads[n]).abs().max().item() for n, p in model.named_parameters())
+    return {"gathers": gathers, "diff": diff}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_after_forward_on_the_root_unit(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, root_resharded):
+        # step 0 (root kept whole, as by default): only the two blocks; step 1: the root unit too
+        assert r["gathers"] == [2, 3]
+        assert r["diff"] < 1e-5
+
+
 def switch_refusals() -> list[str]:
     _, model = _pair()
     return [
