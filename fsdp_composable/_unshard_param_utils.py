@@ -166,6 +166,8 @@ class _Summoned:
 @_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
     _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
+    if handle.is_unsharded or handle.unshard_in_flight:  # by `unshard(module)`: its buffer would go stale
+        handle.reshard()
     full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:

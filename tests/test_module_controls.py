@@ -146,6 +146,13 @@ def unshard_refusals() -> list[str]:
         out.append(error_text(lambda: unshard(model.l1)))
         out.append(error_text(lambda: model(torch.randn(2, 5))))
     model(torch.randn(2, 5)).sum().backward()  # still usable
+    unshard(model.l1)
+    with unshard_params(model):  # writes reach the next forward, not the buffer unshard filled before
+        with torch.no_grad():
+            model.l1.weight.zero_()
+            model.l1.bias.zero_()
+    y = model(torch.randn(2, 5))
+    out.append(f"constant output: {torch.equal(y[0], y[1])}")
     return out
 
 
@@ -161,7 +168,8 @@ ValueError: unshard: this Tanh is not a sharded module; call it on a module full
 TypeError: reshard expects a sharded nn.Module (one fully_shard was applied to or made a unit), got Parameter
 TypeError: unshard argument 'async_op' must be True or False, got int: 1
 RuntimeError: unshard of Linear 'l1' was called inside unshard_params(); leave the unshard_params context first
-RuntimeError: forward of OddMLP was called inside unshard_params(); leave the unshard_params context before running forward""",  # noqa: E501
+RuntimeError: forward of OddMLP was called inside unshard_params(); leave the unshard_params context before running forward
+constant output: True""",  # noqa: E501
     )
 
 
