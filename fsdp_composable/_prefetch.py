@@ -48,7 +48,8 @@ def _prefetch_for_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
         return
     if handle.switches.forward_prefetch is not None:
         for target in handle.switches.forward_prefetch:  # each one within the limiter's bound
-            _prefetch(state, target, "forward")
+            if target in ctx.steps:  # a unit of this root (another root's units gather on their own)
+                _prefetch(state, target, "forward")
     elif state.forward_prefetch:
         _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
 
