@@ -13,6 +13,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
+from harness import DistPool, error_of
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import error_text, local_slice
 from torch import nn
@@ -374,6 +375,28 @@ def switch_refusals() -> list[str]:
         error_text(lambda: set_modules_to_forward_prefetch(model.l1, model.l2)),  # type: ignore[arg-type]
         error_text(lambda: set_modules_to_backward_prefetch(model.l3, [model.l2[2], model.l2])),
     ]
+
+
+def switch_on_one_rank() -> list[str]:
+    _, model = _pair()
+    if dist.get_rank() == 0:
+        set_requires_gradient_sync(model, False)  # the other rank reduces: the ranks disagree
+    local = _batch(0)[1]
+    return [error_of(lambda: mlp_loss(model, local).backward()) for _ in range(2)]
+
+
+def test_switch_set_on_one_rank_is_an_error_on_every_rank() -> None:
+    # the collective headers find the disagreement, with no wait to time out; the process group's
+    # timeout only bounds a hang (generous: the machine may be loaded)
+    pool = DistPool(2, pg_timeout_s=30.0)
+    try:
+        results = pool.run(switch_on_one_rank, timeout=120)
+    finally:
+        pool.close()
+    for messages in results:
+        for message in messages:
+            assert message.startswith("RankMismatchError: fully_shard: "), message
+            assert "rank 1: backward: a reduce-scatter" in message, message
 
 
 def test_switch_bad_inputs(dist_run: Any) -> None:
