@@ -25,6 +25,7 @@ from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._lazy_init import _ctx, _lazy_init
@@ -110,6 +111,7 @@ def clip_grad_norm_(
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
+    adopt_casts(_get_fsdp_states(module))  # model.half() since the last step: [Note: casts after sharding]
     group = states[0].process_group
     grads, pieces = _grads_by_placement(module, states)
     total = pieces.norm(norm_type, torch.float32, states[0].device)

@@ -104,8 +104,9 @@ _DTYPES = (
     torch.complex128,
 )
 
-_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world")
-_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world")
+# ``origin``: an all-gather's shard dtype before a mixed-precision cast (see [Note: casts after sharding])
+_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin")
+_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin")
 
 
 @dataclass
@@ -231,7 +232,12 @@ def _dtype_code(dtype: Optional[torch.dtype]) -> int:
 
 
 def _header(
-    group: dist.ProcessGroup, record: _GroupRecord, op: Op, numel: int, dtype: Optional[torch.dtype]
+    group: dist.ProcessGroup,
+    record: _GroupRecord,
+    op: Op,
+    numel: int,
+    dtype: Optional[torch.dtype],
+    origin: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     values = (
         _MAGIC,
@@ -242,6 +248,7 @@ def _header(
         numel,
         _dtype_code(dtype),
         dist.get_world_size(group),
+        _dtype_code(origin if origin != dtype else None),
     )
     return torch.tensor(values, dtype=torch.int64)
 
@@ -256,6 +263,8 @@ def _describe(h: dict[str, int]) -> str:
         if h["op"] in (Op.START, Op.ALL_GATHER_OBJECT)
         else f" of {h['numel']:,} {str(dtype).replace('torch.', '')} elements"
     )
+    if 0 <= h.get("origin", -1) < len(_DTYPES):
+        size += f" cast from {str(_DTYPES[h['origin']]).replace('torch.', '')}"
     return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{size} (step {h['step']})"
 
 
@@ -273,10 +282,17 @@ def agree_before(
         raise RuntimeError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
 
 
-def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dtype]) -> None:
+def agree(
+    group: dist.ProcessGroup,
+    op: Op,
+    numel: int,
+    dtype: Optional[torch.dtype],
+    origin: Optional[torch.dtype] = None,
+) -> None:
     """Block until every rank of ``group`` reached a collective and check it is the same one; raise
-    `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on. No-op
-    where `checks` is false. See [Note: collective headers]."""
+    `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on; ``origin``:
+    the dtype the payload was cast from, which every rank must agree on too. No-op where `checks` is
+    false. See [Note: collective headers]."""
     if not checks(group):
         return
     record = _record(group)
@@ -287,7 +303,7 @@ def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dt
     if record.abandoned is not None and _purpose() < _FIRST_ENTRY_POINT:
         raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned})")
     record.pending = [w for w in record.pending if not w.is_completed()]
-    mine = _header(group, record, op, numel, dtype)
+    mine = _header(group, record, op, numel, dtype, origin)
     me, size = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(size) if p != me]
     theirs: dict[int, dict[str, int]] = {}
@@ -357,6 +373,11 @@ def _verdict(
         record.abandoned = "the ranks reached different collectives"
     record.step = max(h["step"] for h in everyone.values())
     hint = _entry_hint({h["purpose"] for h in everyone.values()})
+    if all(h[k] == mine[k] for h in theirs.values() for k in _COMPARED if k not in ("dtype", "origin")):
+        hint += (
+            "; the ranks' parameters have different dtypes: cast the model alike on every rank "
+            "(model.half(), model.to(dtype), ...)"
+        )
     raise RankMismatchError(
         f"ranks reached different collectives ({detail}). Nothing was sent{hint}. Every rank must run the same "
         "modules, steps and collective calls in the same order"

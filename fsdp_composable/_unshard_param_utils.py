@@ -20,6 +20,7 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
+from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
@@ -165,6 +166,7 @@ class _Summoned:
 
 @_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
+    adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
     _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
