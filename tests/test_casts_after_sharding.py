@@ -22,7 +22,9 @@ from fsdp_composable import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
+    StateDictType,
     fully_shard,
+    state_dict_type,
 )
 from fsdp_composable._flat_param import FlatParameter
 
@@ -198,3 +200,39 @@ def test_a_cast_of_part_of_a_unit_is_an_error(dist_run: Callable[..., Any]) -> N
         assert r["error"].startswith("ModelEditedAfterShardingError: parameter 'l1.weight' was cast from "), r
         assert "every parameter of its unit" in r["error"], r
         assert r["after"] == "torch.float32"
+
+
+class _WithBuffer(OddMLP):
+    def __init__(self) -> None:
+        super().__init__()
+        self.register_buffer("scale", torch.full((3,), 0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.scale.sum()
+
+
+def state_dicts_after_cast(kind: str) -> dict[str, Any]:
+    """``state_dict()`` right after the cast, before any forward: every kind in the new dtype."""
+    torch.manual_seed(0)
+    ref = _WithBuffer()
+    model = _shard(copy.deepcopy(ref), kind, "FULL_SHARD")
+    ref.double()
+    model.double()
+    out: dict[str, Any] = {"full": same_values(model.state_dict(), ref.state_dict())}
+    for name in ("SHARDED_STATE_DICT", "LOCAL_STATE_DICT"):
+        with state_dict_type(model, StateDictType[name]):
+            out[name] = sorted({str(v.dtype) for v in model.state_dict().values() if isinstance(v, torch.Tensor)})
+    x = torch.randn(3, 5, dtype=torch.float64)
+    out["forward"] = torch.equal(model(x), ref(x))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fully_shard", "wrapper_flat"])
+def test_state_dicts_after_a_cast(dist_run: Callable[..., Any], kind: str) -> None:
+    for r in dist_run(2, state_dicts_after_cast, kind):
+        assert r == {
+            "full": True,
+            "SHARDED_STATE_DICT": ["torch.float64"],
+            "LOCAL_STATE_DICT": ["torch.float64"],
+            "forward": True,
+        }, r
