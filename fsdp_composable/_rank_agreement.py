@@ -86,6 +86,7 @@ _PURPOSES = (
     "clip_grad_norm_()",
     "sync_module_states",
     "reset_parameters()",
+    "fully_shard()",
 )
 _FIRST_ENTRY_POINT = 3
 

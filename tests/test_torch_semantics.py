@@ -233,30 +233,20 @@ class TiedToIgnored(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(idx))))
 
 
-def tied_to_ignored() -> dict[str, Any]:
+def tied_to_ignored() -> str:
     torch.manual_seed(0)
-    ref = TiedToIgnored()
-    model = copy.deepcopy(ref)
-    fully_shard(model, ignored_modules=[model.emb])
-    idx = torch.arange(6).view(2, 3)  # the same batch on every rank
-    for m in (model, ref):
-        m(idx).sum().backward()
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    out = {
-        "tied": model.head.weight is model.emb.weight,
-        "state_dict": same_values(model.state_dict(), ref.state_dict()),
-    }
-    model.head.weight = nn.Parameter(torch.zeros(9, 4))  # untied after sharding
-    out["retied_msg"] = _error(lambda: model(idx)).split(" (")[0]  # "... (Linear) was added or replaced ..."
-    return out
+    model = TiedToIgnored()
+    return _error(lambda: fully_shard(model, ignored_modules=[model.emb]))
 
 
 def test_param_tied_to_ignored_module(dist_run) -> None:
-    """Upstream: test_fsdp_ignored_modules.py (a parameter shared with an ignored module is ignored
-    everywhere, FSDP1's rule): it stays tied and trains like the plain model; re-tying after sharding errors."""
+    """Upstream: test_fsdp_ignored_modules.py (FSDP1 ignores a parameter shared with an ignored module
+    everywhere, so each rank trains its own copy): refused while sharding, on every rank, naming both
+    FQNs (more cases: test_ignored_modules.py)."""
     for r in dist_run(2, tied_to_ignored):
-        assert r["tied"] and r["state_dict"], r
-        assert r["retied_msg"] == "ModelEditedAfterShardingError: parameter 'head.weight'", r["retied_msg"]
+        assert r.startswith(
+            "ValueError: fully_shard argument 'ignored_modules': parameter 'head.weight' is tied to 'emb.weight'"
+        ), r
 
 
 @dataclasses.dataclass
