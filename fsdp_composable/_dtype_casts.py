@@ -31,7 +31,7 @@ import torch
 
 from fsdp_composable import _reduce_utils
 from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._tensor_parallel import local_of
 
 __all__ = ["adopt_cast", "adopt_casts"]
@@ -59,7 +59,7 @@ def _flat_mode(handle: FlatParamHandle) -> bool:
 def _cast_to(handle: FlatParamHandle) -> tuple[Optional[torch.dtype], Optional[list[torch.Tensor]]]:
     """The dtype ``handle``'s parameters were cast to, and their new values (None: take the flat
     parameter's); (None, None) when there is nothing to adopt."""
-    if not handle.params or handle.tensor_parallel or handle.training_state.name != "IDLE":
+    if not handle.params or handle.tensor_parallel or handle.training_state is not HandleTrainingState.IDLE:
         return None, None
     flat = handle.flat_param
     if _flat_mode(handle):

@@ -20,7 +20,7 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
-from fsdp_composable._dtype_casts import adopt_cast
+from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
@@ -101,6 +101,7 @@ def unshard_params(
     states = _states_for(module, recurse)
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
+    adopt_casts(states)  # model.half() since the last step: see [Note: casts after sharding]
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
     flat_mode = begin_summon(states)
@@ -166,7 +167,6 @@ class _Summoned:
 
 @_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
-    adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
     _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None

@@ -25,6 +25,7 @@ from fsdp_composable import (
     StateDictType,
     fully_shard,
     state_dict_type,
+    unshard_params,
 )
 from fsdp_composable._flat_param import FlatParameter
 
@@ -214,8 +215,9 @@ class _WithBuffer(OddMLP):
 def state_dicts_after_cast(kind: str) -> dict[str, Any]:
     """``state_dict()`` right after the cast, before any forward: every kind in the new dtype."""
     torch.manual_seed(0)
-    ref = _WithBuffer()
-    model = _shard(copy.deepcopy(ref), kind, "FULL_SHARD")
+    plain = _WithBuffer()
+    ref = copy.deepcopy(plain)
+    model = _shard(copy.deepcopy(plain), kind, "FULL_SHARD")
     ref.double()
     model.double()
     out: dict[str, Any] = {"full": same_values(model.state_dict(), ref.state_dict())}
@@ -224,6 +226,10 @@ def state_dicts_after_cast(kind: str) -> dict[str, Any]:
             out[name] = sorted({str(v.dtype) for v in model.state_dict().values() if isinstance(v, torch.Tensor)})
     x = torch.randn(3, 5, dtype=torch.float64)
     out["forward"] = torch.equal(model(x), ref(x))
+    fresh = _shard(copy.deepcopy(plain), kind, "FULL_SHARD")
+    fresh.double()
+    with unshard_params(fresh):
+        out["unshard_params"] = sorted({str(p.dtype) for p in fresh.parameters()})
     return out
 
 
@@ -235,4 +241,5 @@ def test_state_dicts_after_a_cast(dist_run: Callable[..., Any], kind: str) -> No
             "SHARDED_STATE_DICT": ["torch.float64"],
             "LOCAL_STATE_DICT": ["torch.float64"],
             "forward": True,
+            "unshard_params": ["torch.float64"],
         }, r
