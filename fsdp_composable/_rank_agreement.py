@@ -8,8 +8,9 @@ gloo group, every rank sends every peer a small fixed-size header and receives t
 which collective (`Op`), what for (`purpose`: forward, backward, or a collective entry point such as
 ``state_dict()``), how many elements of which dtype (for an all-gather also the dtype the shard had
 before a mixed-precision cast, so ranks whose parameters were cast differently disagree: [Note: casts
-after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see below). Headers are all the same size, so they cannot abort; every rank sees every
-header, so every rank reaches the same verdict: all post the payload, or all raise
+after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see
+below). Headers are all the same size, so they cannot abort; every rank sees every header, so every
+rank reaches the same verdict: all post the payload, or all raise
 `RankMismatchError` naming the ranks and what each was doing, with no payload posted anywhere.
 The check blocks until every peer has reached the same collective, one round trip of 72 bytes per
 peer; the payload itself stays asynchronous.
