@@ -147,13 +147,14 @@ def _start(
     then: Optional[Callable[[], None]] = None,
     numel: int = 0,
     output: Optional[torch.Tensor] = None,
+    origin: Optional[torch.dtype] = None,
 ) -> Exchange:
     """Post ``messages`` once the ranks agreed on the exchange (``numel``: its whole size, the same
     on every rank; see [Note: collective headers])."""
     requests = []
     try:
         dtype = messages[0][1].dtype if messages else None
-        agree(group, Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER, numel, dtype)
+        agree(group, Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER, numel, dtype, origin)
         for post, tensor, peer in messages:
             requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
     except RuntimeError as e:  # a disagreement, or gloo noticed a dead peer while posting a send
@@ -162,25 +163,32 @@ def _start(
 
 
 def _checked(
-    group: dist.ProcessGroup, op: Op, output: torch.Tensor, numel: int, post: Callable[[], Any]
+    group: dist.ProcessGroup,
+    op: Op,
+    output: torch.Tensor,
+    numel: int,
+    post: Callable[[], Any],
+    origin: Optional[torch.dtype] = None,
 ) -> Optional[Waitable]:
     """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
     disagreement or a failure is raised at ``wait``, where the caller names the unit."""
     try:
-        agree(group, op, numel, output.dtype)
+        agree(group, op, numel, output.dtype, origin)
     except RuntimeError as e:
         return Exchange([], error=e, output=output, group=group, generation=_rank_agreement.generation(group))
     return post()  # type: ignore[no-any-return]
 
 
-def _all_gather_exchange(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup) -> Exchange:
+def _all_gather_exchange(
+    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, origin: Optional[torch.dtype] = None
+) -> Exchange:
     size, me, pairs = _peers(group)
     pieces = output.view(size, -1)
     pieces[me].copy_(shard.reshape(-1))
     messages: list[Message] = []
     for dst, src in pairs:
         messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
-    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel(), output=output)
+    return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel(), output=output, origin=origin)
 
 
 def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
@@ -225,19 +233,25 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
 
 
 def all_gather(
-    output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True
+    output: torch.Tensor,
+    shard: torch.Tensor,
+    group: dist.ProcessGroup,
+    async_op: bool = True,
+    origin: Optional[torch.dtype] = None,
 ) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work; with
-    ``async_op=False``, on a CUDA side stream, see `issue`)."""
+    ``async_op=False``, on a CUDA side stream, see `issue`). ``origin``: the dtype ``shard`` was
+    cast from, checked across ranks with the header (see [Note: casts after sharding])."""
     with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
         if point_to_point(group, output.device):
-            return _all_gather_exchange(output, shard, group)
+            return _all_gather_exchange(output, shard, group, origin)
         return _checked(
             group,
             Op.ALL_GATHER,
             output,
             output.numel(),
             lambda: _all_gather(output, shard, group=group, async_op=async_op),
+            origin,
         )
 
 

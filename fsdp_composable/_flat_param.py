@@ -242,6 +242,34 @@ class FlatParamHandle:
             out.append(view.view(info.shape) if keep_shape else view)
         return out
 
+    def change_dtype(self, dtype: torch.dtype, values: Optional[list[torch.Tensor]] = None) -> None:
+        """Rebuild the shard, its views and the unsharded buffer in ``dtype`` after the model was cast
+        ([Note: casts after sharding] in `_dtype_casts`). ``values``: each original parameter's new
+        value of its slice of the shard; None: cast the shard (or keep it, if it already is in ``dtype``).
+        Only between steps."""
+        assert self.training_state is HandleTrainingState.IDLE and self._unshard_work is None
+        if self.is_unsharded:
+            self.reshard()
+        self.release_freed()
+        old = self.flat_param.data
+        shard = old if old.dtype == dtype else old.to(dtype)
+        if values is not None:
+            with torch.no_grad():
+                for view, value in zip(self.sharded_views_of(shard), values):
+                    if value.numel() > 0:
+                        view.copy_(value.reshape(view.shape))
+        if shard.device != self.device and torch.cuda.is_available() and not shard.is_pinned():
+            shard = shard.pin_memory()
+        self.flat_param.data = shard
+        self.dtype = dtype
+        self.compute_dtype = self.config.compute_dtype(dtype)
+        self.reduce_dtype = self.config.reduce_dtype(dtype)
+        self._needs_buffer = self.config.needs_unsharded_buffer(dtype, self.device)
+        self._unsharded = None
+        self._storage_stream = None
+        self._init_views()
+        self.use_sharded_views()
+
     @property
     def replicas(self) -> int:
         return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
@@ -298,10 +326,10 @@ class FlatParamHandle:
         if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
             self._storage_stream = stream
         self._unshard_src = src
-        unsharded, group = self._unsharded, self.process_group
+        unsharded, group, origin = self._unsharded, self.process_group, shard.dtype
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op),
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
             wait_first=False,
         )
 

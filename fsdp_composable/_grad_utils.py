@@ -25,6 +25,7 @@ from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
+from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._lazy_init import _ctx, _lazy_init
@@ -110,6 +111,7 @@ def clip_grad_norm_(
     norm_type = _check_clip_args(module, max_norm, norm_type)
     states = _root_states(module, "clip_grad_norm_", "the norm covers every unit")
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
+    adopt_casts(_get_fsdp_states(module))  # model.half() since the last step: [Note: casts after sharding]
     group = states[0].process_group
     grads, pieces = _grads_by_placement(module, states)
     total = pieces.norm(norm_type, torch.float32, states[0].device)
@@ -161,17 +163,24 @@ def _ranks(group: Optional[dist.ProcessGroup]) -> tuple[int, ...]:
 class NormPieces:
     """Gradient pieces by the groups they are summed over (see [Note: clipping a 2-D model]): a
     data-parallel shard group, a tensor-parallel group, both, or none (every rank holds it whole).
-    Keys are the groups' ranks, so every rank reduces in the same order."""
+    Keys are the groups' ranks, so every rank reduces in the same order. ``averaged``: groups over
+    which a piece's terms are averaged instead of summed (gradients each rank holds for itself: [Note:
+    clipping ignored parameters])."""
 
-    pieces: dict[tuple[tuple[int, ...], tuple[int, ...]], list[torch.Tensor]] = field(default_factory=dict)
-    groups: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[Optional[dist.ProcessGroup], ...]] = field(
-        default_factory=dict
-    )
+    pieces: dict[tuple[tuple[int, ...], ...], list[torch.Tensor]] = field(default_factory=dict)
+    groups: dict[tuple[tuple[int, ...], ...], tuple[Optional[dist.ProcessGroup], ...]] = field(default_factory=dict)
+    averaged: dict[tuple[tuple[int, ...], ...], tuple[dist.ProcessGroup, ...]] = field(default_factory=dict)
 
-    def expect(self, dp: Optional[dist.ProcessGroup], tp: Optional[dist.ProcessGroup]) -> list[torch.Tensor]:
+    def expect(
+        self,
+        dp: Optional[dist.ProcessGroup],
+        tp: Optional[dist.ProcessGroup],
+        averaged: tuple[dist.ProcessGroup, ...] = (),
+    ) -> list[torch.Tensor]:
         """Register a kind of piece (so every rank reduces it, with or without gradients); its list."""
-        key = (_ranks(dp), _ranks(tp))
+        key = (_ranks(dp), _ranks(tp), *(_ranks(g) for g in averaged))
         self.groups.setdefault(key, (dp, tp))
+        self.averaged.setdefault(key, averaged)
         return self.pieces.setdefault(key, [])
 
     def norm(self, norm_type: float, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -185,6 +194,12 @@ class NormPieces:
                     op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
                     term = term.to(_collectives.comm_device(group, device))
                     _collectives.wait(_collectives.all_reduce(term, group, op), "the clip_grad_norm_() all-reduce")
+            for group in self.averaged[key]:
+                if dist.get_world_size(group) > 1:
+                    op = dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM
+                    term = term.to(_collectives.comm_device(group, device))
+                    _collectives.wait(_collectives.all_reduce(term, group, op), "the clip_grad_norm_() all-reduce")
+                    term = term if inf else term / dist.get_world_size(group)
             term = term.to(device)
             total = torch.maximum(total, term) if inf else total + term
         return total if inf else total ** (1.0 / norm_type)
@@ -209,9 +224,13 @@ class NormPieces:
             if piece is not None:
                 target.append(piece)
 
-    def add_whole(self, grad: torch.Tensor) -> None:
-        """A gradient fully_shard does not manage: counted once (over its tensor-parallel group if sharded)."""
-        self.expect(None, tp_group_of(_tensor_parallel.spec_of(grad))).append(_tensor_parallel.local_of(grad))
+    def add_whole(self, param: torch.Tensor, replicated_over: tuple[dist.ProcessGroup, ...]) -> None:
+        """A parameter fully_shard does not manage: its gradient is this rank's own, averaged over the
+        ranks of ``replicated_over`` (summed over its tensor-parallel group if sharded); registered
+        whether or not it has a gradient here."""
+        target = self.expect(None, tp_group_of(_tensor_parallel.spec_of(param)), replicated_over)
+        if param.grad is not None:
+            target.append(_tensor_parallel.local_of(param.grad))
 
 
 def tp_group_of(spec: Optional[_tensor_parallel.TPSpec]) -> Optional[dist.ProcessGroup]:
@@ -219,6 +238,13 @@ def tp_group_of(spec: Optional[_tensor_parallel.TPSpec]) -> Optional[dist.Proces
     return spec.mesh.get_group() if spec is not None and _tensor_parallel.is_tp_sharded(spec) else None
 
 
+# [Note: clipping ignored parameters]
+# fully_shard does not reduce the gradients of parameters it does not manage (ignored modules): each
+# rank holds its own. So that every rank gets the same norm and clips with it, such a gradient's
+# term (sum |g|^p) is averaged over the data-parallel ranks (the root's shard and replicate groups;
+# inf: the largest), i.e. counted once, as the mean over ranks. When the ranks keep those gradients
+# equal (averaged by hand, as DDP would), that is exactly the plain model's norm.
+#
 # [Note: clipping a 2-D model]
 # The global norm counts every element of the model once. A flat gradient shard is summed over the
 # data-parallel group; a tensor-parallel parameter's slice of it holds that tensor-parallel rank's
@@ -240,10 +266,13 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
             pieces.add_unit(handle, grad)
             if grad is not None:
                 grads.append(grad)
+    root = states[0]
+    replicated_over = tuple(g for g in (root.process_group, root.replicate_group) if g is not None)
     for p in module.parameters():
-        if id(p) not in managed and p.grad is not None:
-            grads.append(_tensor_parallel.local_of(p.grad))
-            pieces.add_whole(p.grad)
+        if id(p) not in managed:
+            pieces.add_whole(p, replicated_over)
+            if p.grad is not None:
+                grads.append(_tensor_parallel.local_of(p.grad))
     return grads, pieces
 
 

@@ -18,6 +18,7 @@ from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
+from fsdp_composable._ignored_checks import check_no_param_tied_to_ignored, check_ranks_ignore_alike
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
     ModuleWrapPolicy,
@@ -162,11 +163,17 @@ def _check_hybrid_groups(api: str, shard: dist.ProcessGroup, replicate: dist.Pro
 
 
 def _init_ignored_module_states(
-    module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], api: str = "fully_shard"
+    module: nn.Module,
+    ignored_modules: Optional[Iterable[nn.Module]],
+    api: str = "fully_shard",
+    groups: tuple[Optional[dist.ProcessGroup], ...] = (),
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
-    if ignored_modules is None:
-        return set(), set()
+    """The ignored modules (with their submodules) and their parameters; ``groups``: where every rank
+    must ignore the same modules ([Note: ignored modules across ranks])."""
     where = _arg(api, "ignored_modules")
+    if ignored_modules is None:
+        check_ranks_ignore_alike(module, set(), groups, where)
+        return set(), set()
     if isinstance(ignored_modules, nn.Module) or not isinstance(ignored_modules, Iterable):
         raise TypeError(
             f"{where} must be an iterable of submodules (e.g. a list), got {type(ignored_modules).__name__}"
@@ -183,7 +190,9 @@ def _init_ignored_module_states(
                 f"{where} contains a {type(m).__name__} that is not a submodule of the "
                 f"{type(module).__name__} passed to {api}; pass only its submodules"
             )
+    check_ranks_ignore_alike(module, ignored, groups, where)
     expanded = {sub for m in ignored for sub in m.modules()}
+    check_no_param_tied_to_ignored(module, expanded, where)
     params = {p for m in expanded for p in m.parameters(recurse=False)}
     return expanded, params
 

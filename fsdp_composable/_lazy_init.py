@@ -86,7 +86,9 @@ def _ctx(state: _FSDPState) -> RootContext:
 # Every floating-point buffer is cast once, at lazy init, to the ``buffer_dtype`` of the unit whose
 # module tree holds it (per submodule, whatever the buffer's name), and stays so for computation.
 # Checkpoints must not see that: each state records its buffers' original dtypes under clean FQNs at
-# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`).
+# construction, and a state-dict hook casts the saved values back (`_buffer_dtype_state_dict_hook`);
+# only values still in a dtype lazy init casts to: a buffer the user cast since (``model.double()``,
+# [Note: casts after sharding]) is saved as it is, as the plain model would save it.
 def _module_to_unit_config(root: _FSDPState) -> dict[nn.Module, UnitConfig]:
     """The settings governing each module: its deepest enclosing unit's (states are outermost first,
     handles root first then pre-order, so deeper assignments come later and win)."""
@@ -136,7 +138,11 @@ def _cast_buffers_to_dtype_and_device(
 def _buffer_dtype_state_dict_hook(
     state: _FSDPState, module: nn.Module, state_dict: dict[str, Any], prefix: str, local_metadata: Any
 ) -> None:
+    # only what lazy init cast: a buffer the user cast since (``model.double()``) is saved as it is now
+    states = _get_fsdp_states(state.module)
+    configs = [c for s in states for c in (s.config, *(h.config for h in s.handles))]
+    ours = {c.mixed_precision.buffer_dtype for c in configs if c.mixed_precision is not None}
     for fqn, dtype in _get_buffers_and_dtypes_for_checkpoint(state).items():
         value = state_dict.get(prefix + fqn)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+        if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in ours:
             state_dict[prefix + fqn] = value.to(dtype)

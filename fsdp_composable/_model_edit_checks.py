@@ -22,6 +22,7 @@ from torch import nn
 
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._composable_state import registrations
+from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
 from fsdp_composable._tensor_parallel import local_of
@@ -48,6 +49,7 @@ def check_model_unchanged(root: _FSDPState) -> None:
     states = root.all_states or [root]
     for state in states:
         close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
+    adopt_casts(states)  # model.half(), .to(dtype): see [Note: casts after sharding]
     ctx = root.ctx
     if ctx is None or ctx.checked_registrations != registrations():
         for state in states:
@@ -111,10 +113,11 @@ def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
 def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:
     if data.dtype != handle.dtype:
         raise ModelEditedAfterShardingError(
-            f"{what} '{fqn}' was cast from {handle.dtype} to {data.dtype} after fully_shard (model.half(), "
-            f".to(dtype), .bfloat16(), ...). fully_shard keeps parameters in the dtype they had when it was "
-            f"called: to compute in {data.dtype}, pass mixed_precision=MixedPrecision(param_dtype={data.dtype}) "
-            "to fully_shard, or cast the model before calling fully_shard."
+            f"{what} '{fqn}' was cast from {handle.dtype} to {data.dtype} after fully_shard, but not together "
+            "with every parameter of its unit (or the unit has tensor-parallel parameters). A cast after "
+            "fully_shard must cover whole units alike: cast the model or a unit's module (model.half(), "
+            f".to(dtype)); or pass mixed_precision=MixedPrecision(param_dtype={data.dtype}) to compute in "
+            f"{data.dtype}, or cast before calling fully_shard."
             + (f" The parameters were put back to {handle.dtype}" if restored else "")
         )
     if data.device != handle.shard_device:

@@ -6,9 +6,11 @@ On gloo, a receive posted for a message of another size kills the process from g
 size from another collective is silently wrong data. So before any payload of ours is posted on a
 gloo group, every rank sends every peer a small fixed-size header and receives theirs (`agree`):
 which collective (`Op`), what for (`purpose`: forward, backward, or a collective entry point such as
-``state_dict()``), how many elements of which dtype, and the group's step (root forwards so far)
-and epoch (see below). Headers are all the same size, so they cannot abort; every rank sees every
-header, so every rank reaches the same verdict: all post the payload, or all raise
+``state_dict()``), how many elements of which dtype (for an all-gather also the dtype the shard had
+before a mixed-precision cast, so ranks whose parameters were cast differently disagree: [Note: casts
+after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see
+below). Headers are all the same size, so they cannot abort; every rank sees every header, so every
+rank reaches the same verdict: all post the payload, or all raise
 `RankMismatchError` naming the ranks and what each was doing, with no payload posted anywhere.
 The check blocks until every peer has reached the same collective, one round trip of 72 bytes per
 peer; the payload itself stays asynchronous.
@@ -86,6 +88,7 @@ _PURPOSES = (
     "clip_grad_norm_()",
     "sync_module_states",
     "reset_parameters()",
+    "fully_shard()",
 )
 _FIRST_ENTRY_POINT = 3
 
@@ -104,8 +107,9 @@ _DTYPES = (
     torch.complex128,
 )
 
-_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world")
-_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world")
+# ``origin``: an all-gather's shard dtype before a mixed-precision cast (see [Note: casts after sharding])
+_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin")
+_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin")
 
 
 @dataclass
@@ -231,7 +235,12 @@ def _dtype_code(dtype: Optional[torch.dtype]) -> int:
 
 
 def _header(
-    group: dist.ProcessGroup, record: _GroupRecord, op: Op, numel: int, dtype: Optional[torch.dtype]
+    group: dist.ProcessGroup,
+    record: _GroupRecord,
+    op: Op,
+    numel: int,
+    dtype: Optional[torch.dtype],
+    origin: Optional[torch.dtype] = None,
 ) -> torch.Tensor:
     values = (
         _MAGIC,
@@ -242,6 +251,7 @@ def _header(
         numel,
         _dtype_code(dtype),
         dist.get_world_size(group),
+        _dtype_code(origin if origin != dtype else None),
     )
     return torch.tensor(values, dtype=torch.int64)
 
@@ -256,6 +266,8 @@ def _describe(h: dict[str, int]) -> str:
         if h["op"] in (Op.START, Op.ALL_GATHER_OBJECT)
         else f" of {h['numel']:,} {str(dtype).replace('torch.', '')} elements"
     )
+    if 0 <= h.get("origin", -1) < len(_DTYPES):
+        size += f" cast from {str(_DTYPES[h['origin']]).replace('torch.', '')}"
     return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{size} (step {h['step']})"
 
 
@@ -273,10 +285,17 @@ def agree_before(
         raise RuntimeError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
 
 
-def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dtype]) -> None:
+def agree(
+    group: dist.ProcessGroup,
+    op: Op,
+    numel: int,
+    dtype: Optional[torch.dtype],
+    origin: Optional[torch.dtype] = None,
+) -> None:
     """Block until every rank of ``group`` reached a collective and check it is the same one; raise
-    `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on. No-op
-    where `checks` is false. See [Note: collective headers]."""
+    `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on; ``origin``:
+    the dtype the payload was cast from, which every rank must agree on too. No-op where `checks` is
+    false. See [Note: collective headers]."""
     if not checks(group):
         return
     record = _record(group)
@@ -287,7 +306,7 @@ def agree(group: dist.ProcessGroup, op: Op, numel: int, dtype: Optional[torch.dt
     if record.abandoned is not None and _purpose() < _FIRST_ENTRY_POINT:
         raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned})")
     record.pending = [w for w in record.pending if not w.is_completed()]
-    mine = _header(group, record, op, numel, dtype)
+    mine = _header(group, record, op, numel, dtype, origin)
     me, size = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(size) if p != me]
     theirs: dict[int, dict[str, int]] = {}
@@ -357,6 +376,11 @@ def _verdict(
         record.abandoned = "the ranks reached different collectives"
     record.step = max(h["step"] for h in everyone.values())
     hint = _entry_hint({h["purpose"] for h in everyone.values()})
+    if all(h[k] == mine[k] for h in theirs.values() for k in _COMPARED if k not in ("dtype", "origin")):
+        hint += (
+            "; the ranks' parameters have different dtypes: cast the model alike on every rank "
+            "(model.half(), model.to(dtype), ...)"
+        )
     raise RankMismatchError(
         f"ranks reached different collectives ({detail}). Nothing was sent{hint}. Every rank must run the same "
         "modules, steps and collective calls in the same order"

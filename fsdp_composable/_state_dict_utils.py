@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_composable import _rank_agreement
 from fsdp_composable._checkpoint_comm import all_gather_object
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
+from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
@@ -124,6 +125,7 @@ def _pre_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, prefix: str, keep_vars: bool
 ) -> None:
     _close_stale(state, handle)
+    adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
     kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
@@ -166,6 +168,7 @@ def _pre_load_state_dict_hook(
     error_msgs: list[str],
 ) -> None:
     _close_stale(state, handle)
+    adopt_cast(handle)
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)

@@ -390,10 +390,13 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
         else:
             counted.update(id(p) for p in handle.params if id(p) in ids)
             pieces.add_unit(handle, None, ids)
+    # gradients of parameters no unit manages are each rank's own: [Note: clipping ignored parameters]
+    groups = (handles[0].process_group, handles[0].replicate_group) if handles else ()
+    replicated_over = tuple(g for g in groups if g is not None)
     for p in params:
-        if id(p) not in counted and p.grad is not None:
+        if id(p) not in counted:
             counted.add(id(p))
-            pieces.add_whole(p.grad)
+            pieces.add_whole(p, replicated_over)
     # the units' compute device, where their groups communicate (CPU-offloaded gradients included);
     # torch's clip_grads_with_norm_ then scales each gradient with the coefficient on its own device
     return pieces.norm(norm_type, dtype, handles[0].device if handles else params[0].device)

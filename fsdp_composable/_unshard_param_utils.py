@@ -20,6 +20,7 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
+from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
@@ -100,6 +101,7 @@ def unshard_params(
     states = _states_for(module, recurse)
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
+    adopt_casts(states)  # model.half() since the last step: see [Note: casts after sharding]
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
     flat_mode = begin_summon(states)

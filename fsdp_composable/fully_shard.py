@@ -104,7 +104,9 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     api = args.api
     unit_policy = init._validate_args(args)
     group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
-    ignored_mods, ignored_params = init._init_ignored_module_states(module, args.ignored_modules, api)
+    ignored_mods, ignored_params = init._init_ignored_module_states(
+        module, args.ignored_modules, api, (group, replicate_group)
+    )
     device = init._init_device(module, args.device_id, ignored_params, api)
     state = init._init_core_state(module, args, group, replicate_group, device)
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params

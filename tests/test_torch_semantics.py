@@ -138,9 +138,9 @@ def test_unshard_params_on_submodule_of_flat_wrapper(dist_run) -> None:
 
 
 # ---------------------------------------------------------------------------- edits after sharding
-def casts_after_sharding() -> dict[str, str]:
+def casts_after_sharding() -> dict[str, bool]:
     out = {}
-    x, y = _batch()
+    x, _ = _batch()
     for name, cast in {
         "half": lambda m: m.half(),
         "double": lambda m: m.double(),
@@ -148,31 +148,19 @@ def casts_after_sharding() -> dict[str, str]:
         "to_dtype": lambda m: m.to(torch.float16),
     }.items():
         ref, model = _mlp_pair()
-        F.mse_loss(model(x), y).backward()
+        cast(ref)
         cast(model)
-        out[name] = _error(lambda m=model: m(x))
-        model.zero_grad()
-        model.float()  # buffers, if any; parameters were put back by the error
-        ok = torch.equal(model(x), ref(x))  # noqa: B023
-        out[name + "_usable_after"] = str(ok)
+        dtype = next(ref.parameters()).dtype
+        out[name] = torch.equal(model(x.to(dtype)), ref(x.to(dtype)))
     return out
 
 
-def test_cast_after_sharding_is_a_clear_error(dist_run) -> None:
-    """No upstream FSDP1 test pins this (FSDP2 casts its DTensor shards). ``.half()``/``.double()``/
-    ``.bfloat16()``/``.to(dtype)`` after fully_shard: an error naming fully_shard and MixedPrecision at the
-    next forward, never a dtype error inside a matmul or a silent undo; the model stays usable."""
-    r = dist_run(2, casts_after_sharding)[0]
-    tc = expecttest.TestCase()
-    tc.assertExpectedInline(
-        r["half"],
-        """ModelEditedAfterShardingError: parameter 'l1.weight' was cast from torch.float32 to torch.float16 after fully_shard (model.half(), .to(dtype), .bfloat16(), ...). fully_shard keeps parameters in the dtype they had when it was called: to compute in torch.float16, pass mixed_precision=MixedPrecision(param_dtype=torch.float16) to fully_shard, or cast the model before calling fully_shard. The parameters were put back to torch.float32""",  # noqa: E501
-    )
-    for name in ("double", "bfloat16", "to_dtype"):
-        assert r[name].startswith("ModelEditedAfterShardingError: parameter 'l1.weight' was cast from torch.float32"), r
-        assert "MixedPrecision(param_dtype=" in r[name]
-        assert r[name + "_usable_after"] == "True"
-    assert r["half_usable_after"] == "True"
+def test_cast_after_sharding_computes_in_the_new_dtype(dist_run) -> None:
+    """Upstream: FSDP1 and FSDP2 cast the sharded parameters. ``.half()``/``.double()``/``.bfloat16()``/
+    ``.to(dtype)`` after fully_shard: the next forward computes exactly as the plain model cast alike
+    (training, gradients and mixed precision: test_casts_after_sharding.py)."""
+    for r in dist_run(2, casts_after_sharding):
+        assert r == {"half": True, "double": True, "bfloat16": True, "to_dtype": True}, r
 
 
 def edits_after_sharding() -> dict[str, str]:
@@ -245,30 +233,20 @@ class TiedToIgnored(nn.Module):
         return self.head(torch.tanh(self.mid(self.emb(idx))))
 
 
-def tied_to_ignored() -> dict[str, Any]:
+def tied_to_ignored() -> str:
     torch.manual_seed(0)
-    ref = TiedToIgnored()
-    model = copy.deepcopy(ref)
-    fully_shard(model, ignored_modules=[model.emb])
-    idx = torch.arange(6).view(2, 3)  # the same batch on every rank
-    for m in (model, ref):
-        m(idx).sum().backward()
-        torch.optim.SGD(m.parameters(), lr=0.1).step()
-    out = {
-        "tied": model.head.weight is model.emb.weight,
-        "state_dict": same_values(model.state_dict(), ref.state_dict()),
-    }
-    model.head.weight = nn.Parameter(torch.zeros(9, 4))  # untied after sharding
-    out["retied_msg"] = _error(lambda: model(idx)).split(" (")[0]  # "... (Linear) was added or replaced ..."
-    return out
+    model = TiedToIgnored()
+    return _error(lambda: fully_shard(model, ignored_modules=[model.emb]))
 
 
 def test_param_tied_to_ignored_module(dist_run) -> None:
-    """Upstream: test_fsdp_ignored_modules.py (a parameter shared with an ignored module is ignored
-    everywhere, FSDP1's rule): it stays tied and trains like the plain model; re-tying after sharding errors."""
+    """Upstream: test_fsdp_ignored_modules.py (FSDP1 ignores a parameter shared with an ignored module
+    everywhere, so each rank trains its own copy): refused while sharding, on every rank, naming both
+    FQNs (more cases: test_ignored_modules.py)."""
     for r in dist_run(2, tied_to_ignored):
-        assert r["tied"] and r["state_dict"], r
-        assert r["retied_msg"] == "ModelEditedAfterShardingError: parameter 'head.weight'", r["retied_msg"]
+        assert r.startswith(
+            "ValueError: fully_shard argument 'ignored_modules': parameter 'head.weight' is tied to 'emb.weight'"
+        ), r
 
 
 @dataclasses.dataclass
