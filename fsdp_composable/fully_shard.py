@@ -17,6 +17,7 @@ from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
+from fsdp_composable._to_empty import install_to_empty
 from fsdp_composable._torch_interop import _install_process_changes, _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
@@ -120,4 +121,5 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     _register_state_dict_hooks(state)
     _install_process_changes()  # once per process: see `_torch_interop`
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
+    install_to_empty(state)  # see [Note: to_empty after sharding]
     return state
