@@ -13,6 +13,7 @@ from fsdp_composable._composable_state import _get_module_state, _insert_module_
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
+from fsdp_composable._post_forward_group import init_post_forward_groups, resolve_post_forward_ranks
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
@@ -41,7 +42,7 @@ def fully_shard(
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
     mesh: Any = None,
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: Any = None,
     offload_policy: Any = None,
     ignored_params: Any = None,
@@ -89,6 +90,7 @@ def fully_shard(
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         limit_all_gathers=limit_all_gathers,
+        reshard_after_forward_ranks=ours.reshard_after_forward_ranks,
     )
     _build_state(module, args)
     return module
@@ -104,7 +106,8 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
         )
     api = args.api
     unit_policy = init._validate_args(args)
-    group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
+    group, replicate_group, _, world_size = init._init_process_group_state(args.process_group, args.strategy, api)
+    args = resolve_post_forward_ranks(module, args, world_size)  # reshard_after_forward=<int>
     ignored_mods, ignored_params = init._init_ignored_module_states(module, args.ignored_modules, api)
     device = init._init_device(module, args.device_id, ignored_params, api)
     state = init._init_core_state(module, args, group, replicate_group, device)
@@ -113,6 +116,7 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     init._init_param_handles_from_module(
         state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id
     )
+    init_post_forward_groups(state, args.reshard_after_forward_ranks)
     for handle in state.handles:
         init_grads(handle, expose_orig=args.use_orig_params)
     for unit_module in {module, *(h.module for h in state.handles)}:
