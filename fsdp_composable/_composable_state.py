@@ -92,12 +92,19 @@ def _structure_of(module: nn.Module) -> tuple[type, list[str], list[str], list[s
 class _Contract(Generic[_S]):
     """A composable API: the function plus ``.state(module)`` to read what it attached."""
 
-    def __init__(self, name: str, fn: Callable[..., nn.Module]) -> None:
+    def __init__(self, name: str, fn: Callable[..., nn.Module], several: str = "") -> None:
         self.name = name
+        self.several = several  # what to do instead of passing a list of modules
         self._fn = fn
         functools.update_wrapper(self, fn)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+            names = ", ".join(type(m).__name__ for m in module)
+            raise TypeError(
+                f"{self.name} got a {type(module).__name__} of {len(module)} modules ({names}), not one module: "
+                f"{self.several or f'call {self.name} on each of them'}"
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"{self.name} expects an nn.Module as its first argument, got {type(module).__name__}")
         before = _structure_of(module)
@@ -120,10 +127,11 @@ class _Contract(Generic[_S]):
         return state  # type: ignore[no-any-return]
 
 
-def contract(name: str) -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
-    """Decorate a composable API so it is checked to keep the module's type and FQNs."""
+def contract(name: str, several: str = "") -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
+    """Decorate a composable API so it is checked to keep the module's type and FQNs. ``several``: what
+    the error for a list of modules tells the user to do instead."""
 
     def decorator(fn: Callable[..., nn.Module]) -> _Contract[Any]:
-        return _Contract(name, fn)
+        return _Contract(name, fn, several)
 
     return decorator

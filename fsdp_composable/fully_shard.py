@@ -25,7 +25,12 @@ from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, Sh
 __all__ = ["fully_shard"]
 
 
-@contract(API_NAME)
+@contract(
+    API_NAME,
+    several="sharding several modules as one unit (FSDP2's fully_shard([m1, m2])) is not supported. Call "
+    "fully_shard on each of them (each becomes its own unit), or leave them to an enclosing call (their "
+    "parameters join its unit)",
+)
 def fully_shard(
     module: nn.Module,
     policy: Any = None,
