@@ -117,3 +117,59 @@ def test_bad_reshard_after_forward_ints_are_refused_on_every_rank(dist_run) -> N
     tc.assertExpectedInline(results[0]["too large"], """ValueError: fully_shard(OddMLP): reshard_after_forward=8 must be a divisor of the shard group's size 4 (the number of consecutive ranks to stay sharded over after forward)""")  # noqa: E501
     tc.assertExpectedInline(results[0]["not FULL_SHARD"], """ValueError: fully_shard: strategy=ShardingStrategy.NO_SHARD conflicts with reshard_after_forward=2 (which means ShardingStrategy.FULL_SHARD); pass only one of them""")  # noqa: E501
     tc.assertExpectedInline(results[0]["not an int"], """ValueError: fully_shard argument 'reshard_after_forward' must be True, False or an int (the number of ranks to stay sharded over after forward), got 2.0""")  # noqa: E501
+
+
+class _Twice(nn.Module):
+    """A block called twice per forward; the root unit (50 elements) is padded at 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(5, 7)
+        self.block = nn.Linear(7, 7)
+        self.out = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.block(torch.tanh(self.block(self.inp(x))))))
+
+
+def _twice_and_no_grad() -> dict[str, Any]:
+    torch.manual_seed(2)
+    ref = _Twice()
+
+    def shard(m: nn.Module) -> nn.Module:
+        fully_shard(m.block, reshard_after_forward=2)
+        return fully_shard(m, reshard_after_forward=2)
+
+    r: dict[str, Any] = train_side_by_side(ref, shard, mlp_loss, mlp_batch, per_rank_batch=3, steps=3, optim="sgd")
+    model = shard(_Twice())
+    mlp_loss(model, mlp_batch(0, 4)).backward()  # the first step also checks the ranks' order of units
+    real = _collectives.all_gather
+    sizes: list[int] = []
+
+    def spy(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> Any:
+        sizes.append(dist.get_world_size(group))
+        return real(output, shard, group, async_op)
+
+    _collectives.all_gather = spy  # type: ignore[assignment]
+    try:
+        loss = mlp_loss(model, mlp_batch(1, 4))
+        r["forward"], sizes[:] = list(sizes), []
+        loss.backward()
+        r["backward"], sizes[:] = list(sizes), []
+        with torch.no_grad():
+            model(torch.randn(2, 5))
+        r["no_grad"] = list(sizes)
+    finally:
+        _collectives.all_gather = real  # type: ignore[assignment]
+    r["kept_after_no_grad"] = fully_shard.state(model.block).handles[0]._post_forward_shard is not None
+    return r
+
+
+def test_a_unit_called_twice_gathers_again_within_k_ranks_and_no_grad_keeps_nothing(dist_run) -> None:
+    """World size 4, k = 2: the block's second call in forward and its backward gather within 2 ranks
+    (parity on the same global batch); a no_grad forward reshards fully and keeps no slice."""
+    for r in dist_run(4, _twice_and_no_grad):
+        assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
+        assert r["max_weight_diff"] < 1e-5, r
+        assert r["forward"] == [4, 4, 2] and r["backward"] == [2], r
+        assert r["no_grad"] == [4, 4, 4] and not r["kept_after_no_grad"], r
