@@ -15,11 +15,11 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from models import OddMLP, mlp_batch, mlp_loss
-from parity import error_text, local_slice, same_values
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
+from parity import error_text, local_slice, same_values, train_side_by_side
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, describe, fully_shard
+from fsdp_composable import ModuleWrapPolicy, describe, fully_shard, unshard_params
 
 
 def _meta_sharded(how: str) -> nn.Module:
@@ -140,3 +140,36 @@ def test_to_empty_on_another_device_is_refused_before_any_change(dist_run) -> No
         results[0]["error"],
         """RuntimeError: to_empty(device='meta') was called on a fully_shard model whose unit '<root>' keeps its shards on cpu: after fully_shard to_empty only re-creates storage in place. Build or move the model on its device before fully_shard (or pass device_id=), then call to_empty with that device""",  # noqa: E501
     )
+
+
+def _init_weights(model: nn.Module) -> None:
+    """A model-wide init in the style of ``init_weights()``: not a module's ``reset_parameters``."""
+    for _, p in model.named_parameters():
+        nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+
+
+def meta_gpt_with_init_weights() -> dict[str, Any]:
+    with torch.device("meta"):
+        model = TinyGPT()  # `pos` and attention's weights have no reset_parameters()
+    fully_shard(model, ModuleWrapPolicy({Block}), param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)  # the same seed on every rank
+    with torch.no_grad(), unshard_params(model):  # full shapes: the init sees what the plain model sees
+        _init_weights(model)
+    plain = TinyGPT()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        _init_weights(plain)
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(plain))}
+    r.update(train_side_by_side(plain, lambda m: model, gpt_loss, gpt_batch, per_rank_batch=2, steps=2, optim="sgd"))
+    return r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_meta_recipe_with_a_model_wide_init_inside_unshard_params(dist_run, world_size) -> None:
+    """A model whose modules lack reset_parameters(): param_init_fn only allocates, and a model-wide init
+    run inside unshard_params under one seed gives exactly the plain model's values; then parity."""
+    for r in dist_run(world_size, meta_gpt_with_init_weights):
+        assert r["plain_values"], r
+        assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
+        assert r["max_weight_diff"] < 1e-5, r
