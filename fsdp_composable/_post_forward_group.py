@@ -9,6 +9,8 @@ group of k consecutive ranks (e.g. one node) instead of all N. As in FSDP2, ``k 
 call is FULL_SHARD with a 1-D group. `init_post_forward_groups` creates the N/k groups of
 consecutive ranks of the shard group with ``dist.new_group``, every rank creating all of them in the
 same order (as ``new_group`` requires), and gives each FULL_SHARD unit of the call its rank's group.
+The groups are made once per (shard group, k) and kept in the registry next to the group's other
+record, so the per-block calls of a bottom-up model share them instead of creating N/k groups each.
 
 The handle does the rest (`FlatParamHandle.reshard_to_post_forward_group`): post-forward copies
 this rank's k-group slice of the padded unsharded flat parameter (the padded size is a multiple of N,
@@ -28,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._composable_state import subgroup
 from fsdp_composable._config import ShardConfig
 from fsdp_composable.api import ShardingStrategy
 
@@ -62,13 +65,20 @@ def init_post_forward_groups(state: _FSDPState, k: Optional[int]) -> None:
     FULL_SHARD unit of ``state``."""
     if k is None:
         return
-    ranks = dist.get_process_group_ranks(state.process_group)
-    mine: Optional[dist.ProcessGroup] = None
-    for start in range(0, len(ranks), k):
-        group = dist.new_group(ranks[start : start + k])
-        if start <= state.rank < start + k:
-            mine = group
-    assert mine is not None
+    mine = subgroup(state.process_group, k, lambda: _new_groups(state.process_group, k, state.rank))
     for handle in state.handles:
         if handle.config.strategy is ShardingStrategy.FULL_SHARD and handle.layout.world_size > 1:
             handle.post_forward_group = mine
+
+
+def _new_groups(group: dist.ProcessGroup, k: int, rank: int) -> dist.ProcessGroup:
+    """Every group of k consecutive ranks of ``group`` (``new_group`` is called by every rank for
+    every group), and the one holding ``rank``."""
+    ranks = dist.get_process_group_ranks(group)
+    mine: Optional[dist.ProcessGroup] = None
+    for start in range(0, len(ranks), k):
+        new = dist.new_group(ranks[start : start + k])
+        if start <= rank < start + k:
+            mine = new
+    assert mine is not None
+    return mine

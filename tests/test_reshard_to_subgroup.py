@@ -161,15 +161,19 @@ def _twice_and_no_grad() -> dict[str, Any]:
         r["no_grad"] = list(sizes)
     finally:
         _collectives.all_gather = real  # type: ignore[assignment]
-    r["kept_after_no_grad"] = fully_shard.state(model.block).handles[0]._post_forward_shard is not None
+    block, root = fully_shard.state(model.block).handles[0], fully_shard.state(model).handles[0]
+    r["kept_after_no_grad"] = block._post_forward_shard is not None
+    r["groups_shared"] = block.post_forward_group is root.post_forward_group is not None
     return r
 
 
 def test_a_unit_called_twice_gathers_again_within_k_ranks_and_no_grad_keeps_nothing(dist_run) -> None:
     """World size 4, k = 2: the block's second call in forward and its backward gather within 2 ranks
-    (parity on the same global batch); a no_grad forward reshards fully and keeps no slice."""
+    (parity on the same global batch); a no_grad forward reshards fully and keeps no slice; the two calls
+share one set of subgroups."""
     for r in dist_run(4, _twice_and_no_grad):
         assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
         assert r["max_weight_diff"] < 1e-5, r
         assert r["forward"] == [4, 4, 2] and r["backward"] == [2], r
         assert r["no_grad"] == [4, 4, 4] and not r["kept_after_no_grad"], r
+        assert r["groups_shared"], r  # one set of subgroups for every call with the same group and k
