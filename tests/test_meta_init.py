@@ -19,7 +19,7 @@ from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_l
 from parity import error_text, local_slice, same_values, train_side_by_side
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, describe, fully_shard, unshard_params
+from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, describe, fully_shard, unshard_params
 
 
 def _meta_sharded(how: str) -> nn.Module:
@@ -173,3 +173,26 @@ def test_meta_recipe_with_a_model_wide_init_inside_unshard_params(dist_run, worl
         assert r["plain_values"], r
         assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
         assert r["max_weight_diff"] < 1e-5, r
+
+
+def meta_recipe_wrapper(use_orig_params: bool) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = OddMLP()
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), use_orig_params=use_orig_params
+    )
+    wrapped.to_empty(device="cpu")
+    torch.manual_seed(9)
+    _reset_each_module(wrapped)
+    torch.manual_seed(9)
+    ref = OddMLP()
+    r: dict[str, Any] = {"plain_values": same_values(_state(wrapped), _state(ref))}
+    r["forward"] = error_text(lambda: wrapped(torch.randn(2, 5)).sum().backward())
+    return r
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_meta_recipe_on_the_wrapper_class(dist_run, use_orig_params) -> None:
+    """The same recipe on FullyShardedDataParallel, flat parameters (registered on the modules) too."""
+    for r in dist_run(2, meta_recipe_wrapper, use_orig_params):
+        assert r["plain_values"] and r["forward"] == "no error", r
