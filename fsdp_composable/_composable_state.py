@@ -23,15 +23,18 @@ class _Registry:
     """The package's only module-level mutable state: which API was applied to which module, what
     this rank knows about each process group's collectives (the header protocol's per-group record,
     [Note: collective headers] in `_rank_agreement`: a group outlives every model using it, and torch's
-    ProcessGroup takes no attributes of ours), and how many parameters and submodules were registered
-    on any module since import (the cheap change detector of [Note: cheap edit checks] in
-    `_model_edit_checks`)."""
+    ProcessGroup takes no attributes of ours), the subgroups ``reshard_after_forward=<int>`` made of
+    each group (for the same reason), and how many parameters and submodules were registered on any
+    module since import (the cheap change detector of [Note: cheap edit checks] in `_model_edit_checks`)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
         self.states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
         # process group -> its record (weak: a destroyed group's record goes with it)
         self.groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        # process group -> {k: this rank's group of k of its ranks}: made once, shared by every call
+        # with reshard_after_forward=k (see [Note: resharding to a smaller group] in `_post_forward_group`)
+        self.subgroups: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
         self.registrations = 0
 
 
@@ -50,6 +53,16 @@ def group_record(group: Any, new: Callable[[], _S]) -> _S:
     if record is None:
         record = _REGISTRY.groups[group] = new()
     return record  # type: ignore[no-any-return]
+
+
+def subgroup(group: Any, k: int, new: Callable[[], _S]) -> _S:
+    """This rank's subgroup of ``k`` ranks of ``group`` (made by ``new`` the first time it is asked for)."""
+    per_size = _REGISTRY.subgroups.get(group)
+    if per_size is None:
+        per_size = _REGISTRY.subgroups[group] = {}
+    if k not in per_size:
+        per_size[k] = new()
+    return per_size[k]  # type: ignore[no-any-return]
 
 
 def group_records() -> list[Any]:
@@ -92,12 +105,19 @@ def _structure_of(module: nn.Module) -> tuple[type, list[str], list[str], list[s
 class _Contract(Generic[_S]):
     """A composable API: the function plus ``.state(module)`` to read what it attached."""
 
-    def __init__(self, name: str, fn: Callable[..., nn.Module]) -> None:
+    def __init__(self, name: str, fn: Callable[..., nn.Module], several: str = "") -> None:
         self.name = name
+        self.several = several  # what to do instead of passing a list of modules
         self._fn = fn
         functools.update_wrapper(self, fn)
 
     def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+        if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+            names = ", ".join(type(m).__name__ for m in module)
+            raise TypeError(
+                f"{self.name} got a {type(module).__name__} of {len(module)} modules ({names}), not one module: "
+                f"{self.several or f'call {self.name} on each of them'}"
+            )
         if not isinstance(module, nn.Module):
             raise TypeError(f"{self.name} expects an nn.Module as its first argument, got {type(module).__name__}")
         before = _structure_of(module)
@@ -120,10 +140,11 @@ class _Contract(Generic[_S]):
         return state  # type: ignore[no-any-return]
 
 
-def contract(name: str) -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
-    """Decorate a composable API so it is checked to keep the module's type and FQNs."""
+def contract(name: str, several: str = "") -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
+    """Decorate a composable API so it is checked to keep the module's type and FQNs. ``several``: what
+    the error for a list of modules tells the user to do instead."""
 
     def decorator(fn: Callable[..., nn.Module]) -> _Contract[Any]:
-        return _Contract(name, fn)
+        return _Contract(name, fn, several)
 
     return decorator

@@ -116,6 +116,9 @@ class ShardConfig:
     limit_all_gathers: bool = True
     use_orig_params: bool = True
     api: str = "fully_shard"
+    # FSDP2's reshard_after_forward=<int>: the ranks a FULL_SHARD unit stays sharded over after forward
+    # (see [Note: resharding to a smaller group] in `_post_forward_group`)
+    reshard_after_forward_ranks: Optional[int] = None
 
     def unit_config(self, world_size: int) -> UnitConfig:
         """The call's settings for its units, before per-unit overrides. World size 1 is NO_SHARD:

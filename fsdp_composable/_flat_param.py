@@ -191,6 +191,11 @@ class FlatParamHandle:
         self._storage_stream: Optional[torch.cuda.Stream] = None
         self._freed_event: Optional[torch.cuda.Event] = None
         self.is_unsharded = False
+        # reshard_after_forward=<int>: the group of k consecutive ranks the unit reshards to after
+        # forward (set by `_post_forward_group`), and this rank's 1/k of the unsharded flat parameter
+        # kept from post-forward to the next unshard (see [Note: resharding to a smaller group])
+        self.post_forward_group: Optional[dist.ProcessGroup] = None
+        self._post_forward_shard: Optional[torch.Tensor] = None
         self._init_views()
         self.use_sharded_views()
 
@@ -319,18 +324,24 @@ class FlatParamHandle:
             return
         # input and output belong to the unshard stream: [Note: streams without record_stream]
         self._wait_freed(stream)
+        kept, self._post_forward_shard = self._post_forward_shard, None
         with _collectives.on_stream(stream):
             allocated = self._alloc_unsharded()
-            src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
-            src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+            if kept is None:
+                src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
+                src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
+            else:  # gathered within the smaller group only; made on the compute stream in post-forward
+                src = kept
         if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
             self._storage_stream = stream
         self._unshard_src = src
-        unsharded, group, origin = self._unsharded, self.process_group, shard.dtype
+        unsharded, origin = self._unsharded, shard.dtype
+        group = self.process_group if kept is None else self.post_forward_group
+        assert group is not None
         self._unshard_work = _collectives.issue(
             stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
-            wait_first=False,
+            wait_first=kept is not None,
         )
 
     @_trace.method("wait_unshard")
@@ -356,6 +367,18 @@ class FlatParamHandle:
         if self._needs_buffer:
             self._free_unsharded()
         self.is_unsharded = False
+        self._post_forward_shard = None
+
+    def reshard_to_post_forward_group(self) -> None:
+        """Reshard, keeping this rank's 1/k of the unsharded flat parameter for the next unshard,
+        which then gathers within `post_forward_group` only."""
+        group, full = self.post_forward_group, self._unsharded
+        assert group is not None and full is not None and self.is_unsharded
+        size = full.numel() // dist.get_world_size(group)
+        index = dist.get_rank(group)
+        kept = full[index * size : (index + 1) * size].clone()
+        self.reshard()
+        self._post_forward_shard = kept
 
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None

@@ -7,8 +7,9 @@
 - ``reshard_after_forward``: True is FULL_SHARD (HYBRID_SHARD on a 2-D mesh), False is SHARD_GRAD_OP.
   It decides the strategy when ``strategy`` is left at its default, FULL_SHARD (an explicit
   ``strategy=FULL_SHARD`` cannot be told apart from the default, so it yields too); any other
-  explicit ``strategy`` that disagrees is an error. An int (FSDP2 resharding to a smaller group)
-  has no equivalent.
+  explicit ``strategy`` that disagrees is an error. An int k (FSDP2 resharding to a smaller group)
+  is FULL_SHARD that reshards to groups of k ranks after forward (see [Note: resharding to a
+  smaller group] in `_post_forward_group`); not with a 2-D mesh.
 - ``mp_policy``: FSDP2's MixedPrecisionPolicy maps field by field onto `MixedPrecision`
   (``output_dtype`` has no equivalent); ``offload_policy``: CPUOffloadPolicy is
   ``CPUOffload(offload_params=True)``, the base OffloadPolicy is no offload.
@@ -40,6 +41,7 @@ class OurArgs:
     mixed_precision: Optional[MixedPrecision]
     cpu_offload: Optional[CPUOffload]
     ignored_modules: Optional[Iterable[nn.Module]]
+    reshard_after_forward_ranks: Optional[int] = None
 
 
 def _both(ours: str, theirs: str) -> ValueError:
@@ -86,16 +88,32 @@ def map_fsdp2_names(
         _mixed_precision(args.mixed_precision, mp_policy),
         _cpu_offload(args.cpu_offload, offload_policy),
         _ignored_modules(module, args.ignored_modules, ignored_params),
+        _post_forward_ranks(reshard_after_forward),
     )
+
+
+def _post_forward_ranks(reshard_after_forward: Any) -> Optional[int]:
+    """FSDP2's int: the group size to reshard to after forward (checked against the group at init)."""
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        return reshard_after_forward
+    return None
 
 
 def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any) -> ShardingStrategy:
     hybrid = mesh is not None and mesh.ndim == 2
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
+    given = reshard_after_forward
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
-            f"fully_shard argument 'reshard_after_forward' must be True or False, got {reshard_after_forward!r}: "
-            "resharding to a smaller group after forward (FSDP2's int) has no equivalent here"
+            f"fully_shard argument 'reshard_after_forward' must be True, False or an int (the number of ranks "
+            f"to stay sharded over after forward), got {reshard_after_forward!r}"
         )
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        if hybrid:
+            raise ValueError(
+                f"fully_shard: reshard_after_forward={reshard_after_forward} (an int) is not supported with a 2-D "
+                "mesh (HYBRID_SHARD); pass a 1-D mesh, or True/False"
+            )
+        reshard_after_forward = True  # FULL_SHARD; the group size is resolved at init (`_post_forward_group`)
     if hybrid and reshard_after_forward is False:
         raise ValueError(
             "fully_shard: a 2-D mesh (HYBRID_SHARD) with reshard_after_forward=False is not supported; keep "
@@ -106,7 +124,7 @@ def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any)
     elif reshard_after_forward is None:
         return strategy
     elif reshard_after_forward:
-        implied, why = ShardingStrategy.FULL_SHARD, "reshard_after_forward=True"
+        implied, why = ShardingStrategy.FULL_SHARD, f"reshard_after_forward={given!r}"
     else:
         implied, why = ShardingStrategy.SHARD_GRAD_OP, "reshard_after_forward=False"
     if strategy not in (ShardingStrategy.FULL_SHARD, implied):

@@ -174,7 +174,10 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
         step.forward_depth = 0
         _ctx(state).exec_order.record_post_forward(handle)
         if _reshard_after_forward(state, handle):
-            handle.reshard()
+            if handle.post_forward_group is not None and torch.is_grad_enabled() and handle.is_unsharded:
+                handle.reshard_to_post_forward_group()  # see [Note: resharding to a smaller group]
+            else:
+                handle.reshard()
         handle.set_training_state(HandleTrainingState.IDLE)
     if torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)

@@ -13,17 +13,24 @@ from fsdp_composable._composable_state import _get_module_state, _insert_module_
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
+from fsdp_composable._post_forward_group import init_post_forward_groups, resolve_post_forward_ranks
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
 from fsdp_composable._state_dict_utils import _register_state_dict_hooks
+from fsdp_composable._to_empty import install_to_empty
 from fsdp_composable._torch_interop import _install_process_changes, _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["fully_shard"]
 
 
-@contract(API_NAME)
+@contract(
+    API_NAME,
+    several="sharding several modules as one unit (FSDP2's fully_shard([m1, m2])) is not supported. Call "
+    "fully_shard on each of them (each becomes its own unit), or leave them to an enclosing call (their "
+    "parameters join its unit)",
+)
 def fully_shard(
     module: nn.Module,
     policy: Any = None,
@@ -40,7 +47,7 @@ def fully_shard(
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
     mesh: Any = None,
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
     mp_policy: Any = None,
     offload_policy: Any = None,
     ignored_params: Any = None,
@@ -88,6 +95,7 @@ def fully_shard(
         forward_prefetch=forward_prefetch,
         backward_prefetch=backward_prefetch,
         limit_all_gathers=limit_all_gathers,
+        reshard_after_forward_ranks=ours.reshard_after_forward_ranks,
     )
     _build_state(module, args)
     return module
@@ -103,7 +111,8 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
         )
     api = args.api
     unit_policy = init._validate_args(args)
-    group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
+    group, replicate_group, _, world_size = init._init_process_group_state(args.process_group, args.strategy, api)
+    args = resolve_post_forward_ranks(module, args, world_size)  # reshard_after_forward=<int>
     ignored_mods, ignored_params = init._init_ignored_module_states(
         module, args.ignored_modules, api, (group, replicate_group)
     )
@@ -114,6 +123,7 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     init._init_param_handles_from_module(
         state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id
     )
+    init_post_forward_groups(state, args.reshard_after_forward_ranks)
     for handle in state.handles:
         init_grads(handle, expose_orig=args.use_orig_params)
     for unit_module in {module, *(h.module for h in state.handles)}:
@@ -122,4 +132,5 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     _register_state_dict_hooks(state)
     _install_process_changes()  # once per process: see `_torch_interop`
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
+    install_to_empty(state)  # see [Note: to_empty after sharding]
     return state

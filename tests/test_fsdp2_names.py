@@ -126,7 +126,8 @@ def bad_names() -> dict[str, str]:
     cases = {
         "both_groups": lambda: fully_shard(TinyGPT(), mesh=mesh, process_group=dist.group.WORLD),
         "conflict": lambda: fully_shard(TinyGPT(), strategy=ShardingStrategy.NO_SHARD, reshard_after_forward=False),
-        "int": lambda: fully_shard(TinyGPT(), reshard_after_forward=2),
+        "int": lambda: fully_shard(TinyGPT(), reshard_after_forward=3),
+        "int_hybrid": lambda: fully_shard(TinyGPT(), mesh=mesh2, reshard_after_forward=2),
         "hybrid_zero2": lambda: fully_shard(TinyGPT(), mesh=mesh2, reshard_after_forward=False),
         "hybrid_conflict": lambda: fully_shard(TinyGPT(), mesh=mesh2, strategy=ShardingStrategy.SHARD_GRAD_OP),
         "not_mesh": lambda: fully_shard(TinyGPT(), mesh=dist.group.WORLD),
@@ -162,8 +163,9 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
     )
     tc.assertExpectedInline(
         e["int"],
-        """ValueError: fully_shard argument 'reshard_after_forward' must be True or False, got 2: resharding to a smaller group after forward (FSDP2's int) has no equivalent here""",  # noqa: E501
+        """ValueError: fully_shard(TinyGPT): reshard_after_forward=3 must be a divisor of the shard group's size 2 (the number of consecutive ranks to stay sharded over after forward)""",  # noqa: E501
     )
+    tc.assertExpectedInline(e["int_hybrid"], """ValueError: fully_shard: reshard_after_forward=2 (an int) is not supported with a 2-D mesh (HYBRID_SHARD); pass a 1-D mesh, or True/False""")  # noqa: E501
     tc.assertExpectedInline(
         e["hybrid_zero2"],
         """ValueError: fully_shard: a 2-D mesh (HYBRID_SHARD) with reshard_after_forward=False is not supported; keep reshard_after_forward=True or pass a 1-D mesh with strategy=ShardingStrategy.SHARD_GRAD_OP""",  # noqa: E501

@@ -1,0 +1,198 @@
+"""The meta-device recipe of FSDP2's docs: build the model under ``torch.device("meta")``, call
+``fully_shard``, then ``model.to_empty(device=...)`` and initialise it. See [Note: to_empty after
+sharding] in ``fsdp_composable/_to_empty.py`` and [Note: reset_parameters after sharding].
+
+Upstream: test/distributed/_composable/fsdp/test_fully_shard_init.py::TestFullyShardMetaDeviceInit
+(to_empty + reset_parameters after fully_shard, then training). FSDP2 initialises its DTensor shards
+locally; here ``reset_parameters()`` runs on full shapes, so the values are the plain model's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import expecttest
+import pytest
+import torch
+import torch.distributed as dist
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
+from parity import error_text, local_slice, same_values, train_side_by_side
+from torch import nn
+
+from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, describe, fully_shard, unshard_params
+
+
+def _meta_sharded(how: str) -> nn.Module:
+    with torch.device("meta"):
+        model = OddMLP()
+    if how == "bottom-up":
+        fully_shard(model.l2)
+        return fully_shard(model)
+    return fully_shard(model, ModuleWrapPolicy({nn.Sequential}))
+
+
+def _state(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def _reset_each_module(model: nn.Module) -> None:
+    for module in model.modules():
+        if callable(getattr(module, "reset_parameters", None)):
+            module.reset_parameters()
+
+
+def _train_diff(model: nn.Module, ref: nn.Module, steps: int = 3) -> float:
+    """SGD on the same global batches: the sharded model on this rank's slice, the plain one on all."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        batch = mlp_batch(step, 3 * world)
+        for m, o, b in ((model, opt, local_slice(batch, rank, world)), (ref, opt_ref, batch)):
+            mlp_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+
+
+def _units(model: nn.Module) -> list[tuple[str, int]]:
+    return [(u.fqn, u.numel) for u in describe(model).units]
+
+
+def meta_recipe_with_reset(how: str) -> dict[str, Any]:
+    model = _meta_sharded(how)
+    units = _units(model)
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)  # the same seed everywhere: the plain model's values, module by module
+    _reset_each_module(model)
+    torch.manual_seed(7)
+    ref = OddMLP()  # its constructor initialises the modules in the same order
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(ref))}
+    torch.manual_seed(100 + dist.get_rank())  # different seeds: every rank takes the lowest rank's draw
+    model.to_empty(device="cpu")
+    _reset_each_module(model)
+    mine = _state(model)
+    torch.manual_seed(100)
+    _reset_each_module(ref)
+    r["lowest_rank_draw"] = same_values(mine, _state(ref))
+    r["units_kept"] = _units(model) == units and len(units) == 2
+    r["still_sharded"] = model.l1.weight.dim() == 1
+    r["train_diff"] = _train_diff(model, ref)
+    return r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("how", ["bottom-up", "policy"])
+def test_meta_recipe_with_reset_parameters_gives_the_plain_init(dist_run, world_size, how) -> None:
+    """Padded units at 2 and 4 ranks: to_empty + each module's reset_parameters() under one seed gives
+    exactly the plain model built on the CPU with that seed; per-rank seeds still agree; the units stay
+    as they were; training is in parity with the plain model."""
+    for r in dist_run(world_size, meta_recipe_with_reset, how):
+        assert r["plain_values"] and r["lowest_rank_draw"] and r["units_kept"] and r["still_sharded"], r
+        assert r["train_diff"] < 1e-5, r
+
+
+def meta_recipe_with_init_loop() -> dict[str, Any]:
+    model = _meta_sharded("bottom-up")
+    ref = OddMLP()
+    # a step first, so gradients exist when to_empty runs
+    mlp_loss(model, mlp_batch(0, 2)).backward()
+    model.to_empty(device="cpu")
+    r: dict[str, Any] = {"forward_after_to_empty": error_text(lambda: model(torch.randn(2, 5)).sum().backward())}
+    with torch.no_grad():
+        for i, (p, p_ref) in enumerate(zip(model.parameters(), ref.parameters())):
+            p.fill_(0.01 * (i + 1))  # this rank's slice of the parameter
+            p_ref.fill_(0.01 * (i + 1))
+    model.zero_grad()
+    r["plain_values"] = same_values(_state(model), _state(ref))
+    r["train_diff"] = _train_diff(model, ref)
+    return r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_to_empty_keeps_the_shards_so_an_init_loop_over_parameters_writes_them(dist_run, world_size) -> None:
+    """to_empty after fully_shard leaves every parameter (and gradient) a view of its unit's shard: the
+    next forward and backward run, and nn.init over model.parameters() writes the shards, so the
+    model equals the plain one initialised the same way and trains in parity."""
+    for r in dist_run(world_size, meta_recipe_with_init_loop):
+        assert r["forward_after_to_empty"] == "no error", r
+        assert r["plain_values"], r
+        assert r["train_diff"] < 1e-5, r
+
+
+def to_empty_elsewhere() -> dict[str, Any]:
+    model = _meta_sharded("bottom-up")
+    torch.manual_seed(3)
+    _reset_each_module(model)
+    before = _state(model)
+    r = {"error": error_text(lambda: model.to_empty(device="meta"))}
+    r["unchanged"] = same_values(_state(model), before)
+    r["usable"] = error_text(lambda: model(torch.randn(2, 5)).sum().backward())
+    return r
+
+
+def test_to_empty_on_another_device_is_refused_before_any_change(dist_run) -> None:
+    results = dist_run(2, to_empty_elsewhere)
+    for r in results:
+        assert r["unchanged"] and r["usable"] == "no error", r
+        assert r["error"] == results[0]["error"]
+    expecttest.TestCase().assertExpectedInline(
+        results[0]["error"],
+        """RuntimeError: to_empty(device='meta') was called on a fully_shard model whose unit '<root>' keeps its shards on cpu: after fully_shard to_empty only re-creates storage in place. Build or move the model on its device before fully_shard (or pass device_id=), then call to_empty with that device""",  # noqa: E501
+    )
+
+
+def _init_weights(model: nn.Module) -> None:
+    """A model-wide init in the style of ``init_weights()``: not a module's ``reset_parameters``."""
+    for _, p in model.named_parameters():
+        nn.init.normal_(p, std=0.02) if p.dim() > 1 else nn.init.zeros_(p)
+
+
+def meta_gpt_with_init_weights() -> dict[str, Any]:
+    with torch.device("meta"):
+        model = TinyGPT()  # `pos` and attention's weights have no reset_parameters()
+    fully_shard(model, ModuleWrapPolicy({Block}), param_init_fn=lambda m: m.to_empty(device="cpu", recurse=False))
+    model.to_empty(device="cpu")
+    torch.manual_seed(5)  # the same seed on every rank
+    with torch.no_grad(), unshard_params(model):  # full shapes: the init sees what the plain model sees
+        _init_weights(model)
+    plain = TinyGPT()
+    torch.manual_seed(5)
+    with torch.no_grad():
+        _init_weights(plain)
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(plain))}
+    r.update(train_side_by_side(plain, lambda m: model, gpt_loss, gpt_batch, per_rank_batch=2, steps=2, optim="sgd"))
+    return r
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_meta_recipe_with_a_model_wide_init_inside_unshard_params(dist_run, world_size) -> None:
+    """A model whose modules lack reset_parameters(): param_init_fn only allocates, and a model-wide init
+    run inside unshard_params under one seed gives exactly the plain model's values; then parity."""
+    for r in dist_run(world_size, meta_gpt_with_init_weights):
+        assert r["plain_values"], r
+        assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
+        assert r["max_weight_diff"] < 1e-5, r
+
+
+def meta_recipe_wrapper(use_orig_params: bool) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = OddMLP()
+    wrapped = FullyShardedDataParallel(
+        model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}), use_orig_params=use_orig_params
+    )
+    wrapped.to_empty(device="cpu")
+    torch.manual_seed(9)
+    _reset_each_module(wrapped)
+    torch.manual_seed(9)
+    ref = OddMLP()
+    r: dict[str, Any] = {"plain_values": same_values(_state(wrapped), _state(ref))}
+    r["forward"] = error_text(lambda: wrapped(torch.randn(2, 5)).sum().backward())
+    return r
+
+
+@pytest.mark.parametrize("use_orig_params", [False, True])
+def test_meta_recipe_on_the_wrapper_class(dist_run, use_orig_params) -> None:
+    """The same recipe on FullyShardedDataParallel, flat parameters (registered on the modules) too."""
+    for r in dist_run(2, meta_recipe_wrapper, use_orig_params):
+        assert r["plain_values"] and r["forward"] == "no error", r
