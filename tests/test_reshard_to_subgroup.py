@@ -64,9 +64,9 @@ def _count_all_gathers(k: Any) -> dict[str, Any]:
     sizes: dict[str, list[int]] = {"forward": [], "backward": []}
     phase = ["forward"]
 
-    def spy(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> Any:
+    def spy(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *rest: Any) -> Any:
         sizes[phase[0]].append(dist.get_world_size(group))
-        return real(output, shard, group, async_op)
+        return real(output, shard, group, *rest)
 
     _collectives.all_gather = spy  # type: ignore[assignment]
     try:
@@ -146,9 +146,9 @@ def _twice_and_no_grad() -> dict[str, Any]:
     real = _collectives.all_gather
     sizes: list[int] = []
 
-    def spy(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, async_op: bool = True) -> Any:
+    def spy(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup, *rest: Any) -> Any:
         sizes.append(dist.get_world_size(group))
-        return real(output, shard, group, async_op)
+        return real(output, shard, group, *rest)
 
     _collectives.all_gather = spy  # type: ignore[assignment]
     try:
