@@ -79,11 +79,6 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
-def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
-    """The handles of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
-    return [h for h in state.handles if h.module is handle.module]
-
-
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
     root = state.root_state
     return root is not None and handle.module is root.module
@@ -149,8 +144,8 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     else:
         handle.set_training_state(HandleTrainingState.FORWARD)
         ctx.steps[handle].forward_depth = 1
-        unit = _unit_handles(state, handle)
-        ctx.exec_order.record_pre_forward(handle, unit)
+        unit = ctx.unit_of(handle)
+        ctx.exec_order.record_pre_forward(handle, list(unit))
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
             _unshard(state, sibling)
         if state.forward_prefetch:

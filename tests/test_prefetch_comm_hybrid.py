@@ -160,6 +160,53 @@ def test_prefetch_skips_unit_without_backward(dist_run) -> None:
     assert logs[2] == logs[1]
 
 
+def prefetch_by_units(freeze: bool) -> dict:
+    """Prefetch log and units in flight; ``freeze``: every block unit also holds a frozen handle."""
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    if freeze:
+        for block in model.blocks:
+            block.ln1.requires_grad_(False)
+    fully_shard(model, ModuleWrapPolicy({Block}), forward_prefetch=True)
+    state = fully_shard.state(model)
+    handles = state.handles
+    most = [0]  # non-root units unsharded or being gathered at once, seen after every all-gather issued
+
+    def units_alive() -> int:
+        return len({id(h.module) for h in handles if h.module is not model and (h.is_unsharded or h.unshard_in_flight)})
+
+    for h in handles:
+
+        def spy(*args: Any, _orig: Any = h.unshard, **kwargs: Any) -> None:
+            _orig(*args, **kwargs)
+            most[0] = max(most[0], units_alive())
+
+        h.unshard = spy  # type: ignore[method-assign]
+    logs = []
+    for step in range(3):
+        gpt_loss(model, gpt_batch(step, 2)).backward()
+        logs.append(state.exec_order_data.last_prefetch_log)
+    per_unit = [sum(1 for h in handles if h.module is b) for b in model.blocks]
+    return {"logs": logs, "most": most[0], "peak": state.limiter.peak, "handles_per_block": per_unit}
+
+
+def test_prefetch_counts_units_not_handles(dist_run) -> None:
+    plain = dist_run(2, prefetch_by_units, False)[0]
+    mixed = dist_run(2, prefetch_by_units, True)[0]
+    assert plain["handles_per_block"] == [1, 1, 1] and mixed["handles_per_block"] == [2, 2, 2]
+    # a unit's handle count changes neither what is prefetched nor how many units are in flight
+    assert mixed["logs"] == plain["logs"]
+    assert mixed["logs"][1] == [
+        ("forward", "blocks.0"),
+        ("forward", "blocks.1"),
+        ("forward", "blocks.2"),
+        ("backward", "blocks.2"),
+        ("backward", "blocks.1"),
+        ("backward", "blocks.0"),
+    ]
+    assert mixed["most"] == plain["most"] == mixed["peak"] == plain["peak"] == 2
+
+
 def hybrid(use_mesh: bool) -> dict:
     rank = dist.get_rank()
     # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
