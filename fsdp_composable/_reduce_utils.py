@@ -287,7 +287,9 @@ def start_reduce(
     On CUDA (``stream``: the reduce stream) the division, HYBRID_SHARD's all-reduce across replicas
     (on ``all_reduce_stream``, after the reduce-scatter) and a CPU-offloaded gradient's copy to the
     host are issued now, on the side streams; see [Note: streams without record_stream] and
-    [Note: offloaded gradients reach the host].
+    [Note: offloaded gradients reach the host]. On the CPU, `PendingReduce.wait` (in the next unit's
+    post-backward) finishes the reduce-scatter, divides and issues the all-reduce across replicas,
+    which `finish` waits for at the end of backward.
 
     The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
     grads = handle.grads
@@ -428,10 +430,11 @@ class PendingReduce:
     work: _collectives.InFlight
     out: torch.Tensor
     send: list[torch.Tensor]  # kept alive until the collective completes
-    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduced across it in `wait`
+    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduce across it, issued in `wait`
     post_divide: int = 1
     done: bool = False
-    # CUDA, HYBRID_SHARD: the all-reduce across replicas, issued with the reduce-scatter
+    # HYBRID_SHARD: the all-reduce across replicas in flight (CUDA: issued with the reduce-scatter;
+    # CPU: by `wait`, once the reduce-scatter is done); `finish` waits for it
     replica: Optional[_collectives.InFlight] = None
     host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
 
@@ -447,13 +450,15 @@ class PendingReduce:
             self.send = []
         if self.post_divide > 1:
             self.out.div_(self.post_divide)
-        if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
-            work = _collectives.all_reduce(self.out, self.replicate_group)
-            _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
+        if self.replicate_group is not None:
+            # HYBRID_SHARD on the CPU: the shard's sum over replicas is issued now and left in flight, so
+            # it overlaps the next units' backward; `finish` waits for it (the end of backward)
+            group, self.replicate_group = self.replicate_group, None
+            self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
 
     def finish(self) -> None:
-        """`wait`, and the compute stream waits for the all-reduce across replicas (where FSDP2 waits
-        for it: at the end of backward, or when the step is abandoned)."""
+        """`wait`, and then for the all-reduce across replicas (the compute stream on CUDA; where FSDP2
+        waits for it: at the end of backward, or when the step is abandoned)."""
         self.wait()
         if self.replica is not None:
             replica, self.replica = self.replica, None
