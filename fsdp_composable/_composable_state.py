@@ -25,7 +25,8 @@ class _Registry:
     [Note: collective headers] in `_rank_agreement`: a group outlives every model using it, and torch's
     ProcessGroup takes no attributes of ours), and how many parameters and submodules were registered
     on any module since import (the cheap change detector of [Note: cheap edit checks] in
-    `_model_edit_checks`)."""
+    `_model_edit_checks`), and the benchmark-only safety switches ([Note: safety switches] in
+    `_safety`; None: every check on)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
@@ -33,6 +34,7 @@ class _Registry:
         # process group -> its record (weak: a destroyed group's record goes with it)
         self.groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self.registrations = 0
+        self.safety: Any = None  # a frozen `_safety.SafetyChecks`, replaced whole, or None
 
 
 _REGISTRY = _Registry()
@@ -55,6 +57,15 @@ def group_record(group: Any, new: Callable[[], _S]) -> _S:
 def group_records() -> list[Any]:
     """Every process group's record."""
     return list(_REGISTRY.groups.values())
+
+
+def safety_setting() -> Any:
+    """The safety switches set by `_safety.switched_off` (None: every check on)."""
+    return _REGISTRY.safety
+
+
+def set_safety_setting(setting: Any) -> None:
+    _REGISTRY.safety = setting
 
 
 def registrations() -> int:

@@ -38,7 +38,10 @@ Unit = Sequence["FlatParamHandle"]  # every handle of one unit (the root context
 
 
 def _alive(unit: Unit) -> bool:
-    return any(h.is_unsharded or h.unshard_in_flight for h in unit)
+    for h in unit:  # a loop, not any(...): this runs at every unshard
+        if h.is_unsharded or h.unshard_in_flight:
+            return True
+    return False
 
 
 class _AllGatherLimiter:
@@ -49,27 +52,31 @@ class _AllGatherLimiter:
         self._resharded: list[Unit] = []  # dropped from _live since the last `release_resharded`
 
     def _prune(self) -> None:
-        if all(_alive(u) for u, _ in self._live):
-            return
-        keep = []
-        for unit, counted in self._live:
-            if _alive(unit):
-                keep.append((unit, counted))
+        keep: list[tuple[Unit, bool]] = []
+        for entry in self._live:
+            if _alive(entry[0]):
+                keep.append(entry)
             else:
-                self._resharded.append(unit)
+                self._resharded.append(entry[0])
         self._live = keep
 
     def in_flight(self) -> int:
         """Non-root units unsharded or being gathered now (among those the runtime unsharded)."""
         self._prune()
-        return sum(1 for _, counted in self._live if counted)
+        count = 0
+        for _, counted in self._live:
+            count += counted
+        return count
 
     def may_prefetch(self) -> bool:
         return self.in_flight() < self.max_units
 
     def record(self, unit: Unit, counted: bool) -> None:
         """``unit`` was just unsharded by the runtime; ``counted``: False for the root unit."""
-        if not any(u is unit for u, _ in self._live):
+        for entry in self._live:
+            if entry[0] is unit:
+                break
+        else:
             self._live.append((unit, counted))
         self.peak = max(self.peak, self.in_flight())
 

@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _comm_hooks, _trace
+from fsdp_composable import _collectives, _comm_hooks, _safety, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
@@ -103,6 +103,9 @@ def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
 
 def _set_state(handle: FlatParamHandle, new: GradState) -> None:
     grads = handle.grads
+    if new in _GRAD_TRANSITIONS[grads.state]:  # the common case, without building the message
+        grads.state = new
+        return
     check_transition("GradState", f"unit '{handle.unit_fqn or '<root>'}'", grads.state, new, _GRAD_TRANSITIONS)
     grads.state = new
 
@@ -133,8 +136,15 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     grads = handle.grads
     if not grads.expose_orig:
         return
-    current = [p.grad for p in handle.params]
     ours = grads.exposed
+    if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
+        if _first_exposed_cleared(handle):
+            handle.flat_param.grad = None
+        for param in handle.params:
+            param.grad = None
+        grads.exposed = []
+        return
+    current = [p.grad for p in handle.params]
     if all(g is None for g in current):
         handle.flat_param.grad = None
     elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
@@ -155,11 +165,24 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     grads.exposed = []
 
 
+def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
+    """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
+    exposed = handle.grads.exposed
+    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
+
+
 def release_cleared_grads(handle: FlatParamHandle) -> None:
     """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
     (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
     grads = handle.grads
-    if grads.exposed and all(p.grad is None for p in handle.params):
+    if not grads.exposed:
+        return
+    cleared = (
+        all(p.grad is None for p in handle.params)
+        if _safety.current().grad_bookkeeping
+        else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
+    )
+    if cleared:
         handle.flat_param.grad = None
         grads.exposed = []
 
