@@ -265,7 +265,11 @@ def _attach_post_backward_trigger(
     state: _FSDPState, handle: FlatParamHandle, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
     # also for frozen groups: post-backward is where they reshard once the unit's backward is done
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    plain = not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args)
+    if plain:  # the common call, module(tensor, ...): no pytree round trip
+        flat: list[Any] = list(args)
+    else:
+        flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     step = _ctx(state).steps[handle]
     if not positions:
@@ -276,6 +280,8 @@ def _attach_post_backward_trigger(
     outs = (outs,) if isinstance(outs, torch.Tensor) else outs
     for i, out in zip(positions, outs):
         flat[i] = out
+    if plain:
+        return tuple(flat), kwargs
     return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
 
@@ -292,6 +298,8 @@ def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
 def _tensors(structure: Any) -> list[torch.Tensor]:
     """Every tensor in a nested output: containers pytree knows, and dataclass fields (pytree treats
     an unregistered dataclass as a leaf, which would hide its tensors from the pre-backward hooks)."""
+    if type(structure) is torch.Tensor:  # the common output: no pytree walk
+        return [structure]
     out: list[torch.Tensor] = []
     for leaf in pytree.tree_leaves(structure):
         if isinstance(leaf, torch.Tensor):
