@@ -3,9 +3,10 @@
 [Note: the root context]
 The root's lazy init (`_lazy_init`) builds one `RootContext` and gives it to every state under the
 root. It is the only owner of what those states share and of everything that lives for one step:
-the states themselves (each owns its handles; ``handles``, ``non_root_handles`` and ``units()`` are
-derived from them), the execution order, the all-gather limiter, the CUDA side streams (handles
-get them as arguments, e.g. ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
+the states themselves (each owns its handles; ``handles``, ``non_root_handles``, ``unit_of`` and
+``units()`` are derived from them, once, when the context is built), the execution order, the
+all-gather limiter, the CUDA side streams (handles get them as arguments, e.g.
+``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
 flight or waiting for the end of backward, the per-step counters of each unit (``steps``:
 `UnitStep`), and the root-wide switch ``sync_gradients``. A switch has no home before the root's
 first forward, so ``no_sync`` entered then runs the root's lazy init itself (it needs no collective)
