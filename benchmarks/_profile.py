@@ -72,6 +72,7 @@ def profile_call(fn: Callable[[], Any], top: int = 15) -> dict[str, Any]:
     total = sum(by_area.values())
     return {
         "total_s": total,
+        "calls": sum(r["calls"] for r in rows),  # every function call, built-ins included: machine-independent
         "by_area_s": dict(sorted(by_area.items(), key=lambda kv: -kv[1])),
         "top_by_tottime": rows[:top],
     }

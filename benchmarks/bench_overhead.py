@@ -15,6 +15,7 @@ Writes a JSON file, a PNG chart next to it, and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -29,9 +30,11 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
+from benchmarks._profile import profile_call  # noqa: E402
 from benchmarks._report import save_run, write_time_bars  # noqa: E402
 
 IMPLS = ("local", "ours", "torch-fsdp2")
+_PROFILED_STEPS = 5
 
 
 class MLPBlock(nn.Module):
@@ -94,6 +97,10 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             model = _shard(impl, _model(args, device), args.world_size, device)
             times = _time_steps(model, args, device)
             rows.append({"impl": impl, "median_s": statistics.median(times), "min_s": min(times)})
+            if args.profile:  # a few more steps under cProfile: where the time goes, and calls per step
+                quiet = argparse.Namespace(**{**vars(args), "warmup": 0, "steps": _PROFILED_STEPS})
+                rows[-1]["profile"] = profile_call(functools.partial(_time_steps, model, quiet, device), top=25)
+                rows[-1]["calls_per_step"] = rows[-1]["profile"]["calls"] / _PROFILED_STEPS
             print(f"[bench_overhead] {impl}: {rows[-1]['median_s'] * 1e3:.2f} ms", file=sys.stderr, flush=True)
     finally:
         dist.destroy_process_group()
@@ -101,6 +108,8 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     for row in rows:
         row["overhead_s"] = row["median_s"] - local
         row["overhead_per_unit_s"] = row["overhead_s"] / args.units
+        if args.profile:
+            row["extra_calls_per_unit"] = (row["calls_per_step"] - rows[0]["calls_per_step"]) / args.units
     return rows
 
 
@@ -109,6 +118,10 @@ def format_table(rows: list[dict[str, Any]]) -> str:
         "| impl | step (ms, median) | step (ms, min) | overhead vs local (ms/step) | overhead per unit (µs) |",
         "|---|---|---|---|---|",
     ]
+    profiled = all("extra_calls_per_unit" in r for r in rows)
+    if profiled:
+        lines[0] += " function calls per unit beyond local (cProfile) |"
+        lines[1] += "---|"
     for r in rows:
         cells = [
             r["impl"],
@@ -117,6 +130,8 @@ def format_table(rows: list[dict[str, Any]]) -> str:
             f"{r['overhead_s'] * 1e3:.2f}",
             f"{r['overhead_per_unit_s'] * 1e6:.0f}",
         ]
+        if profiled:
+            cells.append(f"{r['extra_calls_per_unit']:.0f}")
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -130,6 +145,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=30, help="timed steps per impl")
     p.add_argument("--warmup", type=int, default=5, help="untimed steps per impl first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads")
+    p.add_argument("--profile", action="store_true", help="also cProfile a few steps per impl (JSON: top functions)")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: written, not run here (no GPU)")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "overhead.json"), help="JSON path")
     args = p.parse_args(argv)

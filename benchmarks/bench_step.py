@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import subprocess
 import sys
 import time
@@ -46,6 +47,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=2, help="ranks for ours/torch-fsdp2/ddp (local always uses 1)")
     p.add_argument("--steps", type=int, default=6, help="measured steps (after --warmup steps)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps, not measured")
+    p.add_argument(
+        "--rounds", type=int, default=1, help="run every impl this many times, interleaved (order rotated per round)"
+    )
     p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy of ours")
     p.add_argument(
         "--param-dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: mixed precision (sharded impls)"
@@ -67,6 +71,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     args.impl_list = _impl_list(p, args)
     if args.world_size < 1:
         p.error(f"--world-size must be >= 1, got {args.world_size}")
+    if args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.steps < 1 or args.warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
     if args.param_dtype == "bf16":
@@ -122,31 +128,22 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     cfg = SMALL if args.small else DEFAULT
     source = source_info()  # the ranks are forked from this process and run the package it imported
     machine = machine_info()
-    results = []
-    for impl in args.impl_list:
-        spec = {
-            "impl": impl,
-            "procs": 1 if impl == "local" else args.world_size,
-            "model": cfg.as_dict(),
-            "steps": args.steps,
-            "warmup": args.warmup,
-            "strategy": args.strategy,
-            "param_dtype": args.param_dtype if impl in SHARDED else "fp32",
-            "device": args.device,
-            "threads": args.threads,
-            "timeout_s": args.timeout,
-            "profile": args.profile,
-            "start_method": args.start_method or ("spawn" if args.device == "cuda" else "fork"),
-        }
-        t0 = time.monotonic()
-        print(f"[bench_step] {impl}: {spec['procs']} process(es) ...", file=sys.stderr, flush=True)
-        r = run_impl(spec)
-        r["variant"] = _variant(impl, args)
-        r["wall_s"] = time.monotonic() - t0
-        r["theory"] = theory_bytes(impl, args.strategy, spec["procs"], r["param_count"], spec["param_dtype"])
-        status = r["status"] if r["status"] == "ok" else f"FAILED ({r.get('error')})"
-        print(f"[bench_step] {impl}: {status} in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
-        results.append(r)
+    by_impl: dict[str, dict[str, Any]] = {}
+    for rnd in range(args.rounds):  # impls interleaved: each round runs every impl, order rotated
+        order = args.impl_list[rnd % len(args.impl_list) :] + args.impl_list[: rnd % len(args.impl_list)]
+        if args.rounds > 1:
+            print(f"[bench_step] round {rnd + 1}/{args.rounds}: {','.join(order)}", file=sys.stderr, flush=True)
+        for impl in order:
+            r = _run_one(impl, args, cfg)
+            kept = by_impl.setdefault(impl, r)
+            kept.setdefault("round_medians_s", []).append(r.get("median_step_time_s"))
+            if kept is not r and r["status"] == "ok" and kept["status"] == "ok":
+                kept["step_times_s"] = kept["step_times_s"] + r["step_times_s"]
+                kept["median_step_time_s"] = statistics.median(kept["step_times_s"])
+                kept["min_step_time_s"] = min(kept["step_times_s"])
+            elif r["status"] != "ok":
+                by_impl[impl] = {**r, "round_medians_s": kept["round_medians_s"]}
+    results = [by_impl[impl] for impl in args.impl_list]
     return {
         "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
         "machine": machine,
@@ -157,6 +154,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "world_size": args.world_size,
             "steps": args.steps,
             "warmup": args.warmup,
+            "rounds": args.rounds,
             "strategy": args.strategy,
             "param_dtype": args.param_dtype,
             "threads_per_process": args.threads,
@@ -164,6 +162,32 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         },
         "results": results,
     }
+
+
+def _run_one(impl: str, args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
+    spec = {
+        "impl": impl,
+        "procs": 1 if impl == "local" else args.world_size,
+        "model": cfg.as_dict(),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "strategy": args.strategy,
+        "param_dtype": args.param_dtype if impl in SHARDED else "fp32",
+        "device": args.device,
+        "threads": args.threads,
+        "timeout_s": args.timeout,
+        "profile": args.profile,
+        "start_method": args.start_method or ("spawn" if args.device == "cuda" else "fork"),
+    }
+    t0 = time.monotonic()
+    print(f"[bench_step] {impl}: {spec['procs']} process(es) ...", file=sys.stderr, flush=True)
+    r = run_impl(spec)
+    r["variant"] = _variant(impl, args)
+    r["wall_s"] = time.monotonic() - t0
+    r["theory"] = theory_bytes(impl, args.strategy, spec["procs"], r["param_count"], spec["param_dtype"])
+    status = r["status"] if r["status"] == "ok" else f"FAILED ({r.get('error')})"
+    print(f"[bench_step] {impl}: {status} in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
+    return r
 
 
 def main(argv: Optional[list[str]] = None) -> int:

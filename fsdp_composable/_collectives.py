@@ -128,7 +128,7 @@ def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See
     [Note: gloo collectives as point-to-point exchanges]; CUDA tensors on gloo keep gloo's own
     collectives, which stage them through the host."""
-    return device.type == "cpu" and dist.get_backend(group) == "gloo"
+    return device.type == "cpu" and _rank_agreement.is_gloo(group)
 
 
 def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:

@@ -119,6 +119,9 @@ class _FSDPState:
 
 
 def _set_training_state(state: _FSDPState, new: TrainingState) -> None:
+    if new in _TRAINING_TRANSITIONS[state.training_state]:  # the common case, without building the message
+        state.training_state = new
+        return
     check_transition(
         "TrainingState",
         f"fully_shard({type(state.module).__name__})",

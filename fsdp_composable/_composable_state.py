@@ -24,8 +24,9 @@ class _Registry:
     this rank knows about each process group's collectives (the header protocol's per-group record,
     [Note: collective headers] in `_rank_agreement`: a group outlives every model using it, and torch's
     ProcessGroup takes no attributes of ours), the subgroups ``reshard_after_forward=<int>`` made of
-    each group (for the same reason), and how many parameters and submodules were registered on any
-    module since import (the cheap change detector of [Note: cheap edit checks] in `_model_edit_checks`)."""
+    each group (for the same reason), how many parameters and submodules were registered on any
+    module since import (the cheap change detector of [Note: cheap edit checks] in `_model_edit_checks`),
+    and the benchmark-only safety switches ([Note: safety switches] in `_safety`; None: every check on)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
@@ -36,6 +37,7 @@ class _Registry:
         # with reshard_after_forward=k (see [Note: resharding to a smaller group] in `_post_forward_group`)
         self.subgroups: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
         self.registrations = 0
+        self.safety: Any = None  # a frozen `_safety.SafetyChecks`, replaced whole, or None
 
 
 _REGISTRY = _Registry()
@@ -68,6 +70,15 @@ def subgroup(group: Any, k: int, new: Callable[[], _S]) -> _S:
 def group_records() -> list[Any]:
     """Every process group's record."""
     return list(_REGISTRY.groups.values())
+
+
+def safety_setting() -> Any:
+    """The safety switches set by `_safety.switched_off` (None: every check on)."""
+    return _REGISTRY.safety
+
+
+def set_safety_setting(setting: Any) -> None:
+    _REGISTRY.safety = setting
 
 
 def registrations() -> int:

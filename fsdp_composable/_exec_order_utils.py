@@ -61,6 +61,7 @@ class _ExecOrderData:
         # reached it) is absent, so the last order predicts the next backward better than the forward does
         self.pre_backward_order: list["FlatParamHandle"] = []
         self.last_pre_backward_order: list["FlatParamHandle"] = []
+        self._last_pre_backward_index: dict[int, int] = {}  # id(handle) -> first position in it
         self.last_prefetch_log: list[tuple[str, str]] = []
         self._current_forward: list["FlatParamHandle"] = []
         self.first_forward_calls: list["FlatParamHandle"] = []
@@ -154,13 +155,18 @@ class _ExecOrderData:
         self.post_forward_order.append(handle)
 
     def forward_prefetch_target(self, handle: "FlatParamHandle") -> Optional["FlatParamHandle"]:
-        """The unit expected to run forward after ``handle`` (from the first iteration's order)."""
+        """The next unit expected to run forward after ``handle``'s (from the first iteration's order);
+        a handle of the same unit is not a target, it is gathered with ``handle``."""
         if self.is_first_iter:
             return None
         i = self._pre_forward_index.get(id(handle))
-        if i is None or i + 1 >= len(self.pre_forward_order):
+        if i is None:
             return None
-        return self.pre_forward_order[i + 1]
+        order = self.pre_forward_order
+        for j in range(i + 1, len(order)):
+            if order[j].module is not handle.module:
+                return order[j]
+        return None
 
     def record_pre_backward(self, handle: "FlatParamHandle") -> None:
         self.pre_backward_order.append(handle)
@@ -170,11 +176,13 @@ class _ExecOrderData:
     ) -> Optional["FlatParamHandle"]:
         """The unit whose backward comes after ``handle``'s: the next one in the last iteration's
         backward order, else the previous one in this iteration's post-forward order, skipping units
-        whose backward already started (``started``: the root context's per-step counters)."""
+        whose backward already started (``started``: the root context's per-step counters) and
+        ``handle``'s own unit."""
         last = self.last_pre_backward_order
-        if handle in last:
-            for candidate in last[last.index(handle) + 1 :]:
-                if not started(candidate):
+        position = self._last_pre_backward_index.get(id(handle))
+        if position is not None:
+            for candidate in last[position + 1 :]:
+                if candidate.module is not handle.module and not started(candidate):
                     return candidate
             return None
         i = self._post_forward_index.get(id(handle))
@@ -182,7 +190,7 @@ class _ExecOrderData:
             return None
         for j in range(i - 1, -1, -1):
             candidate = self.post_forward_order[j]
-            if candidate is not handle and not started(candidate):
+            if candidate.module is not handle.module and not started(candidate):
                 return candidate
         return None
 
@@ -196,6 +204,9 @@ class _ExecOrderData:
         self.last_prefetch_log, self.prefetch_log = self.prefetch_log, []
         if self.pre_backward_order:  # keep the last order that had a backward (eval steps have none)
             self.last_pre_backward_order, self.pre_backward_order = self.pre_backward_order, []
+            self._last_pre_backward_index = {}
+            for position, h in enumerate(self.last_pre_backward_order):
+                self._last_pre_backward_index.setdefault(id(h), position)
 
 
 def _param_list(name: str, handles: "list[FlatParamHandle]") -> list[tuple[str, tuple[int, ...], str]]:

@@ -281,6 +281,9 @@ class FlatParamHandle:
 
     # ---------------------------------------------------------------- state machine
     def set_training_state(self, new: HandleTrainingState) -> None:
+        if new in _HANDLE_TRANSITIONS[self.training_state]:  # the common case, without building the message
+            self.training_state = new
+            return
         check_transition(
             "HandleTrainingState",
             f"unit '{self.unit_fqn or '<root>'}'",

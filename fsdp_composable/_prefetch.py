@@ -16,27 +16,31 @@ __all__: list[str] = []
 
 # ---------------------------------------------------------------------------- unshard / prefetch
 def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
-    if state.ctx is not None and state.ctx.open_forwards == 0 and not _in_backward():
+    ctx = state.ctx
+    if ctx is not None and ctx.open_forwards == 0 and not _in_backward():
         # a unit called outside the root's forward: no root pre-forward ordered its all-gather after
         # the shards' last writes (the optimizer's), see _collectives.issue
-        _collectives.wait_for_compute(state.ctx.unshard_stream)
-    handle.unshard(state.ctx.unshard_stream if state.ctx is not None else None)
-    if state.ctx is not None:
-        state.ctx.limiter.record(state.ctx.non_root_handles)
-        state.ctx.limiter.release_freed(state.ctx.handles)
+        _collectives.wait_for_compute(ctx.unshard_stream)
+    handle.unshard(ctx.unshard_stream if ctx is not None else None)
+    if ctx is not None:
+        ctx.limiter.record(ctx.unit_of(handle), counted=not ctx.is_root_unit(handle))
+        if ctx.unshard_stream is not None:  # only side streams leave freed storage behind
+            ctx.limiter.release_resharded()
 
 
 def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
-    """Start ``handle``'s all-gather early, unless it is already under way or the limiter says no."""
+    """Start the all-gathers of ``handle``'s unit early (every handle of it: one unit for the limiter,
+    [Note: the limiter counts units]), unless already under way or the limiter says no."""
     if handle is None or handle.is_unsharded or handle.unshard_in_flight:
         return
     if phase == "backward" and not handle.switches.unshard_in_backward:
         return  # set_unshard_in_backward(unit, False): its backward does not gather it either
     ctx = _ctx(state)
-    if state.limit_all_gathers and not ctx.limiter.may_prefetch(ctx.non_root_handles):
+    if state.limit_all_gathers and not ctx.limiter.may_prefetch():
         return
     ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
-    _unshard(state, handle)
+    for sibling in ctx.unit_of(handle):
+        _unshard(state, sibling)
 
 
 def _prefetch_for_forward(state: _FSDPState, handle: FlatParamHandle) -> None:

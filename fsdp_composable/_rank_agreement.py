@@ -42,6 +42,7 @@ from typing import Any, Iterable, Iterator, Optional
 import torch
 import torch.distributed as dist
 
+from fsdp_composable import _safety
 from fsdp_composable._composable_state import group_record, group_records
 from fsdp_composable.api import RankMismatchError
 
@@ -125,6 +126,8 @@ class _GroupRecord:
     abandoned: Optional[str] = None
     generation: int = 0  # bumped when a step starts or is left: see `settled`
     pending: list[Any] = field(default_factory=list)  # `Op.LEFT` sends in flight
+    gloo: Optional[bool] = None  # the group's backend is gloo (None: not asked yet)
+    several: bool = False  # the group has more than one rank
 
 
 # the entry points running now, innermost last (a context variable: no shared mutable container)
@@ -136,8 +139,23 @@ def _record(group: dist.ProcessGroup) -> _GroupRecord:
 
 
 def checks(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether collectives on ``group`` exchange headers first: gloo groups of more than one rank."""
-    return group is not None and dist.get_world_size(group) > 1 and dist.get_backend(group) == "gloo"
+    """Whether collectives on ``group`` exchange headers first: gloo groups of more than one rank
+    (unless a benchmark switched the headers off, [Note: safety switches])."""
+    if group is None:
+        return False
+    record = _record(group)
+    if record.gloo is None:  # a group's backend and size never change: asked once
+        record.gloo = dist.get_backend(group) == "gloo"
+        record.several = dist.get_world_size(group) > 1
+    return bool(record.gloo and record.several) and _safety.current().headers
+
+
+def is_gloo(group: dist.ProcessGroup) -> bool:
+    """Whether ``group``'s backend is gloo (asked of torch once per group)."""
+    record = _record(group)
+    if record.gloo is None:
+        checks(group)
+    return bool(record.gloo)
 
 
 @contextlib.contextmanager

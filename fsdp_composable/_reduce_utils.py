@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _comm_hooks, _trace
+from fsdp_composable import _collectives, _comm_hooks, _safety, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
@@ -106,6 +106,9 @@ def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
 
 def _set_state(handle: FlatParamHandle, new: GradState) -> None:
     grads = handle.grads
+    if new in _GRAD_TRANSITIONS[grads.state]:  # the common case, without building the message
+        grads.state = new
+        return
     check_transition("GradState", f"unit '{handle.unit_fqn or '<root>'}'", grads.state, new, _GRAD_TRANSITIONS)
     grads.state = new
 
@@ -136,8 +139,15 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     grads = handle.grads
     if not grads.expose_orig:
         return
-    current = [p.grad for p in handle.params]
     ours = grads.exposed
+    if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
+        if _first_exposed_cleared(handle):
+            handle.flat_param.grad = None
+        for param in handle.params:
+            param.grad = None
+        grads.exposed = []
+        return
+    current = [p.grad for p in handle.params]
     if not ours and all(g is None for g in current):
         pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
     elif all(g is None for g in current):
@@ -160,11 +170,24 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     grads.exposed = []
 
 
+def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
+    """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
+    exposed = handle.grads.exposed
+    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
+
+
 def release_cleared_grads(handle: FlatParamHandle) -> None:
     """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
     (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
     grads = handle.grads
-    if grads.exposed and all(p.grad is None for p in handle.params):
+    if not grads.exposed:
+        return
+    cleared = (
+        all(p.grad is None for p in handle.params)
+        if _safety.current().grad_bookkeeping
+        else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
+    )
+    if cleared:
         handle.flat_param.grad = None
         grads.exposed = []
 
@@ -292,7 +315,9 @@ def start_reduce(
     On CUDA (``stream``: the reduce stream) the division, HYBRID_SHARD's all-reduce across replicas
     (on ``all_reduce_stream``, after the reduce-scatter) and a CPU-offloaded gradient's copy to the
     host are issued now, on the side streams; see [Note: streams without record_stream] and
-    [Note: offloaded gradients reach the host].
+    [Note: offloaded gradients reach the host]. On the CPU, `PendingReduce.wait` (in the next unit's
+    post-backward) finishes the reduce-scatter, divides and issues the all-reduce across replicas,
+    which `finish` waits for at the end of backward.
 
     The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
     grads = handle.grads
@@ -436,10 +461,11 @@ class PendingReduce:
     work: _collectives.InFlight
     out: torch.Tensor
     send: list[torch.Tensor]  # kept alive until the collective completes
-    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduced across it in `wait`
+    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduce across it, issued in `wait`
     post_divide: int = 1
     done: bool = False
-    # CUDA, HYBRID_SHARD: the all-reduce across replicas, issued with the reduce-scatter
+    # HYBRID_SHARD: the all-reduce across replicas in flight (CUDA: issued with the reduce-scatter;
+    # CPU: by `wait`, once the reduce-scatter is done); `finish` waits for it
     replica: Optional[_collectives.InFlight] = None
     host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
     partial_only: bool = False  # not all-reduced across replicas: committed to ``grads.partial``
@@ -458,13 +484,15 @@ class PendingReduce:
         if self.post_divide > 1:
             self.out.div_(self.post_divide)
         self.add_partial()
-        if self.replicate_group is not None:  # HYBRID_SHARD: the shard's sum over replicas
-            work = _collectives.all_reduce(self.out, self.replicate_group)
-            _collectives.wait(work, f"the gradient all-reduce across replicas of unit '{unit}'")
+        if self.replicate_group is not None:
+            # HYBRID_SHARD on the CPU: the shard's sum over replicas is issued now and left in flight, so
+            # it overlaps the next units' backward; `finish` waits for it (the end of backward)
+            group, self.replicate_group = self.replicate_group, None
+            self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
 
     def finish(self) -> None:
-        """`wait`, and the compute stream waits for the all-reduce across replicas (where FSDP2 waits
-        for it: at the end of backward, or when the step is abandoned)."""
+        """`wait`, and then for the all-reduce across replicas (the compute stream on CUDA; where FSDP2
+        waits for it: at the end of backward, or when the step is abandoned)."""
         self.wait()
         if self.replica is not None:
             replica, self.replica = self.replica, None

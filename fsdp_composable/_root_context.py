@@ -3,9 +3,10 @@
 [Note: the root context]
 The root's lazy init (`_lazy_init`) builds one `RootContext` and gives it to every state under the
 root. It is the only owner of what those states share and of everything that lives for one step:
-the states themselves (each owns its handles; ``handles``, ``non_root_handles`` and ``units()`` are
-derived from them), the execution order, the all-gather limiter, the CUDA side streams (handles
-get them as arguments, e.g. ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
+the states themselves (each owns its handles; ``handles``, ``non_root_handles``, ``unit_of`` and
+``units()`` are derived from them, once, when the context is built), the execution order, the
+all-gather limiter, the CUDA side streams (handles get them as arguments, e.g.
+``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
 flight or waiting for the end of backward, the per-step counters of each unit (``steps``:
 `UnitStep`), and the root-wide switch ``sync_gradients``. A switch has no home before the root's
 first forward, so ``no_sync`` entered then runs the root's lazy init itself (it needs no collective)
@@ -101,18 +102,36 @@ class RootContext:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
 
+    # derived from the states once (their handles are fixed once the context exists), so the hooks
+    # do no work per unit of the model to find them: see [Note: the limiter counts units]
+    _handles: list["FlatParamHandle"] = field(init=False, repr=False)
+    _unit_of: dict["FlatParamHandle", tuple["FlatParamHandle", ...]] = field(init=False, repr=False)
+
     def __post_init__(self) -> None:
         self.state_dict_type, self.state_dict_config = self.root.state_dict_type, self.root.state_dict_config
+        self._handles = [h for s in self.states for h in s.handles]
+        by_module: dict[int, list["FlatParamHandle"]] = {}
+        for h in self._handles:
+            by_module.setdefault(id(h.module), []).append(h)
+        units = {key: tuple(group) for key, group in by_module.items()}
+        self._unit_of = {h: units[id(h.module)] for h in self._handles}
 
     @property
     def handles(self) -> list["FlatParamHandle"]:
         """Every unit's handles, root first then pre-order (derived from the states, which own them)."""
-        return [h for s in self.states for h in s.handles]
+        return self._handles
 
     @property
     def non_root_handles(self) -> list["FlatParamHandle"]:
-        """The handles the all-gather limiter counts: every unit's but the root unit's."""
-        return [h for s in self.states for h in s.handles if h.module is not self.root.module]
+        """Every unit's handles but the root unit's."""
+        return [h for h in self._handles if h.module is not self.root.module]
+
+    def unit_of(self, handle: "FlatParamHandle") -> tuple["FlatParamHandle", ...]:
+        """Every handle of ``handle``'s unit (one per dtype/requires_grad group), itself included."""
+        return self._unit_of[handle]
+
+    def is_root_unit(self, handle: "FlatParamHandle") -> bool:
+        return handle.module is self.root.module
 
     def units(self) -> Iterator[tuple["_FSDPState", "FlatParamHandle"]]:
         """Every (state, handle) pair, in the order of `handles`."""

@@ -79,11 +79,6 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
 
 
-def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:
-    """The handles of ``handle``'s unit (one per dtype/requires_grad group), ``handle`` included."""
-    return [h for h in state.handles if h.module is handle.module]
-
-
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
     root = state.root_state
     return root is not None and handle.module is root.module
@@ -149,8 +144,8 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     else:
         handle.set_training_state(HandleTrainingState.FORWARD)
         ctx.steps[handle].forward_depth = 1
-        unit = _unit_handles(state, handle)
-        ctx.exec_order.record_pre_forward(handle, unit)
+        unit = ctx.unit_of(handle)
+        ctx.exec_order.record_pre_forward(handle, list(unit))
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
             _unshard(state, sibling)
         _prefetch_for_forward(state, handle)
@@ -286,7 +281,11 @@ def _attach_post_backward_trigger(
     state: _FSDPState, handle: FlatParamHandle, args: Any, kwargs: Any
 ) -> tuple[Any, Any]:
     # also for frozen groups: post-backward is where they reshard once the unit's backward is done
-    flat, spec = pytree.tree_flatten((args, kwargs))
+    plain = not kwargs and type(args) is tuple and all(type(a) is torch.Tensor for a in args)
+    if plain:  # the common call, module(tensor, ...): no pytree round trip
+        flat: list[Any] = list(args)
+    else:
+        flat, spec = pytree.tree_flatten((args, kwargs))
     positions = [i for i, x in enumerate(flat) if isinstance(x, torch.Tensor) and x.requires_grad]
     step = _ctx(state).steps[handle]
     if not positions:
@@ -297,6 +296,8 @@ def _attach_post_backward_trigger(
     outs = (outs,) if isinstance(outs, torch.Tensor) else outs
     for i, out in zip(positions, outs):
         flat[i] = out
+    if plain:
+        return tuple(flat), kwargs
     return pytree.tree_unflatten(flat, spec)  # type: ignore[no-any-return]
 
 
@@ -313,6 +314,8 @@ def _on_trigger(state: _FSDPState, handle: FlatParamHandle) -> None:
 def _tensors(structure: Any) -> list[torch.Tensor]:
     """Every tensor in a nested output: containers pytree knows, and dataclass fields (pytree treats
     an unregistered dataclass as a leaf, which would hide its tensors from the pre-backward hooks)."""
+    if type(structure) is torch.Tensor:  # the common output: no pytree walk
+        return [structure]
     out: list[torch.Tensor] = []
     for leaf in pytree.tree_leaves(structure):
         if isinstance(leaf, torch.Tensor):

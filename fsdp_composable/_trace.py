@@ -121,7 +121,7 @@ def hook(what: str) -> Callable[[_F], _F]:
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapped(state: Any, handle: Any, *args: Any, **kwargs: Any) -> Any:
-            if not (_profiling() or logger.isEnabledFor(logging.DEBUG)):
+            if not (_autograd_profiler._is_profiler_enabled or logger.isEnabledFor(logging.DEBUG)):
                 return fn(state, handle, *args, **kwargs)
             with span(what, handle.unit_fqn, done=False):
                 return fn(state, handle, *args, **kwargs)
@@ -138,7 +138,7 @@ def method(what: str, tensor: str = "", unit: Callable[[Any], str] = lambda self
     def decorate(fn: _F) -> _F:
         @functools.wraps(fn)
         def wrapped(self: Any, *args: Any, **kwargs: Any) -> Any:
-            if not (_profiling() or logger.isEnabledFor(logging.DEBUG)):
+            if not (_autograd_profiler._is_profiler_enabled or logger.isEnabledFor(logging.DEBUG)):
                 return fn(self, *args, **kwargs)
             with span(what, unit(self), getattr(self, tensor, None) if tensor else None):
                 return fn(self, *args, **kwargs)

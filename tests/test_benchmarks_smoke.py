@@ -261,14 +261,53 @@ def test_bench_overhead_small_runs(tmp_path: str) -> None:
     assert rows[0]["overhead_s"] == 0 and all(r["median_s"] > 0 for r in rows)
 
 
+def test_bench_scaling_quick_runs(tmp_path: str) -> None:
+    out = os.path.join(str(tmp_path), "scaling.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_scaling.py"), "--quick", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        (report,) = json.load(f)["results"]
+    assert [r["size"] for r in report["sizes"]] == ["small", "small-x2"]
+    for row in report["sizes"]:
+        for impl in ("ours", "torch-fsdp2"):
+            assert row[impl]["median_s"] > 0 and row[impl]["peak_live_bytes"] > 0
+    assert [r["units"] for r in report["units"]] == [2, 4]
+    assert set(report["ws1"]["speed_vs_local"]) == {"ours", "torch-fsdp2"}
+    assert "| world size 1 |" in proc.stdout and "| units |" in proc.stdout
+
+
+def test_bench_safety_small_runs(tmp_path: str) -> None:
+    out = os.path.join(str(tmp_path), "safety.json")
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_safety.py"), "--small"]
+    cmd += ["--rounds", "1", "--steps", "1", "--warmup", "1", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        rows = json.load(f)["results"]
+    assert [r["variant"] for r in rows] == [
+        "every check on",
+        "headers off",
+        "edit_checks off",
+        "grad_bookkeeping off",
+        "every check off",
+    ]
+    assert rows[0]["cost_s"] == 0 and all(r["median_s"] > 0 for r in rows)
+
+
 def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import bench_collectives, bench_overhead
+    from benchmarks import bench_collectives, bench_overhead, bench_safety, bench_scaling
 
     for parse, argv in (
         (bench_collectives.parse_args, ["--world-size", "1"]),
         (bench_collectives.parse_args, ["--reps", "0"]),
         (bench_overhead.parse_args, ["--world-size", "1"]),
         (bench_overhead.parse_args, ["--units", "0"]),
+        (bench_safety.parse_args, ["--world-size", "1"]),
+        (bench_scaling.parse_args, ["--sizes", "1T"]),
+        (bench_scaling.parse_args, ["--steps", "0"]),
     ):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -277,4 +316,7 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
 bench_collectives.py: error: --world-size must be at least 2, got 1
 bench_collectives.py: error: --numel and --reps must be positive and --warmup not negative
 bench_overhead.py: error: --world-size must be at least 2, got 1
-bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative""")
+bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
+bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
+bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
+bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501

@@ -160,6 +160,53 @@ def test_prefetch_skips_unit_without_backward(dist_run) -> None:
     assert logs[2] == logs[1]
 
 
+def prefetch_by_units(freeze: bool) -> dict:
+    """Prefetch log and units in flight; ``freeze``: every block unit also holds a frozen handle."""
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    if freeze:
+        for block in model.blocks:
+            block.ln1.requires_grad_(False)
+    fully_shard(model, ModuleWrapPolicy({Block}), forward_prefetch=True)
+    state = fully_shard.state(model)
+    handles = state.handles
+    most = [0]  # non-root units unsharded or being gathered at once, seen after every all-gather issued
+
+    def units_alive() -> int:
+        return len({id(h.module) for h in handles if h.module is not model and (h.is_unsharded or h.unshard_in_flight)})
+
+    for h in handles:
+
+        def spy(*args: Any, _orig: Any = h.unshard, **kwargs: Any) -> None:
+            _orig(*args, **kwargs)
+            most[0] = max(most[0], units_alive())
+
+        h.unshard = spy  # type: ignore[method-assign]
+    logs = []
+    for step in range(3):
+        gpt_loss(model, gpt_batch(step, 2)).backward()
+        logs.append(state.exec_order_data.last_prefetch_log)
+    per_unit = [sum(1 for h in handles if h.module is b) for b in model.blocks]
+    return {"logs": logs, "most": most[0], "peak": state.limiter.peak, "handles_per_block": per_unit}
+
+
+def test_prefetch_counts_units_not_handles(dist_run) -> None:
+    plain = dist_run(2, prefetch_by_units, False)[0]
+    mixed = dist_run(2, prefetch_by_units, True)[0]
+    assert plain["handles_per_block"] == [1, 1, 1] and mixed["handles_per_block"] == [2, 2, 2]
+    # a unit's handle count changes neither what is prefetched nor how many units are in flight
+    assert mixed["logs"] == plain["logs"]
+    assert mixed["logs"][1] == [
+        ("forward", "blocks.0"),
+        ("forward", "blocks.1"),
+        ("forward", "blocks.2"),
+        ("backward", "blocks.2"),
+        ("backward", "blocks.1"),
+        ("backward", "blocks.0"),
+    ]
+    assert mixed["most"] == plain["most"] == mixed["peak"] == plain["peak"] == 2
+
+
 def hybrid(use_mesh: bool) -> dict:
     rank = dist.get_rank()
     # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
@@ -187,6 +234,63 @@ def test_hybrid_shard_parity_2x2(dist_run, use_mesh: bool) -> None:
         assert r["keys_equal"] and r["shapes_equal"]
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-5)
         assert r["max_weight_diff"] < 1e-5
+
+
+class _Logged:
+    """A collective's work whose `wait` is logged."""
+
+    def __init__(self, work: Any, log: list, name: str) -> None:
+        self.work, self.log, self.name = work, log, name
+
+    def wait(self) -> Any:
+        self.log.append(f"wait {self.name}")
+        return self.work.wait() if self.work is not None else True
+
+
+def hybrid_order_of_waits() -> list:
+    """HYBRID_SHARD 2 x 2: the order in which one backward issues and waits its collectives."""
+    rank = dist.get_rank()
+    shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=3)
+    group = (shards[rank // 2], replicas[rank % 2])
+    fully_shard(model, ModuleWrapPolicy({Block}), strategy=ShardingStrategy.HYBRID_SHARD, process_group=group)
+    batch = local_slice(gpt_batch(0, 8), rank, 4)
+    gpt_loss(model, batch).backward()  # the first step runs the order check
+    log: list = []
+    originals = {name: getattr(_collectives, name) for name in ("reduce_scatter", "all_reduce")}
+
+    def spy(name: str) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            index = sum(1 for e in log if e.startswith(name[:3]))
+            log.append(f"{name[:3]} {index}")
+            return _Logged(originals[name](*args, **kwargs), log, f"{name[:3]} {index}")
+
+        return call
+
+    try:
+        for name in originals:
+            setattr(_collectives, name, spy(name))
+        loss = gpt_loss(model, batch)
+        log.append("backward")
+        loss.backward()
+    finally:
+        for name, fn in originals.items():
+            setattr(_collectives, name, fn)
+    return log
+
+
+def test_hybrid_all_reduce_overlaps_the_next_backward(dist_run) -> None:
+    log = dist_run(4, hybrid_order_of_waits)[0]
+    issued = [e for e in log if e.startswith("red ")]
+    assert len(issued) == 4, log  # one reduce-scatter per unit (3 blocks + root)
+    last_reduce_scatter = log.index(issued[-1])
+    # every all-reduce across replicas is issued as soon as its unit's reduce-scatter is done, and
+    # waited for only at the end of backward: it runs while the later units compute their gradients
+    waits = [i for i, e in enumerate(log) if e.startswith("wait all")]
+    assert len(waits) == 4 and min(waits) > last_reduce_scatter, log
+    assert log.index("all 0") < log.index("red 2") and log.index("all 1") < log.index("red 3"), log
 
 
 def hybrid_errors() -> list:

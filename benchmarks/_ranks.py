@@ -1,0 +1,94 @@
+"""Run one function on N forked gloo ranks (127.0.0.1) and collect what each returns.
+
+Used by the benchmarks that time several variants inside the same ranks (`bench_safety.py`,
+`bench_scaling.py`), so that variants can be interleaved round by round on the same processes.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import resource
+import socket
+import tempfile
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["RankFailed", "run_ranks"]
+
+
+class RankFailed(RuntimeError):
+    pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _rank_main(
+    rank: int, world: int, port: int, threads: int, fn: Callable[..., Any], args: tuple, out_dir: str
+) -> None:
+    torch.set_num_threads(threads)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    result: dict[str, Any]
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=300))
+        result = {"status": "ok", "value": fn(rank, world, *args)}
+    except Exception as e:
+        result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    if dist.is_initialized():
+        if result["status"] == "ok":
+            dist.destroy_process_group()
+        else:
+            os._exit(0)  # peers may be stuck in a collective
+
+
+def run_ranks(
+    world: int, fn: Callable[..., Any], args: tuple = (), threads: int = 1, timeout_s: float = 1800
+) -> list[Any]:
+    """``fn(rank, world, *args)`` on ``world`` forked ranks of a gloo group; each rank's return value
+    (JSON-able). Raises `RankFailed` with the first failing rank's traceback."""
+    with tempfile.TemporaryDirectory(prefix="bench_ranks_") as out_dir:
+        ctx = mp.start_processes(
+            _rank_main,
+            args=(world, _free_port(), threads, fn, args, out_dir),
+            nprocs=world,
+            join=False,
+            start_method="fork",
+        )
+        deadline = time.monotonic() + timeout_s
+        error = None
+        try:
+            while not ctx.join(timeout=1.0):
+                if time.monotonic() > deadline:
+                    error = f"timed out after {timeout_s}s"
+                    break
+        except Exception as e:  # a rank died without writing its result
+            error = f"{type(e).__name__}: {e}"
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        results = []
+        for rank in range(world):
+            path = os.path.join(out_dir, f"rank{rank}.json")
+            if not os.path.exists(path):
+                raise RankFailed(f"rank {rank}: {error or 'no result written'}")
+            with open(path) as f:
+                r = json.load(f)
+            if r["status"] != "ok":
+                raise RankFailed(f"rank {rank}: {r['error']}\n{r['traceback']}")
+            value = r["value"]
+            results.append({**value, "peak_rss_bytes": r["peak_rss_bytes"]} if isinstance(value, dict) else value)
+    return results
