@@ -68,6 +68,8 @@ class _FSDPState:
     handles: list[FlatParamHandle] = field(default_factory=list)
     ignored_params: set[nn.Parameter] = field(default_factory=set)
     ignored_modules: set[nn.Module] = field(default_factory=set)
+    # where each parameter ignored by itself (not through its module) is registered: (module, name)
+    ignored_param_holders: list[tuple[nn.Module, str]] = field(default_factory=list)
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     training_state: TrainingState = TrainingState.IDLE

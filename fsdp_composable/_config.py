@@ -108,6 +108,7 @@ class ShardConfig:
     mixed_precision: Optional[MixedPrecision] = None
     cpu_offload: Optional[CPUOffload] = None
     ignored_modules: Optional[Any] = None
+    ignored_params: tuple[nn.Parameter, ...] = ()  # ignored one by one; their modules' others are sharded
     device_id: Union[int, torch.device, None] = None
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     sync_module_states: bool = False

@@ -12,8 +12,10 @@
 - ``mp_policy``: FSDP2's MixedPrecisionPolicy maps field by field onto `MixedPrecision`
   (``output_dtype`` has no equivalent); ``offload_policy``: CPUOffloadPolicy is
   ``CPUOffload(offload_params=True)``, the base OffloadPolicy is no offload.
-- ``ignored_params``: ``ignored_modules`` when the parameters are exactly all parameters of some
-  modules (our unit of ignoring); otherwise an error naming the module to list or restructure.
+- ``ignored_params``: the modules all of whose parameters are listed are ignored whole (as
+  ``ignored_modules``: their buffers too); every other listed parameter is ignored by itself: it
+  stays a plain local parameter, in no flat parameter, never all-gathered, its gradient never
+  reduced (FSDP2's rule), while its module's other parameters are sharded.
 Recognised by duck typing (class name and fields): the package does not import torch FSDP.
 Passing both our name and FSDP2's for the same thing is an error.
 """
@@ -40,6 +42,8 @@ class OurArgs:
     mixed_precision: Optional[MixedPrecision]
     cpu_offload: Optional[CPUOffload]
     ignored_modules: Optional[Iterable[nn.Module]]
+    # parameters ignored one by one (their module's other parameters are sharded)
+    ignored_params: tuple[nn.Parameter, ...] = ()
 
 
 def _both(ours: str, theirs: str) -> ValueError:
@@ -80,12 +84,14 @@ def map_fsdp2_names(
             )
         process_group = mesh
     strategy = _strategy(strategy, mesh, reshard_after_forward)
+    ignored_modules, single = split_ignored_params(module, args.ignored_modules, ignored_params)
     return OurArgs(
         process_group,
         strategy,
         _mixed_precision(args.mixed_precision, mp_policy),
         _cpu_offload(args.cpu_offload, offload_policy),
-        _ignored_modules(module, args.ignored_modules, ignored_params),
+        ignored_modules,
+        (*args.ignored_params, *single),
     )
 
 
@@ -162,46 +168,41 @@ def _cpu_offload(ours: Optional[CPUOffload], offload_policy: Any) -> Optional[CP
     )
 
 
-def _ignored_modules(
+def split_ignored_params(
     module: nn.Module, ours: Optional[Iterable[nn.Module]], ignored_params: Any
-) -> Optional[Iterable[nn.Module]]:
+) -> tuple[Optional[Iterable[nn.Module]], tuple[nn.Parameter, ...]]:
+    """``ignored_params`` as (ignored modules, parameters ignored one by one): the outermost modules
+    all of whose parameters are listed are ignored whole; the rest are ignored by themselves."""
     if ignored_params is None:
-        return ours
+        return ours, ()
     if ours is not None:
         raise _both("ignored_modules", "ignored_params")
     if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
         raise TypeError(
-            "fully_shard argument 'ignored_params' must be a set of parameters (better: ignored_modules=[...]), "
+            "fully_shard argument 'ignored_params' must be a set of parameters (or ignored_modules=[...]), "
             f"got {type(ignored_params).__name__}"
         )
-    wanted = {id(p) for p in ignored_params}
+    wanted = {id(p): p for p in ignored_params}
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    unknown = wanted - set(names)
+    unknown = set(wanted) - set(names)
     if unknown:
         raise ValueError(
             f"fully_shard argument 'ignored_params' has {len(unknown)} tensor(s) that are not parameters of this "
             f"{type(module).__name__}; pass its own parameters (or ignored_modules=[...])"
+        )
+    if set(wanted) == set(names):
+        raise ValueError(
+            "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "
+            "sharded; do not call fully_shard on it"
         )
     # the outermost modules all of whose parameters are ignored, and which own one of them
     chosen: list[nn.Module] = []
     covered: set[int] = set()
     for sub in module.modules():
         params = {id(p) for p in sub.parameters()}
-        if not params or not params <= wanted or params <= covered:
+        if not params or not params <= set(wanted) or params <= covered or sub is module:
             continue
-        if sub is module:
-            raise ValueError(
-                "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "
-                "sharded; do not call fully_shard on it"
-            )
         chosen.append(sub)
         covered |= params
-    left = wanted - covered
-    if left:
-        fqn = names[next(iter(sorted(left, key=lambda i: names[i])))]
-        raise ValueError(
-            f"fully_shard ignores whole modules (ignored_modules=[...]), not single parameters: ignored_params "
-            f"holds '{fqn}' but not every parameter of the module that holds it; list that module in "
-            "ignored_modules, or move the parameter into a module of its own"
-        )
-    return chosen
+    single = tuple(wanted[i] for i in sorted(set(wanted) - covered, key=lambda i: names[i]))
+    return chosen, single

@@ -82,6 +82,7 @@ def fully_shard(
         mixed_precision=ours.mixed_precision,
         cpu_offload=ours.cpu_offload,
         ignored_modules=ours.ignored_modules,
+        ignored_params=ours.ignored_params,
         device_id=device_id,
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
@@ -105,9 +106,12 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     unit_policy = init._validate_args(args)
     group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
     ignored_mods, ignored_params = init._init_ignored_module_states(module, args.ignored_modules, api)
+    single = init._ignored_param_holders(module, args.ignored_params, ignored_mods)
+    ignored_params |= {p for m, name in single if (p := m._parameters[name]) is not None}
     device = init._init_device(module, args.device_id, ignored_params, api)
     state = init._init_core_state(module, args, group, replicate_group, device)
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
+    state.ignored_param_holders = single
     init._init_buffer_state(state, module)
     init._init_param_handles_from_module(
         state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id

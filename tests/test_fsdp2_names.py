@@ -137,7 +137,7 @@ def bad_names() -> dict[str, str]:
         "bad_mp": lambda: fully_shard(TinyGPT(), mp_policy="bf16"),
         "both_offload": lambda: fully_shard(TinyGPT(), cpu_offload=CPUOffload(), offload_policy=CPUOffloadPolicy()),
         "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: None),
-        "partial_ignore": lambda: fully_shard((m := TinyGPT()), ignored_params={m.blocks[0].fc1.weight}),
+        "foreign_ignore": lambda: fully_shard(TinyGPT(), ignored_params={nn.Parameter(torch.ones(2))}),
         "both_ignore": lambda: fully_shard((m := TinyGPT()), ignored_modules=[m.ln_f], ignored_params={m.pos}),
     }
     out = {}
@@ -192,8 +192,8 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
         """ValueError: fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element (the SHARDED state dict still gives Shard(0) DTensors); leave it out""",  # noqa: E501
     )
     tc.assertExpectedInline(
-        e["partial_ignore"],
-        """ValueError: fully_shard ignores whole modules (ignored_modules=[...]), not single parameters: ignored_params holds 'blocks.0.fc1.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""",  # noqa: E501
+        e["foreign_ignore"],
+        """ValueError: fully_shard argument 'ignored_params' has 1 tensor(s) that are not parameters of this TinyGPT; pass its own parameters (or ignored_modules=[...])""",  # noqa: E501
     )
     tc.assertExpectedInline(
         e["both_ignore"], """ValueError: fully_shard got both ignored_modules= and ignored_params= (FSDP2's name for it); pass only one of them"""  # noqa: E501
