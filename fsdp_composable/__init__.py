@@ -27,6 +27,13 @@ if not _RUN_AS_MAIN:
     from fsdp_composable._forward_methods import register_fsdp_forward_method
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+    from fsdp_composable._reduce_controls import (
+        set_all_reduce_hook,
+        set_force_sum_reduction_for_comms,
+        set_gradient_divide_factor,
+        set_post_optim_event,
+        set_reduce_scatter_divide_factor,
+    )
     from fsdp_composable._state_dict_utils import state_dict_type
     from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
     from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
@@ -103,6 +110,11 @@ __all__ = [
     "optim_state_dict_to_load",
     "register_comm_hook",
     "register_fsdp_forward_method",
+    "set_all_reduce_hook",
+    "set_force_sum_reduction_for_comms",
+    "set_gradient_divide_factor",
+    "set_post_optim_event",
+    "set_reduce_scatter_divide_factor",
     "state_dict_type",
     "summon_full_params",
     "unshard_params",
