@@ -87,6 +87,13 @@ class UnitConfig:
         full precision with the shard on ``device``); then the shard is the whole."""
         return self.sharded or self.compute_dtype(dtype) != dtype or self.shard_device(device) != device
 
+    @property
+    def output_dtype(self) -> Optional[torch.dtype]:
+        """What the outputs of the module a `fully_shard` call was applied to are cast to (``None``:
+        left as computed); read from the call's settings, not a policy unit's."""
+        mp = self.mixed_precision
+        return mp.output_dtype if mp is not None else None
+
     def input_dtype(self, is_root: bool) -> Optional[torch.dtype]:
         """What the unit's module casts floating-point forward inputs to (``None``: left as they are)."""
         mp = self.mixed_precision

@@ -10,7 +10,8 @@
   explicit ``strategy`` that disagrees is an error. An int (FSDP2 resharding to a smaller group)
   has no equivalent.
 - ``mp_policy``: FSDP2's MixedPrecisionPolicy maps field by field onto `MixedPrecision`
-  (``output_dtype`` has no equivalent); ``offload_policy``: CPUOffloadPolicy is
+  (``cast_forward_inputs`` casts each unit's inputs, ``output_dtype`` the call's module's outputs);
+  ``offload_policy``: CPUOffloadPolicy is
   ``CPUOffload(offload_params=True)``, the base OffloadPolicy is no offload.
 - ``ignored_params``: the modules all of whose parameters are listed are ignored whole (as
   ``ignored_modules``: their buffers too); every other listed parameter is ignored by itself: it
@@ -136,17 +137,13 @@ def _mixed_precision(ours: Optional[MixedPrecision], mp_policy: Any) -> Optional
             "fully_shard argument 'mp_policy' must be FSDP2's MixedPrecisionPolicy (or our MixedPrecision; "
             f"better: mixed_precision=MixedPrecision(...)), got {type(mp_policy).__name__}"
         )
-    if mp_policy.output_dtype is not None:
-        raise ValueError(
-            f"fully_shard: MixedPrecisionPolicy(output_dtype={mp_policy.output_dtype}) has no equivalent in "
-            "MixedPrecision; leave output_dtype out and cast the module's output yourself"
-        )
-    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None:
+    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None and mp_policy.output_dtype is None:
         return None
     return MixedPrecision(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         cast_forward_inputs=bool(mp_policy.cast_forward_inputs),
+        output_dtype=mp_policy.output_dtype,
     )
 
 

@@ -133,7 +133,6 @@ def bad_names() -> dict[str, str]:
         "both_mp": lambda: fully_shard(
             TinyGPT(), mixed_precision=MixedPrecision(param_dtype=torch.float16), mp_policy=MixedPrecisionPolicy()
         ),
-        "output_dtype": lambda: fully_shard(TinyGPT(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.float16)),
         "bad_mp": lambda: fully_shard(TinyGPT(), mp_policy="bf16"),
         "both_offload": lambda: fully_shard(TinyGPT(), cpu_offload=CPUOffload(), offload_policy=CPUOffloadPolicy()),
         "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: None),
@@ -175,10 +174,6 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
     tc.assertExpectedInline(e["not_mesh"], """TypeError: fully_shard argument 'mesh' must be a DeviceMesh, got ProcessGroup""")  # noqa: E501
     tc.assertExpectedInline(
         e["both_mp"], """ValueError: fully_shard got both mixed_precision= and mp_policy= (FSDP2's name for it); pass only one of them"""  # noqa: E501
-    )
-    tc.assertExpectedInline(
-        e["output_dtype"],
-        """ValueError: fully_shard: MixedPrecisionPolicy(output_dtype=torch.float16) has no equivalent in MixedPrecision; leave output_dtype out and cast the module's output yourself""",  # noqa: E501
     )
     tc.assertExpectedInline(
         e["bad_mp"],
