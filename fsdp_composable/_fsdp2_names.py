@@ -17,6 +17,8 @@
   ``ignored_modules``: their buffers too); every other listed parameter is ignored by itself: it
   stays a plain local parameter, in no flat parameter, never all-gathered, its gradient never
   reduced (FSDP2's rule), while its module's other parameters are sharded.
+- ``shard_placement_fn``: accepted when it returns None or ``Shard(0)`` (FSDP2's default) for every
+  parameter; any other placement is an error naming the parameter and what to use instead.
 Recognised by duck typing (class name and fields): the package does not import torch FSDP.
 Passing both our name and FSDP2's for the same thing is an error.
 """
@@ -29,6 +31,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from fsdp_composable._flat_param import FSDP_FLATTENED
 from fsdp_composable.api import CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__: list[str] = []
@@ -67,10 +70,7 @@ def map_fsdp2_names(
     """Our arguments with FSDP2's names folded in; ``args`` unchanged when none is given."""
     process_group, strategy = args.process_group, args.strategy
     if shard_placement_fn is not None:
-        raise ValueError(
-            "fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element "
-            "(the SHARDED state dict still gives Shard(0) DTensors); leave it out"
-        )
+        _check_placements(module, shard_placement_fn, ignored_params)
     if mesh is not None:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -94,6 +94,26 @@ def map_fsdp2_names(
         ignored_modules,
         (*args.ignored_params, *single),
     )
+
+
+def _check_placements(module: nn.Module, fn: Any, ignored_params: Any) -> None:
+    """``shard_placement_fn`` is accepted when it asks for the default (None or Shard(0)) for every
+    parameter it would shard: a flat parameter shards by element, never on another dimension."""
+    if not callable(fn):
+        raise TypeError(f"fully_shard argument 'shard_placement_fn' must be callable, got {type(fn).__name__}")
+    skip = {id(p) for p in ignored_params or ()}
+    for fqn, param in module.named_parameters():
+        if id(param) in skip or getattr(param, FSDP_FLATTENED, False):
+            continue
+        placement = fn(param)
+        if placement is None or (type(placement).__name__ == "Shard" and getattr(placement, "dim", None) == 0):
+            continue
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returns {placement!r} for parameter '{fqn}', but flat parameters "
+            "are sharded by element, not on a dimension (the SHARDED state dict gives Shard(0) DTensors). Leave "
+            "shard_placement_fn out; to keep the parameter whole on every rank pass it in ignored_params; to "
+            "shard it on a dimension use tensor parallelism (parallelize_module on a 2-D mesh) before fully_shard"
+        )
 
 
 def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any) -> ShardingStrategy:

@@ -14,6 +14,7 @@ from parity import local_slice
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from fsdp_composable import (
     CPUOffload,
@@ -135,7 +136,8 @@ def bad_names() -> dict[str, str]:
         ),
         "bad_mp": lambda: fully_shard(TinyGPT(), mp_policy="bf16"),
         "both_offload": lambda: fully_shard(TinyGPT(), cpu_offload=CPUOffload(), offload_policy=CPUOffloadPolicy()),
-        "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: None),
+        "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+        "placement_default": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: Shard(0)),
         "foreign_ignore": lambda: fully_shard(TinyGPT(), ignored_params={nn.Parameter(torch.ones(2))}),
         "both_ignore": lambda: fully_shard((m := TinyGPT()), ignored_modules=[m.ln_f], ignored_params={m.pos}),
     }
@@ -184,8 +186,9 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
     )
     tc.assertExpectedInline(
         e["placement"],
-        """ValueError: fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element (the SHARDED state dict still gives Shard(0) DTensors); leave it out""",  # noqa: E501
+        """ValueError: fully_shard: shard_placement_fn returns Shard(dim=1) for parameter 'pos', but flat parameters are sharded by element, not on a dimension (the SHARDED state dict gives Shard(0) DTensors). Leave shard_placement_fn out; to keep the parameter whole on every rank pass it in ignored_params; to shard it on a dimension use tensor parallelism (parallelize_module on a 2-D mesh) before fully_shard""",  # noqa: E501
     )
+    tc.assertExpectedInline(e["placement_default"], """no error""")
     tc.assertExpectedInline(
         e["foreign_ignore"],
         """ValueError: fully_shard argument 'ignored_params' has 1 tensor(s) that are not parameters of this TinyGPT; pass its own parameters (or ignored_modules=[...])""",  # noqa: E501
