@@ -135,3 +135,38 @@ def test_ignored_param_in_every_state_dict(dist_run: Callable[..., Any]) -> None
             "optim": ((3, 7), "Tensor"),
             "optim_loaded": True,
         }, r
+
+
+def meta_init_and_flat_wrapper() -> dict[str, Any]:
+    """On the meta device the unit's init function materialises the ignored parameter too, and it stays
+    ignored (a new object); the wrapper exposing flat parameters keeps it as a plain parameter."""
+    with torch.device("meta"):
+        meta = OddMLP()
+    fully_shard(
+        meta,
+        ModuleWrapPolicy({nn.Sequential}),
+        ignored_params={meta.l2[0].weight},
+        param_init_fn=lambda m: (m.to_empty(device="cpu", recurse=False), m.reset_parameters()),
+    )
+    out: dict[str, Any] = {"meta_shape": tuple(meta.l2[0].weight.shape)}
+    out["meta_ignored"] = meta.l2[0].weight in fully_shard.state(meta).ignored_params
+    mlp_loss(meta, mlp_batch(0, 2)).backward()
+    out["meta_grad"] = tuple(meta.l2[0].weight.grad.shape)
+    flat = OddMLP()
+    wrapper = FullyShardedDataParallel(flat, ignored_states=[flat.l2[0].weight])
+    names = [n for n, _ in wrapper.named_parameters()]
+    out["flat_plain"] = [n for n in names if "flat_param" not in n]
+    mlp_loss(wrapper, mlp_batch(0, 2)).backward()
+    out["flat_grad"] = tuple(flat.l2[0].weight.grad.shape)
+    return out
+
+
+def test_ignored_param_meta_init_and_flat_wrapper(dist_run: Callable[..., Any]) -> None:
+    for r in dist_run(2, meta_init_and_flat_wrapper):
+        assert r == {
+            "meta_shape": (3, 7),
+            "meta_ignored": True,
+            "meta_grad": (3, 7),
+            "flat_plain": ["l2.0.weight"],
+            "flat_grad": (3, 7),
+        }, r
