@@ -188,23 +188,6 @@ def _init_ignored_module_states(
     return expanded, params
 
 
-def _ignored_param_holders(
-    module: nn.Module, params: Iterable[nn.Parameter], ignored_modules: set[nn.Module]
-) -> list[tuple[nn.Module, str]]:
-    """Every (module, name) registering one of ``params`` (parameters ignored by themselves) outside
-    the ignored modules: initialisation may replace the objects, the registrations stay."""
-    wanted = {id(p) for p in params}
-    if not wanted:
-        return []
-    return [
-        (m, name)
-        for m in module.modules()
-        if m not in ignored_modules
-        for name, p in m._parameters.items()
-        if p is not None and id(p) in wanted
-    ]
-
-
 def _init_device(
     module: nn.Module, device_id: Union[int, torch.device, None], ignored: set[nn.Parameter], api: str = "fully_shard"
 ) -> torch.device:

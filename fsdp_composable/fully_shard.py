@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_composable import _init_utils as init
-from fsdp_composable._common_utils import API_NAME, _FSDPState
+from fsdp_composable._common_utils import API_NAME, _FSDPState, _registrations_of
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp1_names import as_ours
@@ -106,7 +106,7 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     unit_policy = init._validate_args(args)
     group, replicate_group, _, _ = init._init_process_group_state(args.process_group, args.strategy, api)
     ignored_mods, ignored_params = init._init_ignored_module_states(module, args.ignored_modules, api)
-    single = init._ignored_param_holders(module, args.ignored_params, ignored_mods)
+    single = _registrations_of(module, args.ignored_params, ignored_mods)  # parameters ignored by themselves
     ignored_params |= {p for m, name in single if (p := m._parameters[name]) is not None}
     device = init._init_device(module, args.device_id, ignored_params, api)
     state = init._init_core_state(module, args, group, replicate_group, device)
