@@ -18,8 +18,9 @@ owner, and the reduction reads them each time it starts, so they may change betw
   (or divided) value: our division comes first, as in FSDP2 for float32 and bfloat16. On CUDA it
   runs on the stream of the last collective (the all-reduce stream under HYBRID_SHARD), so what it
   issues is ordered after the reduction and before the compute stream reads the result. A custom
-  ``stream`` is not offered (FSDP2 refuses one under HYBRID_SHARD too). A communication hook
-  (`register_comm_hook`) replaces the whole reduction, so the all-reduce hook does not run with one.
+  ``stream`` is not offered (FSDP2 refuses one under HYBRID_SHARD too).
+A communication hook (`register_comm_hook`) replaces the whole reduction: setting a divide factor or
+an all-reduce hook on a unit that has one is an error (one registered later takes over silently).
 - post-optimizer event: the next root forward's all-gathers wait for this event instead of for
   everything issued on the compute stream (the root context holds it, and drops it once used, as
   FSDP2). On the CPU there are no streams: it is accepted and dropped.
@@ -33,6 +34,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
+from fsdp_composable._comm_hooks import registered
 from fsdp_composable._common_utils import _get_fsdp_state, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._reduce_utils import ReduceControls
@@ -53,6 +55,7 @@ def set_gradient_divide_factor(module: nn.Module, factor: float, *, recurse: boo
         raise ValueError(
             f"set_gradient_divide_factor({_name(units)}): factor must be a positive finite number, got {factor!r}"
         )
+    _check_no_comm_hook(units, "set_gradient_divide_factor")
     for handle in units:
         _controls(handle).divide_factor = float(factor)
 
@@ -87,6 +90,7 @@ def set_all_reduce_hook(
         raise TypeError(
             f"set_all_reduce_hook({_name(units)}): hook must be callable or None, got {type(hook).__name__}"
         )
+    _check_no_comm_hook(units, "set_all_reduce_hook")
     if stream is not None:
         hybrid = any(h.replicate_group is not None for h in units)
         why = "stream cannot be set with HYBRID_SHARD" if hybrid else "a custom stream is not supported"
@@ -114,6 +118,16 @@ def set_post_optim_event(module: nn.Module, event: Any) -> None:
             "optimizer step, before the next forward"
         )
     ctx.post_optim_event = event
+
+
+def _check_no_comm_hook(units: list[FlatParamHandle], api: str) -> None:
+    """A communication hook replaces the whole reduction, so it would never see the value."""
+    hooked = [h for h in units if registered(h) is not None]
+    if hooked:
+        raise ValueError(
+            f"{api}({_name(hooked)}): the unit's gradients go through a communication hook (register_comm_hook), "
+            "which replaces the reduction; do the division or the extra step inside that hook"
+        )
 
 
 def _controls(handle: FlatParamHandle) -> ReduceControls:

@@ -13,12 +13,14 @@ import torch.distributed as dist
 from models import OddMLP, mlp_batch, mlp_loss
 from parity import error_text, local_slice
 from torch import nn
+from torch.distributed.algorithms._comm_hooks import default_hooks
 from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     fully_shard,
+    register_comm_hook,
     set_all_reduce_hook,
     set_force_sum_reduction_for_comms,
     set_gradient_divide_factor,
@@ -143,6 +145,8 @@ def errors() -> dict[str, str]:
     model = fully_shard(OddMLP(), POLICY)
     mesh = init_device_mesh("cpu", (2, 1))
     hybrid = fully_shard(OddMLP(), mesh=mesh)
+    hooked = fully_shard(OddMLP())
+    register_comm_hook(hooked, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)
     return {
         "inside_unit": error_text(lambda: set_gradient_divide_factor(model.l2[0], 2.0)),
         "not_sharded": error_text(lambda: set_gradient_divide_factor(OddMLP(), 2.0)),
@@ -153,6 +157,7 @@ def errors() -> dict[str, str]:
         "stream": error_text(lambda: set_all_reduce_hook(model, lambda g: None, stream=object())),
         "event_type": error_text(lambda: set_post_optim_event(model, "done")),
         "event_early": error_text(lambda: set_post_optim_event(model, torch.Event("cpu"))),
+        "comm_hook": error_text(lambda: set_gradient_divide_factor(hooked, 2.0)),
     }
 
 
@@ -168,4 +173,5 @@ bad_hook: TypeError: set_all_reduce_hook(unit '<root>'): hook must be callable o
 hybrid_stream: ValueError: set_all_reduce_hook(unit '<root>'): stream cannot be set with HYBRID_SHARD; the hook runs on the stream of the unit's last gradient collective. Leave stream out
 stream: ValueError: set_all_reduce_hook(unit '<root>'): a custom stream is not supported; the hook runs on the stream of the unit's last gradient collective. Leave stream out
 event_type: TypeError: set_post_optim_event(unit '<root>', 'l2'): event must be a torch.Event recorded after the optimizer step, got str
-event_early: RuntimeError: set_post_optim_event(unit '<root>', 'l2'): the model has not run a forward yet; call it after the optimizer step, before the next forward""")  # noqa: E501
+event_early: RuntimeError: set_post_optim_event(unit '<root>', 'l2'): the model has not run a forward yet; call it after the optimizer step, before the next forward
+comm_hook: ValueError: set_gradient_divide_factor(unit '<root>'): the unit's gradients go through a communication hook (register_comm_hook), which replaces the reduction; do the division or the extra step inside that hook""")  # noqa: E501
