@@ -38,6 +38,13 @@ if not _RUN_AS_MAIN:
         set_unshard_in_backward,
     )
     from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+    from fsdp_composable._reduce_controls import (
+        set_all_reduce_hook,
+        set_force_sum_reduction_for_comms,
+        set_gradient_divide_factor,
+        set_post_optim_event,
+        set_reduce_scatter_divide_factor,
+    )
     from fsdp_composable._state_dict_utils import state_dict_type
     from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
     from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
@@ -117,9 +124,14 @@ __all__ = [
     "register_comm_hook",
     "register_fsdp_forward_method",
     "reshard",
+    "set_all_reduce_hook",
+    "set_force_sum_reduction_for_comms",
+    "set_gradient_divide_factor",
     "set_is_last_backward",
     "set_modules_to_backward_prefetch",
     "set_modules_to_forward_prefetch",
+    "set_post_optim_event",
+    "set_reduce_scatter_divide_factor",
     "set_requires_all_reduce",
     "set_requires_gradient_sync",
     "set_reshard_after_backward",

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 import torch.distributed as dist
@@ -68,6 +68,8 @@ class _FSDPState:
     handles: list[FlatParamHandle] = field(default_factory=list)
     ignored_params: set[nn.Parameter] = field(default_factory=set)
     ignored_modules: set[nn.Module] = field(default_factory=set)
+    # where each parameter ignored by itself (not through its module) is registered: (module, name)
+    ignored_param_holders: list[tuple[nn.Module, str]] = field(default_factory=list)
     # buffer FQN (relative to `module`) -> dtype at construction, for checkpointing under mixed precision
     buffer_name_to_orig_dtype: dict[str, torch.dtype] = field(default_factory=dict)
     training_state: TrainingState = TrainingState.IDLE
@@ -149,3 +151,18 @@ def _get_fsdp_states(module: nn.Module) -> list[_FSDPState]:
 def _is_inside_unit(module: nn.Module) -> bool:
     """``module`` has no state of its own but its parameters are managed by an enclosing unit."""
     return any(getattr(p, FSDP_FLATTENED, False) for p in module.parameters())
+
+
+def _registrations_of(
+    module: nn.Module, params: Iterable[nn.Parameter], skip: set[nn.Module]
+) -> list[tuple[nn.Module, str]]:
+    """Every (module, name) under ``module`` (outside ``skip``) registering one of ``params``: where
+    parameters ignored by themselves live, since initialisation may replace the objects."""
+    wanted = {id(p) for p in params}
+    return [
+        (m, name)
+        for m in module.modules()
+        if m not in skip and wanted
+        for name, p in m._parameters.items()
+        if p is not None and id(p) in wanted
+    ]

@@ -87,6 +87,13 @@ class UnitConfig:
         full precision with the shard on ``device``); then the shard is the whole."""
         return self.sharded or self.compute_dtype(dtype) != dtype or self.shard_device(device) != device
 
+    @property
+    def output_dtype(self) -> Optional[torch.dtype]:
+        """What the outputs of the module a `fully_shard` call was applied to are cast to (``None``:
+        left as computed); read from the call's settings, not a policy unit's."""
+        mp = self.mixed_precision
+        return mp.output_dtype if mp is not None else None
+
     def input_dtype(self, is_root: bool) -> Optional[torch.dtype]:
         """What the unit's module casts floating-point forward inputs to (``None``: left as they are)."""
         mp = self.mixed_precision
@@ -108,6 +115,7 @@ class ShardConfig:
     mixed_precision: Optional[MixedPrecision] = None
     cpu_offload: Optional[CPUOffload] = None
     ignored_modules: Optional[Any] = None
+    ignored_params: tuple[nn.Parameter, ...] = ()  # ignored one by one; their modules' others are sharded
     device_id: Union[int, torch.device, None] = None
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     sync_module_states: bool = False

@@ -11,10 +11,15 @@
   is FULL_SHARD that reshards to groups of k ranks after forward (see [Note: resharding to a
   smaller group] in `_post_forward_group`); not with a 2-D mesh.
 - ``mp_policy``: FSDP2's MixedPrecisionPolicy maps field by field onto `MixedPrecision`
-  (``output_dtype`` has no equivalent); ``offload_policy``: CPUOffloadPolicy is
+  (``cast_forward_inputs`` casts each unit's inputs, ``output_dtype`` the call's module's outputs);
+  ``offload_policy``: CPUOffloadPolicy is
   ``CPUOffload(offload_params=True)``, the base OffloadPolicy is no offload.
-- ``ignored_params``: ``ignored_modules`` when the parameters are exactly all parameters of some
-  modules (our unit of ignoring); otherwise an error naming the module to list or restructure.
+- ``ignored_params``: the modules all of whose parameters are listed are ignored whole (as
+  ``ignored_modules``: their buffers too); every other listed parameter is ignored by itself: it
+  stays a plain local parameter, in no flat parameter, never all-gathered, its gradient never
+  reduced (FSDP2's rule), while its module's other parameters are sharded.
+- ``shard_placement_fn``: accepted when it returns None or ``Shard(0)`` (FSDP2's default) for every
+  parameter; any other placement is an error naming the parameter and what to use instead.
 Recognised by duck typing (class name and fields): the package does not import torch FSDP.
 Passing both our name and FSDP2's for the same thing is an error.
 """
@@ -27,6 +32,7 @@ from typing import Any, Iterable, Optional
 import torch
 from torch import nn
 
+from fsdp_composable._flat_param import FSDP_FLATTENED
 from fsdp_composable.api import CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__: list[str] = []
@@ -42,6 +48,8 @@ class OurArgs:
     cpu_offload: Optional[CPUOffload]
     ignored_modules: Optional[Iterable[nn.Module]]
     reshard_after_forward_ranks: Optional[int] = None
+    # parameters ignored one by one (their module's other parameters are sharded)
+    ignored_params: tuple[nn.Parameter, ...] = ()
 
 
 def _both(ours: str, theirs: str) -> ValueError:
@@ -64,10 +72,7 @@ def map_fsdp2_names(
     """Our arguments with FSDP2's names folded in; ``args`` unchanged when none is given."""
     process_group, strategy = args.process_group, args.strategy
     if shard_placement_fn is not None:
-        raise ValueError(
-            "fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element "
-            "(the SHARDED state dict still gives Shard(0) DTensors); leave it out"
-        )
+        _check_placements(module, shard_placement_fn, ignored_params)
     if mesh is not None:
         from torch.distributed.device_mesh import DeviceMesh
 
@@ -82,13 +87,15 @@ def map_fsdp2_names(
             )
         process_group = mesh
     strategy = _strategy(strategy, mesh, reshard_after_forward)
+    ignored_modules, single = split_ignored_params(module, args.ignored_modules, ignored_params)
     return OurArgs(
         process_group,
         strategy,
         _mixed_precision(args.mixed_precision, mp_policy),
         _cpu_offload(args.cpu_offload, offload_policy),
-        _ignored_modules(module, args.ignored_modules, ignored_params),
-        _post_forward_ranks(reshard_after_forward),
+        ignored_modules,
+        reshard_after_forward_ranks=_post_forward_ranks(reshard_after_forward),
+        ignored_params=(*args.ignored_params, *single),
     )
 
 
@@ -97,6 +104,26 @@ def _post_forward_ranks(reshard_after_forward: Any) -> Optional[int]:
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         return reshard_after_forward
     return None
+
+
+def _check_placements(module: nn.Module, fn: Any, ignored_params: Any) -> None:
+    """``shard_placement_fn`` is accepted when it asks for the default (None or Shard(0)) for every
+    parameter it would shard: a flat parameter shards by element, never on another dimension."""
+    if not callable(fn):
+        raise TypeError(f"fully_shard argument 'shard_placement_fn' must be callable, got {type(fn).__name__}")
+    skip = {id(p) for p in ignored_params or ()}
+    for fqn, param in module.named_parameters():
+        if id(param) in skip or getattr(param, FSDP_FLATTENED, False):
+            continue
+        placement = fn(param)
+        if placement is None or (type(placement).__name__ == "Shard" and getattr(placement, "dim", None) == 0):
+            continue
+        raise ValueError(
+            f"fully_shard: shard_placement_fn returns {placement!r} for parameter '{fqn}', but flat parameters "
+            "are sharded by element, not on a dimension (the SHARDED state dict gives Shard(0) DTensors). Leave "
+            "shard_placement_fn out; to keep the parameter whole on every rank pass it in ignored_params; to "
+            "shard it on a dimension use tensor parallelism (parallelize_module on a 2-D mesh) before fully_shard"
+        )
 
 
 def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any) -> ShardingStrategy:
@@ -148,17 +175,13 @@ def _mixed_precision(ours: Optional[MixedPrecision], mp_policy: Any) -> Optional
             "fully_shard argument 'mp_policy' must be FSDP2's MixedPrecisionPolicy (or our MixedPrecision; "
             f"better: mixed_precision=MixedPrecision(...)), got {type(mp_policy).__name__}"
         )
-    if mp_policy.output_dtype is not None:
-        raise ValueError(
-            f"fully_shard: MixedPrecisionPolicy(output_dtype={mp_policy.output_dtype}) has no equivalent in "
-            "MixedPrecision; leave output_dtype out and cast the module's output yourself"
-        )
-    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None:
+    if mp_policy.param_dtype is None and mp_policy.reduce_dtype is None and mp_policy.output_dtype is None:
         return None
     return MixedPrecision(
         param_dtype=mp_policy.param_dtype,
         reduce_dtype=mp_policy.reduce_dtype,
         cast_forward_inputs=bool(mp_policy.cast_forward_inputs),
+        output_dtype=mp_policy.output_dtype,
     )
 
 
@@ -180,46 +203,41 @@ def _cpu_offload(ours: Optional[CPUOffload], offload_policy: Any) -> Optional[CP
     )
 
 
-def _ignored_modules(
+def split_ignored_params(
     module: nn.Module, ours: Optional[Iterable[nn.Module]], ignored_params: Any
-) -> Optional[Iterable[nn.Module]]:
+) -> tuple[Optional[Iterable[nn.Module]], tuple[nn.Parameter, ...]]:
+    """``ignored_params`` as (ignored modules, parameters ignored one by one): the outermost modules
+    all of whose parameters are listed are ignored whole; the rest are ignored by themselves."""
     if ignored_params is None:
-        return ours
+        return ours, ()
     if ours is not None:
         raise _both("ignored_modules", "ignored_params")
     if isinstance(ignored_params, torch.Tensor) or not isinstance(ignored_params, Iterable):
         raise TypeError(
-            "fully_shard argument 'ignored_params' must be a set of parameters (better: ignored_modules=[...]), "
+            "fully_shard argument 'ignored_params' must be a set of parameters (or ignored_modules=[...]), "
             f"got {type(ignored_params).__name__}"
         )
-    wanted = {id(p) for p in ignored_params}
+    wanted = {id(p): p for p in ignored_params}
     names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    unknown = wanted - set(names)
+    unknown = set(wanted) - set(names)
     if unknown:
         raise ValueError(
             f"fully_shard argument 'ignored_params' has {len(unknown)} tensor(s) that are not parameters of this "
             f"{type(module).__name__}; pass its own parameters (or ignored_modules=[...])"
+        )
+    if set(wanted) == set(names):
+        raise ValueError(
+            "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "
+            "sharded; do not call fully_shard on it"
         )
     # the outermost modules all of whose parameters are ignored, and which own one of them
     chosen: list[nn.Module] = []
     covered: set[int] = set()
     for sub in module.modules():
         params = {id(p) for p in sub.parameters()}
-        if not params or not params <= wanted or params <= covered:
+        if not params or not params <= set(wanted) or params <= covered or sub is module:
             continue
-        if sub is module:
-            raise ValueError(
-                "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "
-                "sharded; do not call fully_shard on it"
-            )
         chosen.append(sub)
         covered |= params
-    left = wanted - covered
-    if left:
-        fqn = names[next(iter(sorted(left, key=lambda i: names[i])))]
-        raise ValueError(
-            f"fully_shard ignores whole modules (ignored_modules=[...]), not single parameters: ignored_params "
-            f"holds '{fqn}' but not every parameter of the module that holds it; list that module in "
-            "ignored_modules, or move the parameter into a module of its own"
-        )
-    return chosen
+    single = tuple(wanted[i] for i in sorted(set(wanted) - covered, key=lambda i: names[i]))
+    return chosen, single

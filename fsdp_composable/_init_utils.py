@@ -456,6 +456,7 @@ def _init_param_handles_from_module(
     state.handles.extend(h for m in submodule_states for h in handles.get(m, []))  # root first, pre-order
     # initialisation may have replaced the ignored modules' parameter objects too
     state.ignored_params = {p for m in state.ignored_modules for p in m.parameters(recurse=False)}
+    state.ignored_params |= {p for m, n in state.ignored_param_holders if (p := m._parameters.get(n)) is not None}
     return submodule_states
 
 

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -57,7 +57,7 @@ from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
 
-__all__ = ["GradState", "PendingReduce", "UnitGrads", "divide_factors"]
+__all__ = ["GradState", "PendingReduce", "ReduceControls", "UnitGrads", "divide_factors"]
 
 
 class GradState(enum.Enum):
@@ -85,6 +85,20 @@ _IN_BACKWARD = (GradState.FLAT, GradState.AUTOGRAD)
 
 
 @dataclass(eq=False)
+class ReduceControls:
+    """What the user set for a unit's reduction (`_reduce_controls`): read here, at each reduction.
+
+    ``divide_factor``: the reduced gradient is the sum divided by it (None: the number of ranks it
+    averages over). ``force_sum``: FSDP2's flag; our collectives always sum and divide apart, so it
+    changes nothing. ``all_reduce_hook``: run in place on the final reduced shard gradient (after the
+    replica all-reduce under HYBRID_SHARD), before it reaches ``.grad``."""
+
+    divide_factor: Optional[float] = None
+    force_sum: bool = False
+    all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+
+
+@dataclass(eq=False)
 class UnitGrads:
     """One handle's gradient record. ``expose_orig``: original parameters show ``.grad`` views of
     the sharded gradient (False when a wrapper exposes flat parameters instead)."""
@@ -98,6 +112,7 @@ class UnitGrads:
     partial: Optional[torch.Tensor] = None
     # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
+    controls: ReduceControls = field(default_factory=ReduceControls)
 
 
 def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
@@ -113,14 +128,16 @@ def _set_state(handle: FlatParamHandle, new: GradState) -> None:
     grads.state = new
 
 
-def divide_factors(world: int, reduce_dtype: torch.dtype) -> tuple[int, int]:
-    """(pre, post): the gradient sum is divided by the number of ranks it averages over, once.
+def divide_factors(world: int, reduce_dtype: torch.dtype, factor: Optional[float] = None) -> tuple[float, float]:
+    """(pre, post): the gradient sum is divided by the number of ranks it averages over (or by the
+    user's ``factor``, see `set_gradient_divide_factor`), once.
 
     Before the sum in float16, whose range the sum of N gradients can overflow; after it otherwise,
     so the result is rounded once (the same bits either way when N is a power of two)."""
-    if world <= 1:
+    divisor = float(world) if factor is None else factor
+    if divisor == 1 or (factor is None and world <= 1):
         return 1, 1
-    return (world, 1) if reduce_dtype == torch.float16 else (1, world)
+    return (divisor, 1) if reduce_dtype == torch.float16 else (1, divisor)
 
 
 def takes_autograd_grads(handle: FlatParamHandle) -> bool:
@@ -322,7 +339,7 @@ def start_reduce(
     The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
     grads = handle.grads
     world = dist.get_world_size(handle.process_group) * handle.replicas
-    pre, post = divide_factors(world, handle.reduce_dtype)
+    pre, post = divide_factors(world, handle.reduce_dtype, grads.controls.divide_factor)
     hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
@@ -349,13 +366,14 @@ def start_reduce(
                 send.append(_zeros(handle, padding, rdtype))
         else:
             one = flat if flat.dtype == rdtype and flat is not grads.kept else flat.to(rdtype, copy=True)
-            if pre > 1:
+            if pre != 1:
                 one.div_(pre)
             send = [one]
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
         pending.partial_only = handle.replicate_group is not None and replicas is None
+        pending.hook = grads.controls.all_reduce_hook  # CPU: run in `wait`/`finish`; CUDA: on the last stream
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
             out = send[0]
             shard_world = dist.get_world_size(group)
@@ -371,7 +389,7 @@ def start_reduce(
                 return _collectives.reduce_scatter(out, full, group, async_op)
 
         pending.out = out
-        if stream is None:  # CPU: `wait` divides and all-reduces across replicas
+        if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
             pending.work = _collectives.issue(None, collective)
             return pending
         pending.post_divide = 1  # divided on the reduce stream
@@ -391,13 +409,22 @@ def start_reduce(
     return pending
 
 
-def _after_reduce(pending: "PendingReduce", divide: int, copy_out: bool) -> None:
-    """On the side stream, once the reduced value is final: divide, and start its copy to the host."""
-    if divide > 1:
+def _after_reduce(pending: "PendingReduce", divide: float, copy_out: bool) -> None:
+    """On the side stream, once the reduced value is final: divide, run the user's all-reduce hook,
+    and start its copy to the host."""
+    if divide != 1:
         pending.out.div_(divide)
     pending.add_partial()
     if copy_out:
+        _run_hook(pending)
         pending.host = offload_copy(pending.handle, pending.out)
+
+
+def _run_hook(pending: "PendingReduce") -> None:
+    """The user's all-reduce hook, once, on the final reduced shard gradient (in place)."""
+    hook, pending.hook = pending.hook, None
+    if hook is not None:
+        hook(pending.out)
 
 
 def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
@@ -444,11 +471,11 @@ def sync_offload_copies(reductions: "list[PendingReduce]") -> None:
         _collectives.compute_stream(device).synchronize()
 
 
-def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: int) -> torch.Tensor:
+def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
     if grad is None:  # unused in this backward: zero, as for every other unit
         return _zeros(handle, handle.layout.infos[i].numel, handle.reduce_dtype)
     part = grad.reshape(-1).to(handle.reduce_dtype)
-    return part / pre if pre > 1 else part
+    return part / pre if pre != 1 else part
 
 
 @dataclass(eq=False)
@@ -462,7 +489,7 @@ class PendingReduce:
     out: torch.Tensor
     send: list[torch.Tensor]  # kept alive until the collective completes
     replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduce across it, issued in `wait`
-    post_divide: int = 1
+    post_divide: float = 1
     done: bool = False
     # HYBRID_SHARD: the all-reduce across replicas in flight (CUDA: issued with the reduce-scatter;
     # CPU: by `wait`, once the reduce-scatter is done); `finish` waits for it
@@ -470,6 +497,7 @@ class PendingReduce:
     host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
     partial_only: bool = False  # not all-reduced across replicas: committed to ``grads.partial``
     partial_added: bool = False
+    hook: Optional[Callable[[torch.Tensor], None]] = None  # the user's all-reduce hook, until it ran
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -481,7 +509,7 @@ class PendingReduce:
         self.work.wait(f"the gradient {kind} of unit '{unit}'")
         if self.replica is None:
             self.send = []
-        if self.post_divide > 1:
+        if self.post_divide != 1:
             self.out.div_(self.post_divide)
         self.add_partial()
         if self.replicate_group is not None:
@@ -489,6 +517,8 @@ class PendingReduce:
             # it overlaps the next units' backward; `finish` waits for it (the end of backward)
             group, self.replicate_group = self.replicate_group, None
             self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
+        if self.replica is None:  # nothing more in flight (CUDA: `_after_reduce` ran it on the last stream)
+            _run_hook(self)
 
     def finish(self) -> None:
         """`wait`, and then for the all-reduce across replicas (the compute stream on CUDA; where FSDP2
@@ -498,6 +528,7 @@ class PendingReduce:
             replica, self.replica = self.replica, None
             replica.wait(f"the gradient all-reduce across replicas of unit '{self.handle.unit_fqn or '<root>'}'")
             self.send = []
+            _run_hook(self)  # CPU: once the all-reduce across replicas is done (CUDA: it already ran)
 
     def add_partial(self) -> None:
         """Before the all-reduce across replicas: add the shards earlier backwards kept apart

@@ -82,6 +82,8 @@ class RootContext:
     unshard_stream: Optional[torch.cuda.Stream] = None
     reduce_stream: Optional[torch.cuda.Stream] = None
     all_reduce_stream: Optional[torch.cuda.Stream] = None  # HYBRID_SHARD's all-reduce across replicas
+    # `set_post_optim_event`: what the next root forward's all-gathers wait for, used once
+    post_optim_event: Optional[Any] = None
     # gradient reductions issued this backward: in flight, then finished but not yet committed (their
     # results reach `.grad` only once the whole backward has succeeded)
     pending_reductions: list["PendingReduce"] = field(default_factory=list)
@@ -176,7 +178,11 @@ class RootContext:
         for s in self.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         self.exec_order.start_forward()
-        _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is not None and self.unshard_stream is not None:  # the user's: [Note: reduction controls]
+            self.unshard_stream.wait_event(event)
+        else:
+            _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in self.handles:
             grads.release_cleared_grads(handle)
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
@@ -110,6 +110,9 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
 
 
 def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, output: Any) -> Any:
+    dtype = state.config.output_dtype  # every call's module, recomputation too (it must match)
+    if dtype is not None:
+        output = _cast_floating(output, dtype)
     if not state.is_root or _in_backward():
         return output
     ctx = _ctx(state)
@@ -160,6 +163,9 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
 
 @_trace.hook("post_forward")
 def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, args: Any, output: Any) -> Any:
+    dtype = _unit_output_dtype(state, handle)
+    if dtype is not None:  # recomputation too: it must give what forward gave
+        output = _cast_floating(output, dtype)
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
     step = _ctx(state).steps[handle]
@@ -180,6 +186,15 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
             if t.requires_grad:
                 t.register_hook(hook)
     return output
+
+
+def _unit_output_dtype(state: _FSDPState, handle: FlatParamHandle) -> Optional[torch.dtype]:
+    """A policy unit casts its outputs only under a ``mixed_precision`` of its own (a `CustomPolicy`
+    override), as a module given its own FSDP2 ``mp_policy``; the call's ``output_dtype`` is for the
+    call's module (`_fsdp_root_post_forward`), so its units' activations stay as computed."""
+    if handle.module is state.module or handle.config.mixed_precision is state.config.mixed_precision:
+        return None
+    return handle.config.output_dtype
 
 
 def _reshard_after_forward(state: _FSDPState, handle: FlatParamHandle) -> bool:

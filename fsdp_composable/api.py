@@ -90,7 +90,9 @@ class MixedPrecision:
 
     ``param_dtype``: dtype of unsharded parameters (all-gather and compute). ``reduce_dtype``: dtype
     of gradient reduction (defaults to ``param_dtype``). ``buffer_dtype``: dtype of every floating
-    buffer during compute (``None`` keeps buffers as they are).
+    buffer during compute (``None`` keeps buffers as they are). ``output_dtype``: dtype the
+    floating-point outputs of the module `fully_shard` was applied to are cast to (FSDP2's
+    ``MixedPrecisionPolicy.output_dtype``; ``None`` leaves them as computed).
     """
 
     param_dtype: Optional[torch.dtype] = None
@@ -99,9 +101,10 @@ class MixedPrecision:
     keep_low_precision_grads: bool = False
     cast_forward_inputs: bool = False
     cast_root_forward_inputs: bool = True
+    output_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
-        for field in ("param_dtype", "reduce_dtype", "buffer_dtype"):
+        for field in ("param_dtype", "reduce_dtype", "buffer_dtype", "output_dtype"):
             _check_float_dtype(field, getattr(self, field))
         for field in ("keep_low_precision_grads", "cast_forward_inputs", "cast_root_forward_inputs"):
             _check_bool(f"MixedPrecision.{field}", getattr(self, field))

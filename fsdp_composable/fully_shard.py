@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_composable import _init_utils as init
-from fsdp_composable._common_utils import API_NAME, _FSDPState
+from fsdp_composable._common_utils import API_NAME, _FSDPState, _registrations_of
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp1_names import as_ours
@@ -89,6 +89,7 @@ def fully_shard(
         mixed_precision=ours.mixed_precision,
         cpu_offload=ours.cpu_offload,
         ignored_modules=ours.ignored_modules,
+        ignored_params=ours.ignored_params,
         device_id=device_id,
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
@@ -116,9 +117,12 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     ignored_mods, ignored_params = init._init_ignored_module_states(
         module, args.ignored_modules, api, (group, replicate_group)
     )
+    single = _registrations_of(module, args.ignored_params, ignored_mods)  # parameters ignored by themselves
+    ignored_params |= {p for m, name in single if (p := m._parameters[name]) is not None}
     device = init._init_device(module, args.device_id, ignored_params, api)
     state = init._init_core_state(module, args, group, replicate_group, device)
     state.ignored_modules, state.ignored_params = ignored_mods, ignored_params
+    state.ignored_param_holders = single
     init._init_buffer_state(state, module)
     init._init_param_handles_from_module(
         state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id

@@ -22,7 +22,7 @@ from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._fsdp1_names import as_ours
-from fsdp_composable._fsdp2_names import _ignored_modules
+from fsdp_composable._fsdp2_names import split_ignored_params
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
 from fsdp_composable._module_controls import UnshardHandle, reshard, unshard
 from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
@@ -103,7 +103,7 @@ class FullyShardedDataParallel(nn.Module):
                 f"FullyShardedDataParallel argument 'use_orig_params' must be True or False, got {use_orig_params!r}"
             )
         process_group = _group_or_mesh(process_group, device_mesh)
-        ignored_modules = _ignored_from_states(module, ignored_modules, ignored_states)
+        ignored_modules, ignored_params = _ignored_from_states(module, ignored_modules, ignored_states)
         _check_flat_mode_without_tensor_parallel(module, use_orig_params)
         super().__init__()
         self._fsdp_wrapped_module = module
@@ -121,6 +121,7 @@ class FullyShardedDataParallel(nn.Module):
             mixed_precision=mixed_precision,
             cpu_offload=cpu_offload,
             ignored_modules=ignored_modules,
+            ignored_params=ignored_params,
             device_id=device_id,
             param_init_fn=param_init_fn,
             sync_module_states=sync_module_states,
@@ -396,11 +397,11 @@ def _state_of(wrapper: FullyShardedDataParallel) -> _FSDPState:
 
 def _ignored_from_states(
     module: nn.Module, ignored_modules: Optional[Iterable[nn.Module]], ignored_states: Any
-) -> Optional[Iterable[nn.Module]]:
-    """FSDP1's ``ignored_states`` (modules and/or parameters) as ``ignored_modules``: a parameter is
-    ignored through the modules all of whose parameters are ignored, as `fully_shard`'s ``ignored_params``."""
+) -> tuple[Optional[Iterable[nn.Module]], tuple[nn.Parameter, ...]]:
+    """FSDP1's ``ignored_states`` (modules and/or parameters) as ``ignored_modules`` and parameters
+    ignored by themselves, as `fully_shard`'s ``ignored_params``."""
     if ignored_states is None:
-        return ignored_modules
+        return ignored_modules, ()
     where = "FullyShardedDataParallel argument 'ignored_states'"
     if ignored_modules is not None:
         raise ValueError(f"{where} and 'ignored_modules' were both given; pass one")
@@ -410,9 +411,10 @@ def _ignored_from_states(
     modules = [m for m in states if isinstance(m, nn.Module)]
     params = [p for p in states if not isinstance(p, nn.Module)]
     if not params:
-        return modules
+        return modules, ()
     try:
-        return [*modules, *(_ignored_modules(module, None, params) or [])]
+        whole, single = split_ignored_params(module, None, params)
+        return [*modules, *(whole or [])], single
     except (TypeError, ValueError) as e:
         message = str(e).replace("fully_shard argument 'ignored_params'", where).replace("ignored_params ", "it ")
         raise type(e)(message.replace("fully_shard ", "FullyShardedDataParallel ")) from None

@@ -250,6 +250,28 @@ def streams_unit_called_alone() -> None:
     check_streams(rec, 2)
 
 
+def streams_all_reduce_hook_and_post_optim_event() -> None:
+    """HYBRID_SHARD: the all-reduce hook runs on the all-reduce stream, once per unit per step; a
+    post-optimizer event replaces the unshard stream's wait for the compute stream in the next root
+    forward (so compute issued after the event is not waited for)."""
+    shard = dist.new_group([0, 1])
+    replicate = dist.new_group([0, 2])
+    m = model(process_group=(shard, replicate), strategy=fc.ShardingStrategy.HYBRID_SHARD)
+    ran_on: list[str] = []
+    with recording() as rec:
+        fc.set_all_reduce_hook(m, lambda grad: ran_on.append(rec.current.name), recurse=True)
+        opt = steps(m, n=1)
+        event = torch.cuda.Event()
+        event.record(rec.compute)
+        fc.set_post_optim_event(m, event)
+        torch.zeros(3, device=META).add_(1)  # unrelated compute after the optimizer step
+        steps(m, n=1)
+        opt.step()
+    check_streams(rec, 1)  # the second root forward waited for the event instead
+    units = len(fc.fully_shard.state(m).handles)
+    assert ran_on == ["all_reduce"] * (2 * units), ran_on
+
+
 def no_host_sync_in_steady_state() -> None:
     m = model()
     steps(m, n=1)  # the first iteration checks the order across ranks (reading values on the host)
@@ -364,6 +386,7 @@ CHECKS: list[Callable[[], Any]] = [
     streams_no_sync,
     streams_memory_between_steps,
     streams_unit_called_alone,
+    streams_all_reduce_hook_and_post_optim_event,
     no_host_sync_in_steady_state,
     no_self_copies,
     cpu_inputs_moved,

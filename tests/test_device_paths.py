@@ -54,6 +54,7 @@ _STREAM_CHECKS = [
     "streams_no_sync",
     "streams_memory_between_steps",
     "streams_unit_called_alone",
+    "streams_all_reduce_hook_and_post_optim_event",
 ]
 
 

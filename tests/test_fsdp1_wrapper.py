@@ -217,7 +217,7 @@ def _ignored_states_errors() -> dict[str, str]:
     m = OddMLP()
     return {
         "both": error_of(lambda: FullyShardedDataParallel(OddMLP(), ignored_modules=[], ignored_states=[])),
-        "one_param": error_of(lambda: FullyShardedDataParallel(m, ignored_states=[m.l2[0].weight])),
+        "foreign_param": error_of(lambda: FullyShardedDataParallel(m, ignored_states=[nn.Parameter(torch.ones(2))])),
         "not_list": error_of(lambda: FullyShardedDataParallel(m, ignored_states=m.l1)),
     }
 
@@ -230,8 +230,8 @@ def test_wrapper_ignored_states_errors(dist_run: Callable[..., Any]) -> None:
         """ValueError: FullyShardedDataParallel argument 'ignored_states' and 'ignored_modules' were both given; pass one""",
     )
     tc.assertExpectedInline(
-        errors["one_param"],
-        """ValueError: FullyShardedDataParallel ignores whole modules (ignored_modules=[...]), not single parameters: it holds 'l2.0.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""",
+        errors["foreign_param"],
+        """ValueError: FullyShardedDataParallel argument 'ignored_states' has 1 tensor(s) that are not parameters of this OddMLP; pass its own parameters (or ignored_modules=[...])""",
     )
     tc.assertExpectedInline(
         errors["not_list"],

@@ -14,6 +14,7 @@ from parity import local_slice
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import Shard
 
 from fsdp_composable import (
     CPUOffload,
@@ -134,11 +135,11 @@ def bad_names() -> dict[str, str]:
         "both_mp": lambda: fully_shard(
             TinyGPT(), mixed_precision=MixedPrecision(param_dtype=torch.float16), mp_policy=MixedPrecisionPolicy()
         ),
-        "output_dtype": lambda: fully_shard(TinyGPT(), mp_policy=MixedPrecisionPolicy(output_dtype=torch.float16)),
         "bad_mp": lambda: fully_shard(TinyGPT(), mp_policy="bf16"),
         "both_offload": lambda: fully_shard(TinyGPT(), cpu_offload=CPUOffload(), offload_policy=CPUOffloadPolicy()),
-        "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: None),
-        "partial_ignore": lambda: fully_shard((m := TinyGPT()), ignored_params={m.blocks[0].fc1.weight}),
+        "placement": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: Shard(1) if p.dim() == 2 else None),
+        "placement_default": lambda: fully_shard(TinyGPT(), shard_placement_fn=lambda p: Shard(0)),
+        "foreign_ignore": lambda: fully_shard(TinyGPT(), ignored_params={nn.Parameter(torch.ones(2))}),
         "both_ignore": lambda: fully_shard((m := TinyGPT()), ignored_modules=[m.ln_f], ignored_params={m.pos}),
     }
     out = {}
@@ -179,10 +180,6 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
         e["both_mp"], """ValueError: fully_shard got both mixed_precision= and mp_policy= (FSDP2's name for it); pass only one of them"""  # noqa: E501
     )
     tc.assertExpectedInline(
-        e["output_dtype"],
-        """ValueError: fully_shard: MixedPrecisionPolicy(output_dtype=torch.float16) has no equivalent in MixedPrecision; leave output_dtype out and cast the module's output yourself""",  # noqa: E501
-    )
-    tc.assertExpectedInline(
         e["bad_mp"],
         """TypeError: fully_shard argument 'mp_policy' must be FSDP2's MixedPrecisionPolicy (or our MixedPrecision; better: mixed_precision=MixedPrecision(...)), got str""",  # noqa: E501
     )
@@ -191,11 +188,12 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
     )
     tc.assertExpectedInline(
         e["placement"],
-        """ValueError: fully_shard has no shard_placement_fn: flat parameters are always sharded evenly by element (the SHARDED state dict still gives Shard(0) DTensors); leave it out""",  # noqa: E501
+        """ValueError: fully_shard: shard_placement_fn returns Shard(dim=1) for parameter 'pos', but flat parameters are sharded by element, not on a dimension (the SHARDED state dict gives Shard(0) DTensors). Leave shard_placement_fn out; to keep the parameter whole on every rank pass it in ignored_params; to shard it on a dimension use tensor parallelism (parallelize_module on a 2-D mesh) before fully_shard""",  # noqa: E501
     )
+    tc.assertExpectedInline(e["placement_default"], """no error""")
     tc.assertExpectedInline(
-        e["partial_ignore"],
-        """ValueError: fully_shard ignores whole modules (ignored_modules=[...]), not single parameters: ignored_params holds 'blocks.0.fc1.weight' but not every parameter of the module that holds it; list that module in ignored_modules, or move the parameter into a module of its own""",  # noqa: E501
+        e["foreign_ignore"],
+        """ValueError: fully_shard argument 'ignored_params' has 1 tensor(s) that are not parameters of this TinyGPT; pass its own parameters (or ignored_modules=[...])""",  # noqa: E501
     )
     tc.assertExpectedInline(
         e["both_ignore"], """ValueError: fully_shard got both ignored_modules= and ignored_params= (FSDP2's name for it); pass only one of them"""  # noqa: E501
