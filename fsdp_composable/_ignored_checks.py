@@ -8,20 +8,22 @@ are refused while sharding, on every rank:
   weight): the sharded module would train a copy whose gradient each rank keeps to itself, so the
   ranks' copies drift apart. The error names both FQNs.
 - ranks that ignore different modules build different units, whose collectives cannot match (FSDP1
-  does not support it either). Every rank's ignored FQNs are gathered once per `fully_shard` call
-  (one small ``all_gather_object`` on its groups, after the gloo header: [Note: collective
-  headers]); a difference is a `ValueError` on every rank naming what each rank ignores.
+  does not support it either). Each `fully_shard` call all-reduces a digest of the rank's sorted
+  ignored FQNs (one two-number all-reduce per group, on the group's device, no pickling, so no
+  numpy); only when the digests differ are the names themselves gathered, as bytes, for a
+  `ValueError` on every rank naming what each rank ignores.
 """
 
 from __future__ import annotations
 
+import hashlib
 from typing import Optional
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _rank_agreement
-from fsdp_composable._rank_agreement import Op
+from fsdp_composable import _collectives
 
 __all__: list[str] = []
 
@@ -55,16 +57,36 @@ def check_ranks_ignore_alike(
 ) -> None:
     """Raise on every rank of ``groups`` if their ranks ignore different modules (by FQN)."""
     names = sorted(name for name, sub in module.named_modules() if sub in ignored)
+    encoded = "\n".join(names).encode()
+    digest = int.from_bytes(hashlib.sha256(encoded).digest()[:7], "big")
     for group in groups:
         if group is None or dist.get_world_size(group) <= 1:
             continue
-        _rank_agreement.agree_before(group, Op.ALL_GATHER_OBJECT, 0, None, "check of ignored_modules", "fully_shard()")
-        everyone: list[Optional[list[str]]] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(everyone, names, group=group)
-        if any(other != names for other in everyone):
-            ranks = dist.get_process_group_ranks(group)
-            shown = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, everyone))
-            raise ValueError(
-                f"{where}: the ranks ignore different modules ({shown}). Every rank must build the same "
-                "units: pass the same ignored_modules on every rank"
-            )
+        both = _collectives.comm_tensor([digest, -digest], group)  # max and -min in one all-reduce
+        _collectives.wait(_collectives.all_reduce(both, group, dist.ReduceOp.MAX), "the check of ignored_modules")
+        high, minus_low = _collectives.host_values(both).tolist()
+        if high == -minus_low:
+            continue
+        ranks = dist.get_process_group_ranks(group)
+        shown = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, _gather_bytes(group, encoded)))
+        raise ValueError(
+            f"{where}: the ranks ignore different modules ({shown}). Every rank must build the same "
+            "units: pass the same ignored_modules on every rank"
+        )
+
+
+def _gather_bytes(group: dist.ProcessGroup, mine: bytes) -> list[list[str]]:
+    """Every rank's ``mine`` (newline-separated names), gathered as padded uint8 tensors."""
+    world = dist.get_world_size(group)
+    length = _collectives.comm_tensor([len(mine)], group)
+    lengths = torch.empty(world, dtype=torch.int64, device=length.device)
+    _collectives.wait(_collectives.all_gather(lengths, length, group), "the check of ignored_modules")
+    sizes = _collectives.host_values(lengths).tolist()
+    width = max(max(sizes), 1)
+    padded = torch.zeros(width, dtype=torch.uint8, device=length.device)
+    padded[: len(mine)] = torch.frombuffer(bytearray(mine), dtype=torch.uint8) if mine else padded[:0]
+    everyone = torch.empty(world * width, dtype=torch.uint8, device=length.device)
+    _collectives.wait(_collectives.all_gather(everyone, padded, group), "the check of ignored_modules")
+    data = bytes(_collectives.host_values(everyone).tolist())
+    texts = [data[i * width : i * width + n].decode() for i, n in enumerate(sizes)]
+    return [t.split("\n") if t else [] for t in texts]
