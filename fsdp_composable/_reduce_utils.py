@@ -46,13 +46,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _comm_hooks, _trace
+from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
@@ -95,6 +95,12 @@ class UnitGrads:
     kept: Optional[torch.Tensor] = None  # the sum of completed no_sync micro-batches
     # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
+    # [Note: which parameters got a gradient]: parameters whose slice of flat_param.grad is no gradient
+    missing: frozenset[int] = frozenset()
+    staged_got: Optional[list[bool]] = None  # STAGED: this micro-batch's flags
+    kept_got: Optional[list[bool]] = None  # KEPT_FOR_NO_SYNC: the kept micro-batches' flags
+    touched: list[bool] = field(default_factory=list)  # FLAT: set by the accumulation hooks
+    hooks: list[Any] = field(default_factory=list)  # the accumulation hooks' handles
 
 
 def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
@@ -137,19 +143,24 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     ours = grads.exposed
     if all(g is None for g in current):
         handle.flat_param.grad = None
+        grads.missing = frozenset()
     elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
         flat_grad = handle.flat_param.grad
         if flat_grad is None:
             flat_grad = torch.zeros_like(handle.flat_param)
         views = handle.sharded_views_of(flat_grad)
+        missing = set(grads.missing) if handle.flat_param.grad is not None else set(range(len(views)))
         with torch.no_grad():
             for i, (grad, view) in enumerate(zip(current, views)):
                 mine = ours[i] if ours else None
                 if grad is None:
                     view.zero_()
+                    missing.add(i)
                 elif grad is not mine:
                     view.copy_(local_of(grad).reshape(view.shape))
+                    missing.discard(i)
         handle.flat_param.grad = flat_grad
+        grads.missing = frozenset(missing)
     for param in handle.params:
         param.grad = None
     grads.exposed = []
@@ -162,6 +173,7 @@ def release_cleared_grads(handle: FlatParamHandle) -> None:
     if grads.exposed and all(p.grad is None for p in handle.params):
         handle.flat_param.grad = None
         grads.exposed = []
+        grads.missing = frozenset()
 
 
 def expose_sharded_grads(handle: FlatParamHandle) -> None:
@@ -175,8 +187,8 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
         return
     exposed: list[Optional[torch.Tensor]] = []
     views = handle.sharded_views_of(flat_grad)
-    for param, info, view in zip(handle.params, handle.layout.infos, views):
-        if param.requires_grad and view.numel() > 0:
+    for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
+        if param.requires_grad and view.numel() > 0 and i not in grads.missing:
             grad = as_param_grad(info.tp, view)
             assign_grad(param, grad)
             exposed.append(grad)
@@ -213,6 +225,7 @@ def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
         _set_state(handle, GradState.AUTOGRAD)
         return
     _set_state(handle, GradState.FLAT)
+    _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
     grads.buffer = _zeros(handle, handle.layout.padded_numel, handle.compute_dtype)
     for param, view in zip(handle.params, handle.views_of(grads.buffer)):
         if param.requires_grad:
@@ -223,11 +236,13 @@ def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Ten
     return torch.zeros(numel, dtype=dtype, device=handle.device)
 
 
-def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]]:
+def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
     """This backward's gradient of each original parameter (None: it got none), detached from the
-    parameters. In FLAT mode a gradient that is not the buffer's view is copied into the buffer."""
+    parameters, and whether it got one (see [Note: which parameters got a gradient]). In FLAT mode
+    a gradient that is not the buffer's view is copied into the buffer."""
     grads = handle.grads
     out: list[Optional[torch.Tensor]] = []
+    got: list[bool] = []
     views = handle.views_of(grads.buffer) if grads.buffer is not None else None
     with torch.no_grad():
         for i, param in enumerate(handle.params):
@@ -235,12 +250,16 @@ def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]
             if grad is not None:
                 grad = as_local_grad(param, grad)
             if views is not None:
-                if grad is not None and not _same_memory(grad, views[i]):
+                replaced = grad is not None and not _same_memory(grad, views[i])
+                if grad is not None and replaced:
                     views[i].copy_(grad)
                 out.append(views[i])
+                got.append(replaced or (i < len(grads.touched) and grads.touched[i]))
             else:
                 out.append(grad)
-    return out
+                got.append(grad is not None)
+    grads.touched[:] = []
+    return out, got
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -271,7 +290,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
 def stage_for_no_sync(handle: FlatParamHandle) -> None:
     """Post-backward inside ``no_sync``: hold this backward's gradient until the backward succeeds."""
     grads = handle.grads
-    parts = _take_backward_grads(handle)
+    parts, grads.staged_got = _take_backward_grads(handle)
     grads.buffer = _flat_of(handle, parts)
     _set_state(handle, GradState.STAGED)
 
@@ -297,8 +316,10 @@ def start_reduce(
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
+        got = grads.kept_got
     else:
-        parts = _take_backward_grads(handle)
+        parts, mine = _take_backward_grads(handle)
+        got = _grad_presence.union(mine, grads.kept_got)
         flat = None
         if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
             flat = _flat_of(handle, parts)
@@ -309,7 +330,7 @@ def start_reduce(
     if hook is not None:
         assert flat is not None
         hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
-        return PendingReduce(handle, hooked, result, keep)
+        return PendingReduce(handle, hooked, result, keep, numel=result.numel())
     group, rdtype = handle.process_group, handle.reduce_dtype
     with torch.no_grad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
@@ -322,17 +343,22 @@ def start_reduce(
             if pre > 1:
                 one.div_(pre)
             send = [one]
+        assert got is not None
+        flag = _grad_presence.flags(got, rdtype, handle.device)
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, handle.replicate_group, post)
+        pending.got = got
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
-            out = send[0]
+            pending.numel = send[0].numel()
+            out = torch.cat([send[0], flag])
             shard_world = dist.get_world_size(group)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.all_reduce(out, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
 
         else:
-            out = torch.empty(handle.layout.shard_numel, dtype=rdtype, device=handle.device)
-            full = send if len(send) > 1 else send[0]
+            pending.numel = handle.layout.shard_numel
+            out = torch.empty(pending.numel + flag.numel(), dtype=rdtype, device=handle.device)
+            full = _grad_presence.with_presence(send, handle.layout.world_size, flag)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.reduce_scatter(out, full, group, async_op)
@@ -434,6 +460,8 @@ class PendingReduce:
     # CUDA, HYBRID_SHARD: the all-reduce across replicas, issued with the reduce-scatter
     replica: Optional[_collectives.InFlight] = None
     host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
+    numel: int = 0  # of ``out``: the gradient; after it, the reduced flags of which parameters got one
+    got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -465,11 +493,14 @@ class PendingReduce:
         self.finish()
         handle = self.handle
         handle.grads.kept = None
+        handle.grads.kept_got = None
         _set_state(handle, GradState.NONE)
-        _accumulate_sharded_grad(handle, self.host if self.host is not None else self.out)
+        reduced = self.host if self.host is not None else self.out
+        present = _grad_presence.present(self.got, reduced[self.numel :])
+        _accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
-def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> None:
+def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
     """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
 
     The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
@@ -477,10 +508,13 @@ def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> 
     host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
     grad = reduced.to(device=handle.shard_device, dtype=handle.config.grad_dtype(handle.dtype))
     flat_grad = handle.flat_param.grad
+    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
     if flat_grad is None or flat_grad.dtype != grad.dtype:
         assign_grad(handle.flat_param, grad)
+        handle.grads.missing = absent
     else:
         flat_grad.add_(grad)
+        handle.grads.missing = handle.grads.missing & absent
     expose_sharded_grads(handle)
 
 
@@ -493,6 +527,7 @@ def commit_staged(handle: FlatParamHandle) -> None:
         grads.kept = staged
     else:
         grads.kept.add_(staged)
+    grads.kept_got, grads.staged_got = _grad_presence.union(grads.kept_got, grads.staged_got), None
     _set_state(handle, GradState.KEPT_FOR_NO_SYNC)
 
 
@@ -504,6 +539,10 @@ def abort(handle: FlatParamHandle) -> None:
         for param in handle.params:
             param.grad = None
     grads.buffer = None
+    grads.staged_got = None
+    grads.touched[:] = []
+    if grads.kept is None:
+        grads.kept_got = None
     back = GradState.KEPT_FOR_NO_SYNC if grads.kept is not None else GradState.NONE
     if grads.state is not back:
         _set_state(handle, back)
