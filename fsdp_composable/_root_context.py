@@ -89,6 +89,9 @@ class RootContext:
     sync_gradients: bool = True
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
+    # weak references to this step's pre-backward hooks: one still alive means a graph of this step
+    # that a backward may still run through (see `backward_may_come`)
+    backward_hooks: list[Any] = field(default_factory=list)
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
     # `_composable_state.registrations()` at the last full edit check ([Note: cheap edit checks])
     checked_registrations: Optional[int] = None
@@ -124,6 +127,12 @@ class RootContext:
             counters.reset()
         self.final_callback_queued = False
         self.open_forwards = 0
+        self.backward_hooks = []
+
+    def backward_may_come(self) -> bool:
+        """A forward of this step finished with gradients enabled, no backward started, and a graph
+        holding its pre-backward hooks is still alive (a dropped graph frees them)."""
+        return not self.final_callback_queued and any(ref() is not None for ref in self.backward_hooks)
 
     def unfinished(self) -> bool:
         """A previous step stopped midway (see the Note); call only when no forward/backward runs."""

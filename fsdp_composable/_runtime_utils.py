@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -179,9 +180,11 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
         handle.set_training_state(HandleTrainingState.IDLE)
     if torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(hook)
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        for t in outputs:
+            t.register_hook(hook)
+        if outputs:
+            _ctx(state).backward_hooks.append(weakref.ref(hook))
     return output
 
 

@@ -20,9 +20,10 @@ from fsdp_composable._common_utils import (
     _is_inside_unit,
     _set_training_state,
 )
-from fsdp_composable._entry_points import _settle_unfinished_step
+from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._model_edit_checks import check_data_writes
 from fsdp_composable._state_dict_keys import _join
 from fsdp_composable._tensor_parallel import as_param_grad, local_of, point_at
 from fsdp_composable.api import _check_bool
@@ -52,6 +53,19 @@ def _states_for(module: nn.Module, recurse: bool) -> list[_FSDPState]:
             f"{' or its submodules' if recurse else ''}; call fully_shard(module) first"
         )
     return states
+
+
+def _refuse_inside_step(state: _FSDPState) -> None:
+    """Between a forward and its backward (two forwards of one step, say) the step's units hold what
+    the backward needs; summoning would reshard them under it, so refuse before anything changes.
+    The same on every rank: each ran the same forwards."""
+    ctx = state.ctx
+    if ctx is not None and not _in_backward() and not _forward_running(state) and ctx.backward_may_come():
+        raise RuntimeError(
+            f"unshard_params cannot be entered between a forward of {type(ctx.root.module).__name__} and its "
+            "backward: the backward would run on resharded parameters. Enter it after backward (or before the "
+            "forward), or run a forward whose backward will not come under torch.no_grad()"
+        )
 
 
 def _check_idle(states: list[_FSDPState]) -> None:
@@ -98,8 +112,10 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
+    _refuse_inside_step(states[0])
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
+    check_data_writes(states)  # `p.data = t` since the last forward: kept in the shard, or refused
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
     flat_mode = begin_summon(states)
