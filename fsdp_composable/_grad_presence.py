@@ -70,6 +70,8 @@ def union(a: Optional[list[bool]], b: Optional[list[bool]]) -> Optional[list[boo
 
 def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The flags as a tensor made on ``device`` without copying host data (no synchronisation)."""
+    if device.type == "cpu":
+        return torch.tensor(got, dtype=dtype)
     out = torch.ones(len(got), dtype=dtype, device=device)
     for i, present in enumerate(got):
         if not present:
@@ -87,7 +89,7 @@ def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor
         start = 0
         while start < part.numel():
             end = min(part.numel(), start + size - offset)
-            out.append(part[start:end])
+            out.append(part if start == 0 and end == part.numel() else part[start:end])
             offset += end - start
             start = end
             if offset == size:
