@@ -30,7 +30,9 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   no gradient; `_reduce_utils.expose_sharded_grads` leaves their ``.grad`` None, and a later backward
   that produces one for them (or a ``.grad`` the user assigns) takes them off the list.
 The wrapper's flat-parameter mode exposes the flat parameter, whose ``.grad`` is one tensor for the
-whole unit: there the parameters without gradient hold zeros, as in FSDP1.
+whole unit: there the parameters without gradient hold zeros, as in FSDP1. All of this is within a
+unit whose backward runs on every rank; a unit whose backward runs on some ranks only leaves the
+ranks' reductions unmatched, a `RankMismatchError` as before.
 """
 
 from __future__ import annotations

@@ -364,6 +364,7 @@ def start_reduce(
                 return _collectives.reduce_scatter(out, full, group, async_op)
 
         pending.out = out
+        pending.send = [*send, flag]  # the flags too: read on the reduce stream (CUDA)
         if stream is None:  # CPU: `wait` divides and all-reduces across replicas
             pending.work = _collectives.issue(None, collective)
             return pending
