@@ -29,7 +29,7 @@ from typing import Optional
 
 import torch
 
-from fsdp_composable import _reduce_utils
+from fsdp_composable import _exposed_grads
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._tensor_parallel import local_of
@@ -84,14 +84,14 @@ def _cast_to(handle: FlatParamHandle) -> tuple[Optional[torch.dtype], Optional[l
 def _adopt(handle: FlatParamHandle, dtype: torch.dtype, values: Optional[list[torch.Tensor]]) -> None:
     # ``.grad`` of original parameters were cast by ``_apply`` in place of our views: fold what the
     # user may have assigned into the flat gradient, cast it with the shard, and expose it again
-    _reduce_utils.stash_sharded_grads(handle)
+    _exposed_grads.stash_sharded_grads(handle)
     handle.change_dtype(dtype, values)
     grads = handle.grads
     flat_grad = handle.flat_param.grad
     grad_dtype = handle.config.grad_dtype(dtype)
     if flat_grad is not None and flat_grad.dtype != grad_dtype:
         handle.flat_param.grad = None
-        _reduce_utils.assign_grad(handle.flat_param, flat_grad.to(grad_dtype))
+        _exposed_grads.assign_grad(handle.flat_param, flat_grad.to(grad_dtype))
     if grads.kept is not None and grads.kept.dtype != handle.compute_dtype:  # between no_sync micro-batches
         grads.kept = grads.kept.to(handle.compute_dtype)
-    _reduce_utils.expose_sharded_grads(handle)
+    _exposed_grads.expose_sharded_grads(handle)

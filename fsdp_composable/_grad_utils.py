@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _rank_agreement, _reduce_utils, _tensor_parallel
+from fsdp_composable import _collectives, _exposed_grads, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states, _is_inside_unit
 from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
@@ -258,8 +258,8 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
     managed: set[int] = set()
     for s in states:
         for handle in s.handles:
-            _reduce_utils.stash_sharded_grads(handle)  # fold the user's `.grad` edits into the flat gradient
-            _reduce_utils.expose_sharded_grads(handle)
+            _exposed_grads.stash_sharded_grads(handle)  # fold the user's `.grad` edits into the flat gradient
+            _exposed_grads.expose_sharded_grads(handle)
             # a wrapper in flat mode registers the flat parameter itself: count it once, as a shard
             managed.update([id(p) for p in handle.params] + [id(handle.flat_param)])
             grad = handle.flat_param.grad

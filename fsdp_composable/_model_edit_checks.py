@@ -8,9 +8,15 @@ new tensor, which the next unshard would quietly undo (or, in flat-parameter mod
 pointing at the old storage); ``module.weight = nn.Parameter(...)``, a new submodule, or tying a
 parameter to one in ``ignored_modules`` registers a tensor no unit manages, so each rank would train its
 own copy. We do not rebuild units on the fly; instead the root pre-forward calls `check_model_unchanged`,
-which raises an error naming the parameter's FQN and what to do. For a changed ``.data`` the sharded
-views are restored first, so the model stays usable after the error. The checks are identity and
-pointer comparisons: no collective, and a few microseconds per parameter.
+which raises an error naming the parameter's FQN and what to do. One ``.data`` write is kept instead,
+as FSDP1 with ``use_orig_params=True`` keeps it: ``p.data = t`` with ``t`` of the parameter's dtype and
+device and of the shape of its view (this rank's slice), of its full shape, or of its flattened full
+shape is copied into this rank's shard (`_keep_same_shape_writes`). The ranks must decide alike with
+no collective: a rank holding all of a parameter has a 1-D view of the flattened full shape, so a
+write of that shape is kept everywhere (each rank copies its slice of it), and a write of any other
+shape is refused everywhere, unless it happens to match one rank's slice. For any other changed
+``.data`` the sharded views are restored first, so the model stays usable after the error. The
+checks are identity and pointer comparisons: no collective, and a few microseconds per parameter.
 """
 
 from __future__ import annotations
@@ -26,10 +32,10 @@ from fsdp_composable._composable_state import registrations
 from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
-from fsdp_composable._tensor_parallel import local_of
+from fsdp_composable._tensor_parallel import local_of, point_at
 from fsdp_composable.api import ModelEditedAfterShardingError
 
-__all__ = ["check_model_unchanged"]
+__all__ = ["check_data_writes", "check_model_unchanged"]
 
 
 # [Note: cheap edit checks]
@@ -62,7 +68,42 @@ def check_model_unchanged(root: _FSDPState) -> None:
         _check_no_new_parameters(root, states)
         if ctx is not None:
             ctx.checked_registrations = registrations()
+    check_data_writes(states)
+
+
+def check_data_writes(states: list[_FSDPState]) -> None:
+    """Keep the ``p.data = t`` writes that can be kept, undo and refuse the others (also at the entry
+    of `unshard_params`, which would otherwise gather the shard without them)."""
+    _keep_same_shape_writes(states)
     _restore_views(states)
+
+
+def _keep_same_shape_writes(states: list[_FSDPState]) -> None:
+    """``p.data = t`` between steps, ``t`` of the view's dtype and device and of its shape (a write
+    of this rank's slice) or of the parameter's full or flattened full shape: copy ``t`` (its slice of
+    it) into this rank's shard and point ``p`` back at its view. See [Note: edits of a sharded model]."""
+    for state in states:
+        for handle in state.handles:
+            if handle.is_unsharded:
+                continue
+            layout = handle.layout
+            for param, info, view in zip(handle.params, layout.infos, handle._sharded_views):
+                data = param.data
+                if info.tp is not None or _same_data(param, view):
+                    continue
+                if (data.dtype, data.device) != (view.dtype, view.device):
+                    continue  # a cast or a move: refused by `_restore_views`
+                if data.shape == view.shape:
+                    src = data
+                elif data.shape in (info.shape, (info.numel,)):  # the whole parameter: every rank keeps its slice
+                    start, end = layout.shard_range(info)
+                    first = layout.rank * layout.shard_numel + start - info.offset
+                    src = data.reshape(-1)[first : first + end - start].view(view.shape)
+                else:
+                    continue
+                with torch.no_grad():
+                    view.copy_(src)
+                point_at(param, view)
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -131,8 +172,10 @@ def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str
             + (f" The parameters were put back on {handle.shard_device}" if restored else "")
         )
     raise ModelEditedAfterShardingError(
-        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t): between steps it must stay a view "
-        "of this rank's shard. Change values in place inside `with unshard_params(model, writeback=True):` "
+        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t) by a tensor of shape "
+        f"{tuple(data.shape)}: between steps such a write is kept (copied into this rank's shard) only with the "
+        "parameter's dtype, device and the shape of this rank's slice or of the whole parameter. Change values "
+        "in place inside `with unshard_params(model, writeback=True):` "
         "(p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone"
     )
 

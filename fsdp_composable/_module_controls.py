@@ -23,7 +23,7 @@ from typing import Optional
 
 from torch import nn
 
-from fsdp_composable import _reduce_utils
+from fsdp_composable import _exposed_grads
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
 from fsdp_composable._flat_param import FSDP_FLATTENED, FlatParamHandle, HandleTrainingState
 from fsdp_composable._prefetch import _unshard
@@ -165,6 +165,6 @@ def reshard(module: nn.Module) -> None:
         )
     for handle in handles:
         handle.reshard()
-        _reduce_utils.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
+        _exposed_grads.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
     if state.ctx is not None:
         state.ctx.limiter.release_freed(state.ctx.handles)

@@ -46,16 +46,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
-from fsdp_composable import _collectives, _comm_hooks, _safety, _trace
+from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
+from fsdp_composable._exposed_grads import assign_grad, expose_sharded_grads, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
-from fsdp_composable._tensor_parallel import as_local_grad, as_param_grad, local_of
+from fsdp_composable._tensor_parallel import as_local_grad
 
 __all__ = ["GradState", "PendingReduce", "ReduceControls", "UnitGrads", "divide_factors"]
 
@@ -113,6 +113,16 @@ class UnitGrads:
     # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
     controls: ReduceControls = field(default_factory=ReduceControls)
+    # [Note: which parameters got a gradient]: parameters whose slice of flat_param.grad is no gradient
+    missing: frozenset[int] = frozenset()
+    staged_got: Optional[list[bool]] = None  # STAGED: this micro-batch's flags
+    kept_got: Optional[list[bool]] = None  # KEPT_FOR_NO_SYNC: the kept micro-batches' flags
+    touched: list[bool] = field(default_factory=list)  # FLAT: set by the accumulation hooks
+    hooks: list[Any] = field(default_factory=list)  # the accumulation hooks' handles
+
+    def in_backward(self) -> bool:
+        """The unit's backward is running: ``.grad`` holds unsharded gradients, not views to expose."""
+        return self.state in _IN_BACKWARD
 
 
 def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
@@ -146,105 +156,6 @@ def takes_autograd_grads(handle: FlatParamHandle) -> bool:
     return handle.layout.world_size > 1 and _collectives.point_to_point(handle.process_group, handle.device)
 
 
-# ---------------------------------------------------------------------------- between steps
-def stash_sharded_grads(handle: FlatParamHandle) -> None:
-    """Fold what the user left in the original parameters' ``.grad`` into ``flat_param.grad``.
-
-    Between steps ``.grad`` is a view of the sharded gradient; ``zero_grad(set_to_none=True)`` sets
-    it to None, and a user may assign a tensor of their own (torch then accumulates the next backward
-    into that tensor, so we copy it in). Clears the parameters' ``.grad`` afterwards."""
-    grads = handle.grads
-    if not grads.expose_orig:
-        return
-    ours = grads.exposed
-    if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
-        if _first_exposed_cleared(handle):
-            handle.flat_param.grad = None
-        for param in handle.params:
-            param.grad = None
-        grads.exposed = []
-        return
-    current = [p.grad for p in handle.params]
-    if not ours and all(g is None for g in current):
-        pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
-    elif all(g is None for g in current):
-        handle.flat_param.grad = None
-    elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
-        flat_grad = handle.flat_param.grad
-        if flat_grad is None:
-            flat_grad = torch.zeros_like(handle.flat_param)
-        views = handle.sharded_views_of(flat_grad)
-        with torch.no_grad():
-            for i, (grad, view) in enumerate(zip(current, views)):
-                mine = ours[i] if ours else None
-                if grad is None:
-                    view.zero_()
-                elif grad is not mine:
-                    view.copy_(local_of(grad).reshape(view.shape))
-        handle.flat_param.grad = flat_grad
-    for param in handle.params:
-        param.grad = None
-    grads.exposed = []
-
-
-def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
-    """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
-    exposed = handle.grads.exposed
-    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
-
-
-def release_cleared_grads(handle: FlatParamHandle) -> None:
-    """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
-    (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
-    grads = handle.grads
-    if not grads.exposed:
-        return
-    cleared = (
-        all(p.grad is None for p in handle.params)
-        if _safety.current().grad_bookkeeping
-        else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
-    )
-    if cleared:
-        handle.flat_param.grad = None
-        grads.exposed = []
-
-
-def expose_sharded_grads(handle: FlatParamHandle) -> None:
-    """Show ``flat_param.grad`` as the original parameters' ``.grad`` (1-D views of their slices).
-
-    A parameter with no element on this rank gets None, as torch FSDP gives it: there is nothing of
-    it here to step. Only while sharded (a view's shape must match ``.data``'s)."""
-    grads = handle.grads
-    flat_grad = handle.flat_param.grad
-    if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.state in _IN_BACKWARD:
-        return
-    exposed: list[Optional[torch.Tensor]] = []
-    views = handle.sharded_views_of(flat_grad)
-    for param, info, view in zip(handle.params, handle.layout.infos, views):
-        if param.requires_grad and view.numel() > 0:
-            grad = as_param_grad(info.tp, view)
-            assign_grad(param, grad)
-            exposed.append(grad)
-        else:
-            param.grad = None
-            exposed.append(None)
-    grads.exposed = exposed
-
-
-def assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
-    """Set ``param.grad``, also when ``grad``'s dtype differs (``keep_low_precision_grads``).
-
-    Autograd only checks dtype/shape when ``.grad`` is assigned, so for a low-precision gradient we
-    point ``.data`` at the gradient for the assignment and then restore it."""
-    if grad.dtype == param.dtype:
-        param.grad = grad
-        return
-    data = param.data
-    param.data = grad
-    param.grad = grad
-    param.data = data
-
-
 # ---------------------------------------------------------------------------- one backward
 def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
     """Pre-backward of a trainable unit (parameters already unsharded): take the user's ``.grad``
@@ -258,6 +169,7 @@ def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
         _set_state(handle, GradState.AUTOGRAD)
         return
     _set_state(handle, GradState.FLAT)
+    _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
     grads.buffer = _zeros(handle, handle.layout.padded_numel, handle.compute_dtype)
     for param, view in zip(handle.params, handle.views_of(grads.buffer)):
         if param.requires_grad:
@@ -268,11 +180,13 @@ def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Ten
     return torch.zeros(numel, dtype=dtype, device=handle.device)
 
 
-def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]]:
+def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
     """This backward's gradient of each original parameter (None: it got none), detached from the
-    parameters. In FLAT mode a gradient that is not the buffer's view is copied into the buffer."""
+    parameters, and whether it got one (see [Note: which parameters got a gradient]). In FLAT mode
+    a gradient that is not the buffer's view is copied into the buffer."""
     grads = handle.grads
     out: list[Optional[torch.Tensor]] = []
+    got: list[bool] = []
     views = handle.views_of(grads.buffer) if grads.buffer is not None else None
     with torch.no_grad():
         for i, param in enumerate(handle.params):
@@ -280,12 +194,16 @@ def _take_backward_grads(handle: FlatParamHandle) -> list[Optional[torch.Tensor]
             if grad is not None:
                 grad = as_local_grad(param, grad)
             if views is not None:
-                if grad is not None and not _same_memory(grad, views[i]):
+                replaced = grad is not None and not _same_memory(grad, views[i])
+                if grad is not None and replaced:
                     views[i].copy_(grad)
                 out.append(views[i])
+                got.append(replaced or (i < len(grads.touched) and grads.touched[i]))
             else:
                 out.append(grad)
-    return out
+                got.append(grad is not None)
+    grads.touched[:] = []
+    return out, got
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -316,7 +234,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
 def stage_for_no_sync(handle: FlatParamHandle) -> None:
     """Post-backward inside ``no_sync``: hold this backward's gradient until the backward succeeds."""
     grads = handle.grads
-    parts = _take_backward_grads(handle)
+    parts, grads.staged_got = _take_backward_grads(handle)
     grads.buffer = _flat_of(handle, parts)
     _set_state(handle, GradState.STAGED)
 
@@ -344,8 +262,10 @@ def start_reduce(
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
+        got = grads.kept_got
     else:
-        parts = _take_backward_grads(handle)
+        parts, mine = _take_backward_grads(handle)
+        got = _grad_presence.union(mine, grads.kept_got)
         flat = None
         if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
             flat = _flat_of(handle, parts)
@@ -356,7 +276,7 @@ def start_reduce(
     if hook is not None:
         assert flat is not None
         hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
-        return PendingReduce(handle, hooked, result, keep)
+        return PendingReduce(handle, hooked, result, keep, numel=result.numel())
     group, rdtype = handle.process_group, handle.reduce_dtype
     with torch.no_grad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
@@ -369,26 +289,32 @@ def start_reduce(
             if pre != 1:
                 one.div_(pre)
             send = [one]
+        assert got is not None
+        flag = _grad_presence.flags(got, rdtype, handle.device)
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
         pending.partial_only = handle.replicate_group is not None and replicas is None
         pending.hook = grads.controls.all_reduce_hook  # CPU: run in `wait`/`finish`; CUDA: on the last stream
+        pending.got = got
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
-            out = send[0]
+            pending.numel = send[0].numel()
+            out = torch.cat([send[0], flag])
             shard_world = dist.get_world_size(group)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.all_reduce(out, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
 
         else:
-            out = torch.empty(handle.layout.shard_numel, dtype=rdtype, device=handle.device)
-            full = send if len(send) > 1 else send[0]
+            pending.numel = handle.layout.shard_numel
+            out = torch.empty(pending.numel + flag.numel(), dtype=rdtype, device=handle.device)
+            full = _grad_presence.with_presence(send, handle.layout.world_size, flag)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.reduce_scatter(out, full, group, async_op)
 
         pending.out = out
+        pending.send = [*send, flag]  # the flags too: read on the reduce stream (CUDA)
         if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
             pending.work = _collectives.issue(None, collective)
             return pending
@@ -423,8 +349,8 @@ def _after_reduce(pending: "PendingReduce", divide: float, copy_out: bool) -> No
 def _run_hook(pending: "PendingReduce") -> None:
     """The user's all-reduce hook, once, on the final reduced shard gradient (in place)."""
     hook, pending.hook = pending.hook, None
-    if hook is not None:
-        hook(pending.out)
+    if hook is not None:  # the gradient only, not the presence flags after it
+        hook(pending.out[: pending.numel] if pending.numel else pending.out)
 
 
 def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
@@ -498,6 +424,8 @@ class PendingReduce:
     partial_only: bool = False  # not all-reduced across replicas: committed to ``grads.partial``
     partial_added: bool = False
     hook: Optional[Callable[[torch.Tensor], None]] = None  # the user's all-reduce hook, until it ran
+    numel: int = 0  # of ``out``: the gradient; after it, the reduced flags of which parameters got one
+    got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -545,16 +473,19 @@ class PendingReduce:
         handle = self.handle
         grads = handle.grads
         grads.kept = None
+        grads.kept_got = None
         _set_state(handle, GradState.NONE)
         if self.partial_only:
             grads.partial = self.out if grads.partial is None else grads.partial.add_(self.out)
             return
         if self.partial_added:
             grads.partial = None
-        _accumulate_sharded_grad(handle, self.host if self.host is not None else self.out)
+        reduced = self.host if self.host is not None else self.out
+        present = _grad_presence.present(self.got, reduced[self.numel :])
+        _accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
-def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> None:
+def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
     """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
 
     The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
@@ -562,10 +493,13 @@ def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor) -> 
     host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
     grad = reduced.to(device=handle.shard_device, dtype=handle.config.grad_dtype(handle.dtype))
     flat_grad = handle.flat_param.grad
+    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
     if flat_grad is None or flat_grad.dtype != grad.dtype:
         assign_grad(handle.flat_param, grad)
+        handle.grads.missing = absent
     else:
         flat_grad.add_(grad)
+        handle.grads.missing = handle.grads.missing & absent
     expose_sharded_grads(handle)
 
 
@@ -578,6 +512,7 @@ def commit_staged(handle: FlatParamHandle) -> None:
         grads.kept = staged
     else:
         grads.kept.add_(staged)
+    grads.kept_got, grads.staged_got = _grad_presence.union(grads.kept_got, grads.staged_got), None
     _set_state(handle, GradState.KEPT_FOR_NO_SYNC)
 
 
@@ -589,6 +524,10 @@ def abort(handle: FlatParamHandle) -> None:
         for param in handle.params:
             param.grad = None
     grads.buffer = None
+    grads.staged_got = None
+    grads.touched[:] = []
+    if grads.kept is None:
+        grads.kept_got = None
     back = GradState.KEPT_FOR_NO_SYNC if grads.kept is not None else GradState.NONE
     if grads.state is not back:
         _set_state(handle, back)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _rank_agreement, _reduce_utils
+from fsdp_composable import _collectives, _exposed_grads, _rank_agreement
 from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._entry_points import _settle_unfinished_step
@@ -171,7 +171,7 @@ def _reset_sharded(
 
 def _summon(handle: FlatParamHandle) -> _Summoned:
     """Point the handle's parameters at full-shape views of a full-precision copy of the unit."""
-    _reduce_utils.stash_sharded_grads(handle)  # keep the user's gradients; `_restore_handle` re-exposes them
+    _exposed_grads.stash_sharded_grads(handle)  # keep the user's gradients; `_restore_handle` re-exposes them
     full = _gather_full_flat(handle)
     entry = _Summoned(handle, full)
     for param, info in zip(handle.params, handle.layout.infos):

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 
-from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable import _collectives, _exposed_grads, _rank_agreement
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _set_training_state
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
@@ -94,6 +94,9 @@ class RootContext:
     is_last_backward: bool = True
     final_callback_queued: bool = False
     open_forwards: int = 0  # root forwards entered and not yet left
+    # weak references to this step's pre-backward hooks: one still alive means a graph of this step
+    # that a backward may still run through (see `backward_may_come`)
+    backward_hooks: list[Any] = field(default_factory=list)
     method_calls: int = 0  # registered forward methods running now (each opens a forward)
     # `_composable_state.registrations()` at the last full edit check ([Note: cheap edit checks])
     checked_registrations: Optional[int] = None
@@ -147,6 +150,12 @@ class RootContext:
             counters.reset()
         self.final_callback_queued = False
         self.open_forwards = 0
+        self.backward_hooks = []
+
+    def backward_may_come(self) -> bool:
+        """A forward of this step finished with gradients enabled, no backward started, and a graph
+        holding its pre-backward hooks is still alive (a dropped graph frees them)."""
+        return not self.final_callback_queued and any(ref() is not None for ref in self.backward_hooks)
 
     def unfinished(self) -> bool:
         """A previous step stopped midway (see the Note); call only when no forward/backward runs."""
@@ -184,7 +193,7 @@ class RootContext:
         else:
             _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in self.handles:
-            grads.release_cleared_grads(handle)
+            _exposed_grads.release_cleared_grads(handle)
 
     def end_step(self) -> None:
         """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
@@ -226,14 +235,14 @@ class RootContext:
         for handle in self.handles:
             # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
             # check) must not bring the cleared gradients back as .grad below.
-            grads.release_cleared_grads(handle)
+            _exposed_grads.release_cleared_grads(handle)
             grads.abort(handle)
             try:
                 handle.reshard()  # waits for an all-gather in flight
             except Exception as e:
                 error = error or e
             handle.training_state = HandleTrainingState.IDLE  # a reset, not a transition
-            grads.expose_sharded_grads(handle)
+            _exposed_grads.expose_sharded_grads(handle)
         self.limiter.release_freed(self.handles)
         for s in self.states:
             if s.training_state is TrainingState.FORWARD_BACKWARD:

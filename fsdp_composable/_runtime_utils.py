@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import sys
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
@@ -32,8 +33,8 @@ from torch import nn
 from torch.autograd import Variable
 from torch.utils import _pytree as pytree
 
+from fsdp_composable import _exposed_grads, _trace
 from fsdp_composable import _reduce_utils as grads
-from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating, to_device
 from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._entry_points import _in_backward
@@ -182,9 +183,11 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
         handle.set_training_state(HandleTrainingState.IDLE)
     if torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)
-        for t in _tensors(output):
-            if t.requires_grad:
-                t.register_hook(hook)
+        outputs = [t for t in _tensors(output) if t.requires_grad]
+        for t in outputs:
+            t.register_hook(hook)
+        if outputs:
+            _ctx(state).backward_hooks.append(weakref.ref(hook))
     return output
 
 
@@ -254,7 +257,7 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
     if handle.switches.reshard_after_backward or not handle.is_unsharded:  # not gathered: views of nothing
         handle.reshard()
-    grads.expose_sharded_grads(handle)
+    _exposed_grads.expose_sharded_grads(handle)
     if state.backward_prefetch is BackwardPrefetch.BACKWARD_POST and handle.switches.backward_prefetch is None:
         _prefetch_for_backward(state, handle)
 

@@ -12,7 +12,7 @@ header is exchanged by both sides of a collective or by neither.
 - ``edit_checks``: the root pre-forward's check that the model was not edited ([Note: edits of a
   sharded model]).
 - ``grad_bookkeeping``: the per-parameter comparison of every ``.grad`` with what the runtime exposed
-  (`_reduce_utils.stash_sharded_grads`, `release_cleared_grads`); off, it trusts that each ``.grad``
+  (`_exposed_grads.stash_sharded_grads`, `release_cleared_grads`); off, it trusts that each ``.grad``
   is still what was exposed, or that ``zero_grad()`` cleared them all (it looks at the first one).
 The lifecycle transitions are checked always: a set lookup per transition.
 """

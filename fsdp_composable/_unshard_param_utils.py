@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _rank_agreement, _reduce_utils
+from fsdp_composable import _exposed_grads, _rank_agreement
 from fsdp_composable._checkpoint_comm import any_rank, gather_full_flat
 from fsdp_composable._common_utils import (
     TrainingState,
@@ -21,9 +21,10 @@ from fsdp_composable._common_utils import (
     _set_training_state,
 )
 from fsdp_composable._dtype_casts import adopt_casts
-from fsdp_composable._entry_points import _settle_unfinished_step
+from fsdp_composable._entry_points import _forward_running, _in_backward, _settle_unfinished_step
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._model_edit_checks import check_data_writes
 from fsdp_composable._state_dict_keys import _join
 from fsdp_composable._tensor_parallel import as_param_grad, local_of, point_at
 from fsdp_composable.api import _check_bool
@@ -53,6 +54,19 @@ def _states_for(module: nn.Module, recurse: bool) -> list[_FSDPState]:
             f"{' or its submodules' if recurse else ''}; call fully_shard(module) first"
         )
     return states
+
+
+def _refuse_inside_step(state: _FSDPState) -> None:
+    """Between a forward and its backward (two forwards of one step, say) the step's units hold what
+    the backward needs; summoning would reshard them under it, so refuse before anything changes.
+    The same on every rank: each ran the same forwards."""
+    ctx = state.ctx
+    if ctx is not None and not _in_backward() and not _forward_running(state) and ctx.backward_may_come():
+        raise RuntimeError(
+            f"unshard_params cannot be entered between a forward of {type(ctx.root.module).__name__} and its "
+            "backward: the backward would run on resharded parameters. Enter it after backward (or before the "
+            "forward), or run a forward whose backward will not come under torch.no_grad()"
+        )
 
 
 def _check_idle(states: list[_FSDPState]) -> None:
@@ -99,9 +113,11 @@ def unshard_params(
             "not see rank 0's writes. Pass writeback=False, or rank0_only=False"
         )
     states = _states_for(module, recurse)
+    _refuse_inside_step(states[0])
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
     adopt_casts(states)  # model.half() since the last step: see [Note: casts after sharding]
+    check_data_writes(states)  # `p.data = t` since the last forward: kept in the shard, or refused
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
     flat_mode = begin_summon(states)
@@ -167,13 +183,13 @@ class _Summoned:
 
 @_rank_agreement.entry_point("unshard_params()")
 def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bool, with_grads: bool) -> _Summoned:
-    _reduce_utils.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
+    _exposed_grads.stash_sharded_grads(handle)  # the flat gradient now reflects what the user left in `.grad`
     if handle.is_unsharded or handle.unshard_in_flight:  # by `unshard(module)`: its buffer would go stale
         handle.reshard()
     full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
     if rank0_only and dist.get_rank(handle.process_group) != 0:
-        _reduce_utils.expose_sharded_grads(handle)
+        _exposed_grads.expose_sharded_grads(handle)
         return _Summoned(handle)
     if offload_to_cpu:
         full = full.cpu()
@@ -226,7 +242,7 @@ def _restore_handle(entry: _Summoned, writeback: bool) -> list[str]:
     for param in handle.params:
         param.grad = None
     handle.use_sharded_views()
-    _reduce_utils.expose_sharded_grads(handle)
+    _exposed_grads.expose_sharded_grads(handle)
     return problems
 
 
@@ -264,7 +280,7 @@ def _collect_edits(entry: _Summoned) -> list[str]:
 def _write_back_grad(handle: FlatParamHandle, local: torch.Tensor) -> None:
     flat_grad = handle.flat_param.grad
     if flat_grad is None:
-        _reduce_utils.assign_grad(
+        _exposed_grads.assign_grad(
             handle.flat_param, local.to(device=handle.flat_param.device, dtype=handle.flat_param.dtype)
         )
     else:

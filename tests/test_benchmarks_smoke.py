@@ -57,11 +57,14 @@ def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
     # (see [Note: gloo collectives as point-to-point exchanges]): each rank sends half of one
     # reduce-scatter of Psi, and half of an all-gather of every block twice (forward, backward) but of
     # the root unit once (kept for backward). Exactly what a ring would send.
+    # Each reduce-scatter chunk also carries one flag per original parameter of its unit
+    # ([Note: which parameters got a gradient]): 2 x that many elements per unit at world size 2.
     block_numel = sum(p.numel() for m in model.modules() if isinstance(m, Block) for p in m.parameters())
+    flags = 2 * len(list(model.parameters()))
     for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
         kinds = dict(ours[counter]["payload_bytes_by_kind"])
         headers = kinds.pop("header", 0)  # rank-agreement headers, 64 B per message, counted apart
-        assert kinds == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
+        assert kinds == {"send": 0.5 * 4 * (psi + flags + psi + block_numel)}, counter
         assert 0 < headers < 0.01 * kinds["send"], counter
         assert ours[counter]["wire_bytes"] == kinds["send"] + headers, counter
     assert ours["theory"]["bytes"] == 0.5 * psi * 12

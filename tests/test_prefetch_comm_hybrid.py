@@ -64,7 +64,9 @@ def comm_per_step(strategy: str, bf16: bool) -> dict:
     with CommCounter() as counter:
         gpt_loss(model, local_slice(gpt_batch(1, 2 * world), rank, world)).backward()
     padded = {h.unit_fqn: h.layout.padded_numel for h in state.handles}
-    return {"calls": counter.calls, "bytes": counter.bytes, "padded": padded}
+    # one flag per original parameter rides with each reduction: [Note: which parameters got a gradient]
+    flags = sum(len(h.params) for h in state.handles)
+    return {"calls": counter.calls, "bytes": counter.bytes, "padded": padded, "flags": flags}
 
 
 @pytest.mark.parametrize("strategy", ["FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD"])
@@ -79,13 +81,14 @@ def test_collectives_and_bytes_per_step(dist_run, strategy: str) -> None:
         # every unit gathered in forward; all but the root (kept unsharded) gathered again in backward
         assert r["calls"] == {"all_gather": 2 * len(units) - 1, "reduce_scatter": len(units)}
         assert r["bytes"]["all_gather"] == ring * 4 * (total + non_root)
-        assert r["bytes"]["reduce_scatter"] == ring * 4 * total
+        assert r["bytes"]["reduce_scatter"] == ring * 4 * (total + world * r["flags"])
     elif strategy == "SHARD_GRAD_OP":
         assert r["calls"] == {"all_gather": len(units), "reduce_scatter": len(units)}
-        assert r["bytes"]["all_gather"] == r["bytes"]["reduce_scatter"] == ring * 4 * total
+        assert r["bytes"]["all_gather"] == ring * 4 * total
+        assert r["bytes"]["reduce_scatter"] == ring * 4 * (total + world * r["flags"])
     else:
         assert r["calls"] == {"all_reduce": len(units)}
-        assert r["bytes"]["all_reduce"] == 2 * ring * 4 * total
+        assert r["bytes"]["all_reduce"] == 2 * ring * 4 * (total + r["flags"])
 
 
 def test_bf16_param_dtype_halves_all_gather_bytes(dist_run) -> None:

@@ -79,6 +79,9 @@ class ModelSpec:
     min_num_params: int
     strategy: str
     steps: int
+    # odd steps leave every leaf's `gain` out of the loss: its `.grad` stays None while its unit's
+    # other parameters get one (a partial-use loss), and between steps `p.data = t` writes the shards
+    partial: bool = False
 
 
 # ---------------------------------------------------------------------------- modules built from specs
@@ -90,9 +93,11 @@ class Leaf(nn.Module):
         self.gain = nn.Parameter(1 + 0.1 * torch.randn(width))
         self.shift: Optional[torch.Tensor]
         self.register_buffer("shift", 0.1 * torch.randn(width) if spec.buffer else None)
+        self.use_gain = True  # False: this step's loss does not use `gain` (ModelSpec.partial)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.l2(torch.tanh(self.l1(x))) * self.gain
+        y = self.l2(torch.tanh(self.l1(x)))
+        y = y * self.gain if self.use_gain else y
         return y if self.shift is None else y + self.shift
 
 
@@ -241,6 +246,7 @@ def model_specs(draw: Callable[[st.SearchStrategy[Any]], Any]) -> ModelSpec:
         min_num_params=draw(st.integers(1, 60)),
         strategy=draw(st.sampled_from(STRATEGIES)),
         steps=draw(st.integers(2, 3)),
+        partial=draw(st.booleans()),
     )
 
 
@@ -250,6 +256,20 @@ def _batch(spec: ModelSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
     dtype = getattr(torch, spec.dtype)
     x = torch.randn(GLOBAL_BATCH, spec.width, generator=g, dtype=dtype)
     return x, torch.randn(GLOBAL_BATCH, 2, generator=g, dtype=dtype)
+
+
+def _partial_use(spec: ModelSpec, step: int, ref: nn.Module, model: nn.Module) -> None:
+    """``spec.partial``: odd steps leave every `gain` out of the loss, and every step first writes the
+    same elementwise update through ``p.data = t`` on both models (kept: copied into the shards)."""
+    if not spec.partial:
+        return
+    for m in (*ref.modules(), *model.modules()):
+        if isinstance(m, Leaf):
+            m.use_gain = step % 2 == 0
+    with torch.no_grad():
+        for p in (*ref.parameters(), *model.parameters()):
+            if p.requires_grad:
+                p.data = p.data * 0.5 + 0.01
 
 
 def train_and_compare(spec: ModelSpec) -> dict[str, Any]:
@@ -265,6 +285,7 @@ def train_and_compare(spec: ModelSpec) -> dict[str, Any]:
     ref_losses, losses, frozen_grads = [], [], []
     for step in range(spec.steps):
         x, y = _batch(spec, step)
+        _partial_use(spec, step, ref, model)
         loss_ref = F.mse_loss(ref(x), y)
         loss_ref.backward()
         opt_ref.step()

@@ -85,8 +85,9 @@ def test_debug_log_names_unit_operation_and_bytes(dist_run) -> None:
     ]
     assert block[: len(expected_start)] == expected_start, block
     assert "rank 1 start fsdp::reshard blocks.0 (3,216 x float32, 12,864 B)" in block, block
-    assert "rank 1 start fsdp::reduce_scatter blocks.0 (1,608 x float32, 6,432 B)" in block, block
-    assert "rank 1 done fsdp::finish_reduce blocks.0 (1,608 x float32, 6,432 B)" in block, block
+    # the shard's gradient and one flag per parameter ([Note: which parameters got a gradient])
+    assert "rank 1 start fsdp::reduce_scatter blocks.0 (1,618 x float32, 6,472 B)" in block, block
+    assert "rank 1 done fsdp::finish_reduce blocks.0 (1,618 x float32, 6,472 B)" in block, block
 
 
 def quiet_step_enters_nothing() -> bool:
@@ -127,5 +128,6 @@ def test_environment_switch_logs_to_stderr(tmp_path: Path) -> None:
         env[_trace.ENV_SWITCH] = value
         proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        line = "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (20 x float32, 80 B)"  # Linear(4, 4)'s 16 + 4
+        # Linear(4, 4)'s 16 + 4, and one flag per parameter ([Note: which parameters got a gradient])
+        line = "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (22 x float32, 88 B)"
         assert (line in proc.stderr) is logs, proc.stderr

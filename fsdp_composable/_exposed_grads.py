@@ -1,0 +1,121 @@
+"""A unit's sharded gradient as the user sees it between steps: the original parameters' ``.grad``
+views of ``flat_param.grad`` (``expose``), what the user left there folded back in (``stash``), and
+the gradient freed once every exposed ``.grad`` was cleared. The lifecycle of the unsharded gradient
+is `_reduce_utils`' ([Note: the gradient lifecycle])."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdp_composable import _safety
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._tensor_parallel import as_param_grad, local_of
+
+__all__: list[str] = []
+
+
+def stash_sharded_grads(handle: FlatParamHandle) -> None:
+    """Fold what the user left in the original parameters' ``.grad`` into ``flat_param.grad``.
+
+    Between steps ``.grad`` is a view of the sharded gradient; ``zero_grad(set_to_none=True)`` sets
+    it to None, and a user may assign a tensor of their own (torch then accumulates the next backward
+    into that tensor, so we copy it in). Clears the parameters' ``.grad`` afterwards."""
+    grads = handle.grads
+    if not grads.expose_orig:
+        return
+    ours = grads.exposed
+    if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
+        if _first_exposed_cleared(handle):
+            handle.flat_param.grad = None
+        for param in handle.params:
+            param.grad = None
+        grads.exposed = []
+        return
+    current = [p.grad for p in handle.params]
+    if not ours and all(g is None for g in current):
+        pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
+    elif all(g is None for g in current):
+        handle.flat_param.grad = None
+        grads.missing = frozenset()
+    elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
+        flat_grad = handle.flat_param.grad
+        if flat_grad is None:
+            flat_grad = torch.zeros_like(handle.flat_param)
+        views = handle.sharded_views_of(flat_grad)
+        missing = set(grads.missing) if handle.flat_param.grad is not None else set(range(len(views)))
+        with torch.no_grad():
+            for i, (grad, view) in enumerate(zip(current, views)):
+                mine = ours[i] if ours else None
+                if grad is None:
+                    view.zero_()
+                    missing.add(i)
+                elif grad is not mine:
+                    view.copy_(local_of(grad).reshape(view.shape))
+                    missing.discard(i)
+        handle.flat_param.grad = flat_grad
+        grads.missing = frozenset(missing)
+    for param in handle.params:
+        param.grad = None
+    grads.exposed = []
+
+
+def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
+    """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
+    exposed = handle.grads.exposed
+    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
+
+
+def release_cleared_grads(handle: FlatParamHandle) -> None:
+    """Free the sharded gradient as soon as the user cleared every ``.grad`` we exposed
+    (``zero_grad(set_to_none=True)``), rather than at this unit's next backward."""
+    grads = handle.grads
+    if not grads.exposed:
+        return
+    cleared = (
+        all(p.grad is None for p in handle.params)
+        if _safety.current().grad_bookkeeping
+        else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
+    )
+    if cleared:
+        handle.flat_param.grad = None
+        grads.exposed = []
+        grads.missing = frozenset()
+
+
+def expose_sharded_grads(handle: FlatParamHandle) -> None:
+    """Show ``flat_param.grad`` as the original parameters' ``.grad`` (1-D views of their slices).
+
+    A parameter with no element on this rank gets None, as torch FSDP gives it: there is nothing of
+    it here to step. Only while sharded (a view's shape must match ``.data``'s)."""
+    grads = handle.grads
+    flat_grad = handle.flat_param.grad
+    if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.in_backward():
+        return
+    exposed: list[Optional[torch.Tensor]] = []
+    views = handle.sharded_views_of(flat_grad)
+    for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
+        if param.requires_grad and view.numel() > 0 and i not in grads.missing:
+            grad = as_param_grad(info.tp, view)
+            assign_grad(param, grad)
+            exposed.append(grad)
+        else:
+            param.grad = None
+            exposed.append(None)
+    grads.exposed = exposed
+
+
+def assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
+    """Set ``param.grad``, also when ``grad``'s dtype differs (``keep_low_precision_grads``).
+
+    Autograd only checks dtype/shape when ``.grad`` is assigned, so for a low-precision gradient we
+    point ``.data`` at the gradient for the assignment and then restore it."""
+    if grad.dtype == param.dtype:
+        param.grad = grad
+        return
+    data = param.data
+    param.data = grad
+    param.grad = grad
+    param.data = data

@@ -1,0 +1,109 @@
+"""Which original parameters of a unit got a gradient: decided per parameter, agreed across ranks,
+carried inside the gradient reduction itself.
+
+[Note: which parameters got a gradient]
+A unit is one flat parameter, but a gradient belongs to an original parameter. A backward may give
+some original parameters of a unit nothing (a loss that uses part of the model, an output unused in
+this iteration, a branch skipped): they must end with ``.grad`` None, or unchanged when
+accumulating, exactly as the unsharded model under DDP: a parameter has a gradient if any rank's
+backward produced one for it. Zeros would be wrong: AdamW's weight decay and momentum move a
+parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is None alone.
+
+- Locally: with autograd's own gradients (AUTOGRAD) a parameter got one if its ``.grad`` is not
+  None after its unit's backward. With the flat buffer (FLAT) ``.grad`` is our view before the
+  backward starts, so a post-accumulate-grad hook on each trainable original parameter (registered
+  once, `watch_accumulation`) marks the ones autograd wrote into.
+- Across ranks: the unit's reduction carries one extra element per original parameter (1 where
+  this rank's backward, or an earlier ``no_sync`` micro-batch, produced a gradient, else 0) at the
+  end of every rank's chunk of the reduce-scatter input (`with_presence`), so each rank's reduced
+  shard ends with the sum over ranks of those flags: positive means "some rank had a gradient".
+  HYBRID_SHARD's all-reduce across replicas reduces the flags with the shard; NO_SHARD's all-reduce
+  sends them after the gradient. On gloo the pieces are sent as they are (no copy); other backends
+  concatenate a list of pieces into the one tensor they reduce (`_collectives.reduce_scatter`), one
+  copy of the unit's gradient. No collective of its own, and no message per parameter.
+- Reading the flags is a host read (a device synchronisation on CUDA); a rank whose own backward
+  gave every parameter of the unit a gradient knows the answer without reading (`present`), so a
+  step where everything gets a gradient stays free of host synchronisation.
+- A user's communication hook replaces the reduction and sees only the gradient: with one, every
+  trainable parameter of a unit whose backward ran is treated as having a gradient (zeros).
+- Between steps `UnitGrads.missing` lists the parameters whose slice of ``flat_param.grad`` holds
+  no gradient; `_exposed_grads.expose_sharded_grads` leaves their ``.grad`` None, and a later backward
+  that produces one for them (or a ``.grad`` the user assigns) takes them off the list.
+The wrapper's flat-parameter mode exposes the flat parameter, whose ``.grad`` is one tensor for the
+whole unit: there the parameters without gradient hold zeros, as in FSDP1. All of this is within a
+unit whose backward runs on every rank; a unit whose backward runs on some ranks only leaves the
+ranks' reductions unmatched, a `RankMismatchError` as before.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Optional, Sequence
+
+import torch
+
+from fsdp_composable._flat_param import FlatParamHandle
+
+__all__: list[str] = []
+
+
+def watch_accumulation(handle: FlatParamHandle, touched: list[bool], hooks: list[Any]) -> None:
+    """FLAT mode: reset ``touched`` (one flag per original parameter) and make sure every trainable
+    original parameter has a hook that sets its flag when autograd accumulates into its ``.grad``."""
+    touched[:] = [False] * len(handle.params)
+    if hooks:
+        return
+    for i, param in enumerate(handle.params):
+        if param.requires_grad:
+            hooks.append(param.register_post_accumulate_grad_hook(functools.partial(_touch, touched, i)))
+
+
+def _touch(touched: list[bool], i: int, param: torch.Tensor) -> None:
+    if i < len(touched):
+        touched[i] = True
+
+
+def union(a: Optional[list[bool]], b: Optional[list[bool]]) -> Optional[list[bool]]:
+    """Flags of two backwards summed (a micro-batch kept under ``no_sync`` and this one)."""
+    if a is None or b is None:
+        return a if b is None else b
+    return [x or y for x, y in zip(a, b)]
+
+
+def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """The flags as a tensor made on ``device`` without copying host data (no synchronisation)."""
+    if device.type == "cpu":
+        return torch.tensor(got, dtype=dtype)
+    out = torch.ones(len(got), dtype=dtype, device=device)
+    for i, present in enumerate(got):
+        if not present:
+            out[i] = 0
+    return out
+
+
+def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor) -> list[torch.Tensor]:
+    """The 1-D ``parts`` (whose concatenation splits into ``chunks`` equal chunks) as pieces, with
+    ``flag`` after every chunk: the reduce-scatter input whose every chunk ends with the flags."""
+    size = sum(part.numel() for part in parts) // chunks
+    out: list[torch.Tensor] = []
+    offset = 0  # within the current chunk
+    for part in parts:
+        start = 0
+        while start < part.numel():
+            end = min(part.numel(), start + size - offset)
+            out.append(part if start == 0 and end == part.numel() else part[start:end])
+            offset += end - start
+            start = end
+            if offset == size:
+                out.append(flag)
+                offset = 0
+    if size == 0:  # an empty unit: every chunk is the flags alone
+        out.extend([flag] * chunks)
+    return out
+
+
+def present(got: Optional[list[bool]], reduced_flags: torch.Tensor) -> Optional[list[bool]]:
+    """Which parameters have a gradient on some rank (None: all of them, or unknown)."""
+    if got is None or all(got):
+        return None
+    return (reduced_flags > 0).tolist()  # type: ignore[no-any-return]
