@@ -41,10 +41,10 @@ def switches() -> dict[str, Any]:
     finally:
         dist.isend = isend  # type: ignore[assignment]
     weight = model.blocks[0].fc1.weight
-    with _safety.switched_off("edit_checks"):
-        weight.data = weight.data.clone()
+    with _safety.switched_off("edit_checks"):  # a write of another shape: refused when noticed
+        weight.data = torch.zeros(weight.numel() + 1)
         unnoticed = error_text(lambda: model(torch.zeros(2, 8, dtype=torch.long)))  # (the unshard undid it)
-    weight.data = weight.data.clone()
+    weight.data = torch.zeros(weight.numel() + 1)
     noticed = error_text(lambda: model(torch.zeros(2, 8, dtype=torch.long)))
     return {
         "headers_sent": sent,
