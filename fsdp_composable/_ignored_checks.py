@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _rank_agreement
 
 __all__: list[str] = []
 
@@ -63,12 +63,15 @@ def check_ranks_ignore_alike(
         if group is None or dist.get_world_size(group) <= 1:
             continue
         both = _collectives.comm_tensor([digest, -digest], group)  # max and -min in one all-reduce
-        _collectives.wait(_collectives.all_reduce(both, group, dist.ReduceOp.MAX), "the check of ignored_modules")
+        with _rank_agreement.entry_point("fully_shard()"):  # a new call: an earlier abandoned step is over
+            _collectives.wait(_collectives.all_reduce(both, group, dist.ReduceOp.MAX), "the check of ignored_modules")
         high, minus_low = _collectives.host_values(both).tolist()
         if high == -minus_low:
             continue
         ranks = dist.get_process_group_ranks(group)
-        shown = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, _gather_bytes(group, encoded)))
+        with _rank_agreement.entry_point("fully_shard()"):
+            names_of = _gather_bytes(group, encoded)
+        shown = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, names_of))
         raise ValueError(
             f"{where}: the ranks ignore different modules ({shown}). Every rank must build the same "
             "units: pass the same ignored_modules on every rank"

@@ -29,10 +29,11 @@ from torch import nn
 from fsdp_composable import _safety
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._composable_state import registrations
+from fsdp_composable._data_writes import keep_data_writes, same_data
 from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._state_dict_utils import _join, close_stale_units
-from fsdp_composable._tensor_parallel import local_of, point_at
+from fsdp_composable._tensor_parallel import local_of
 from fsdp_composable.api import ModelEditedAfterShardingError
 
 __all__ = ["check_data_writes", "check_model_unchanged"]
@@ -79,31 +80,9 @@ def check_data_writes(states: list[_FSDPState]) -> None:
 
 
 def _keep_same_shape_writes(states: list[_FSDPState]) -> None:
-    """``p.data = t`` between steps, ``t`` of the view's dtype and device and of its shape (a write
-    of this rank's slice) or of the parameter's full or flattened full shape: copy ``t`` (its slice of
-    it) into this rank's shard and point ``p`` back at its view. See [Note: edits of a sharded model]."""
     for state in states:
         for handle in state.handles:
-            if handle.is_unsharded:
-                continue
-            layout = handle.layout
-            for param, info, view in zip(handle.params, layout.infos, handle._sharded_views):
-                data = param.data
-                if info.tp is not None or _same_data(param, view):
-                    continue
-                if (data.dtype, data.device) != (view.dtype, view.device):
-                    continue  # a cast or a move: refused by `_restore_views`
-                if data.shape == view.shape:
-                    src = data
-                elif data.shape in (info.shape, (info.numel,)):  # the whole parameter: every rank keeps its slice
-                    start, end = layout.shard_range(info)
-                    first = layout.rank * layout.shard_numel + start - info.offset
-                    src = data.reshape(-1)[first : first + end - start].view(view.shape)
-                else:
-                    continue
-                with torch.no_grad():
-                    view.copy_(src)
-                point_at(param, view)
+            keep_data_writes(handle)
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -128,12 +107,12 @@ def _restore_views(states: list[_FSDPState]) -> None:
     for state in states:
         for handle in state.handles:
             views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-            if all(_same_data(p, v) for p, v in zip(handle.params, views)):
+            if all(same_data(p, v) for p, v in zip(handle.params, views)):
                 continue
             changed = False
             for param, info, view in zip(handle.params, handle.layout.infos, views):
                 data = local_of(param)
-                if _same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
+                if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
                     continue
                 changed = True
                 if first is None:
@@ -142,17 +121,6 @@ def _restore_views(states: list[_FSDPState]) -> None:
                 handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
         _raise_cast(*first, "parameter", restored=True)
-
-
-def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
-    """Whether ``param.data`` is still ``view``. Every empty tensor has data pointer 0, so for a
-    parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
-    ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
-    forward while the others raise, and the ranks' collectives no longer match."""
-    data = local_of(param)
-    if data.data_ptr() != view.data_ptr():
-        return False
-    return view.numel() > 0 or data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
 
 
 def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:

@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_composable import _rank_agreement
 from fsdp_composable._checkpoint_comm import all_gather_object
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
+from fsdp_composable._data_writes import keep_data_writes
 from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
@@ -126,6 +127,7 @@ def _pre_state_dict_hook(
 ) -> None:
     _close_stale(state, handle)
     adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
+    keep_data_writes(handle)  # `p.data = t` since the last step: saved as the next forward would see it
     kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
@@ -169,6 +171,7 @@ def _pre_load_state_dict_hook(
 ) -> None:
     _close_stale(state, handle)
     adopt_cast(handle)
+    keep_data_writes(handle)  # else the next forward would copy the write over what this loads
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)

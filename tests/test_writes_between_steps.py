@@ -191,3 +191,28 @@ def test_unshard_params_between_two_forwards_of_a_step(dist_run, mode: str) -> N
     for r in dist_run(2, summon_between_forwards, mode):
         assert r["error"].startswith("RuntimeError: unshard_params cannot be entered between a forward of"), r
         assert r["diff"] < 1e-12, r
+
+
+def state_dicts_after_a_write(mode: str) -> dict[str, bool]:
+    """``p.data = t`` then ``state_dict()`` at once saves the write; ``p.data = t`` then
+    ``load_state_dict(saved)`` loads ``saved``: the write is not copied over it at the next forward."""
+    torch.manual_seed(0)
+    ref = Net().double()
+    model = _shard(copy.deepcopy(ref), mode)
+    model(_x(0)).sum().backward()
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    for p in model.parameters():
+        p.data = p.data * 2 + 1
+    after_write = model.state_dict()
+    written = all(torch.equal(after_write[k], saved[k] * 2 + 1) for k in saved)
+    for p in model.parameters():
+        p.data = p.data * 3
+    model.load_state_dict(saved)
+    out = model(_x(1))
+    return {"saved_the_write": written, "load_wins": torch.equal(out, ref(_x(1)))}
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_state_dicts_right_after_a_write(dist_run, mode: str) -> None:
+    for result in dist_run(2, state_dicts_after_a_write, mode):
+        assert result == {"saved_the_write": True, "load_wins": True}
