@@ -86,6 +86,8 @@ _PURPOSES = (
     "clip_grad_norm_()",
     "sync_module_states",
     "reset_parameters()",
+    "optimizer.state_dict()",
+    "optimizer.load_state_dict()",
 )
 _FIRST_ENTRY_POINT = 3
 
