@@ -1,0 +1,80 @@
+"""Misuse of a sharded model that used to end in raw torch errors or silently wrong state: each is a
+clear error naming fully_shard, on every rank, and leaves the model usable."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from harness import error_of
+from models import Block, TinyGPT, gpt_batch, gpt_loss
+from parity import local_slice
+from torch import nn
+
+from fsdp_composable import ModuleWrapPolicy, fully_shard
+
+
+def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
+    loss = gpt_loss(model, local_slice(gpt_batch(step, 4), dist.get_rank(), dist.get_world_size()))
+    loss.backward()
+    optim.step()
+    optim.zero_grad()
+    return float(loss)
+
+
+# ---------------------------------------------------------------------------- refused loads write nothing
+def refused_load(case: str) -> dict[str, Any]:
+    model, optim = _sharded()
+    _step(model, optim, 0)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    other = {k: v + 1.0 for k, v in before.items()}  # every value differs from the model's
+    rank = dist.get_rank()
+    if case == "shape_one_rank" and rank == 1:
+        other["blocks.1.fc2.bias"] = torch.zeros(3)
+    elif case == "shape_every_rank":
+        other["head.weight"] = torch.zeros(5, 16)
+    elif case == "missing":
+        del other["blocks.0.fc1.weight"]
+    elif case == "extra":
+        other["blocks.0.not_a_parameter"] = torch.zeros(2)
+    message = error_of(lambda: model.load_state_dict(other))
+    after = model.state_dict()
+    out = {
+        "message": message,
+        "untouched": all(torch.equal(after[k], v) for k, v in before.items()),
+        "buffer_untouched": torch.equal(after["pos_ids"], before["pos_ids"]) if "pos_ids" in before else True,
+    }
+    _step(model, optim, 1)  # the ranks are in step and the model trains on
+    out["params_equal"] = sum(float(v.double().sum()) for v in model.state_dict().values())
+    return out
+
+
+def test_refused_full_load_leaves_every_parameter_untouched(dist_run) -> None:
+    for case in ("shape_one_rank", "shape_every_rank", "missing", "extra"):
+        results = dist_run(2, refused_load, case)
+        for rank, r in enumerate(results):
+            assert r["message"].startswith("RuntimeError: Error(s) in loading state_dict"), (case, rank, r)
+            assert "fully_shard: " in r["message"] and "nothing was loaded" in r["message"], (case, rank, r)
+            assert r["untouched"], (case, rank, r)
+        assert results[0]["params_equal"] == results[1]["params_equal"], case
+
+
+def accepted_non_strict_load() -> bool:
+    model, optim = _sharded()
+    _step(model, optim, 0)
+    sd = {k: v + 1.0 for k, v in model.state_dict().items()}
+    del sd["head.weight"]
+    result = model.load_state_dict(sd, strict=False)
+    after = model.state_dict()
+    return result.missing_keys == ["head.weight"] and all(torch.equal(after[k], v) for k, v in sd.items())
+
+
+def test_non_strict_load_with_missing_keys_still_loads(dist_run) -> None:
+    assert dist_run(2, accepted_non_strict_load) == [True, True]
