@@ -3,8 +3,11 @@ clear error naming fully_shard, on every rank, and leaves the model usable."""
 
 from __future__ import annotations
 
+import copy
+import io
 from typing import Any
 
+import expecttest
 import torch
 import torch.distributed as dist
 from harness import error_of
@@ -78,3 +81,30 @@ def accepted_non_strict_load() -> bool:
 
 def test_non_strict_load_with_missing_keys_still_loads(dist_run) -> None:
     assert dist_run(2, accepted_non_strict_load) == [True, True]
+
+
+# ---------------------------------------------------------------------------- copies of a sharded model
+def copies() -> dict[str, str]:
+    model, optim = _sharded()
+    _step(model, optim, 0)
+    out = {
+        "deepcopy": error_of(lambda: copy.deepcopy(model)),
+        "deepcopy_unit": error_of(lambda: copy.deepcopy(model.blocks[1])),
+        "save": error_of(lambda: torch.save(model, io.BytesIO())),
+        "save_inside_unit": error_of(lambda: torch.save(model.blocks[0].fc1, io.BytesIO())),
+    }
+    buffer = io.BytesIO()
+    torch.save(model.state_dict(), buffer)  # what the errors point to works
+    _step(model, optim, 1)
+    return out
+
+
+def test_deepcopy_and_save_of_a_sharded_model_say_to_use_state_dict(dist_run) -> None:
+    for r in dist_run(2, copies):
+        expecttest.TestCase().assertExpectedInline(
+            r["deepcopy"],
+            """TypeError: fully_shard: parameter 'pos' belongs to a model sharded by fully_shard and cannot be copied with copy.deepcopy or pickled (torch.save(model)): it holds only this rank's shard, and the model's hooks hold its process group. To copy the model, build a new one (and shard it) and load model.state_dict() into it; to save it, save model.state_dict() (or use torch.distributed.checkpoint)""",  # noqa: E501
+        )
+        assert r["save"] == r["deepcopy"], r
+        for key in ("deepcopy_unit", "save_inside_unit"):
+            assert r[key].startswith("TypeError: fully_shard: ") and "model.state_dict()" in r[key], r
