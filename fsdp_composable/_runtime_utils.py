@@ -30,6 +30,7 @@ from typing import Any, Callable
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from fsdp_composable import _reduce_utils as grads
@@ -199,6 +200,7 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     if step.ran_pre_backward:
         return
     if not ctx.final_callback_queued:
+        _refuse_autograd_grad(ctx)
         ctx.final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, ctx))
     step.ran_pre_backward = True
@@ -216,6 +218,28 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
         lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
         grads.begin_backward(handle, lazy=lazy)
+
+
+def _refuse_autograd_grad(ctx: RootContext) -> None:
+    """``torch.autograd.grad(loss, model.parameters())`` would return this rank's full-size gradients
+    of its own batch, never averaged across ranks, and leave the units' reductions nothing to reduce.
+    torch tells a backward run by ``autograd.grad`` by refusing to say whether it will run a leaf's
+    gradient accumulator; the same call on every rank raises on every rank, and the step is closed
+    as any failed step is ([Note: a step that stops midway])."""
+    param = next((p for h in ctx.handles for p in h.params if p.requires_grad), None)
+    if param is None:
+        return
+    try:
+        torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError as e:
+        if "autograd.grad" not in str(e):
+            raise
+        raise RuntimeError(
+            "fully_shard: torch.autograd.grad over a sharded model is not supported: it would return this "
+            "rank's gradients of its own batch only, full-size and not averaged across ranks. Call "
+            "loss.backward() instead: each parameter's .grad is then this rank's shard of the averaged "
+            "gradient (unshard_params(model, with_grads=True) shows the full ones)"
+        ) from None
 
 
 @_trace.hook("post_backward")

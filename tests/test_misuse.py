@@ -108,3 +108,24 @@ def test_deepcopy_and_save_of_a_sharded_model_say_to_use_state_dict(dist_run) ->
         assert r["save"] == r["deepcopy"], r
         for key in ("deepcopy_unit", "save_inside_unit"):
             assert r[key].startswith("TypeError: fully_shard: ") and "model.state_dict()" in r[key], r
+
+
+# ---------------------------------------------------------------------------- torch.autograd.grad
+def autograd_grad() -> dict[str, Any]:
+    model, optim = _sharded()
+    _step(model, optim, 0)
+    batch = local_slice(gpt_batch(1, 4), dist.get_rank(), dist.get_world_size())
+    message = error_of(lambda: torch.autograd.grad(gpt_loss(model, batch), list(model.parameters())))
+    for step in (2, 3):  # the failed step is closed; training goes on
+        _step(model, optim, step)
+    return {"message": message, "sum": sum(float(v.double().sum()) for v in model.state_dict().values())}
+
+
+def test_autograd_grad_over_a_sharded_model_is_refused(dist_run) -> None:
+    r0, r1 = dist_run(2, autograd_grad)
+    assert r0["sum"] == r1["sum"]
+    for r in (r0, r1):
+        expecttest.TestCase().assertExpectedInline(
+            r["message"],
+            """RuntimeError: fully_shard: torch.autograd.grad over a sharded model is not supported: it would return this rank's gradients of its own batch only, full-size and not averaged across ranks. Call loss.backward() instead: each parameter's .grad is then this rank's shard of the averaged gradient (unshard_params(model, with_grads=True) shows the full ones)""",  # noqa: E501
+        )
