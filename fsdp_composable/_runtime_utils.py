@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable import _trace
 from fsdp_composable._cast_inputs import cast_floating, to_device
-from fsdp_composable._common_utils import TrainingState, _FSDPState
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
@@ -77,7 +77,40 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(
         module.register_forward_hook(_eager(functools.partial(_fsdp_root_post_forward, state)), always_call=True)
     )
+    _register_direct_call_checks(state)
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
+
+
+def _register_direct_call_checks(state: _FSDPState) -> None:
+    """A module inside a unit holding some of its parameters (``blocks.0.fc1``), called by itself
+    while they are 1-D shard pieces (after a step, outside the root's forward), would fail in its
+    own code with a shape error on some ranks, and compute on a rank whose piece happens to be whole."""
+    units = {id(h.module) for h in state.handles}
+    held: dict[nn.Module, list[tuple[FlatParamHandle, str]]] = {}
+    for handle in state.handles:
+        if handle.layout.world_size == 1:
+            continue  # its parameters keep their shapes
+        for info in handle.layout.infos:
+            for holder, _, fqn in info.holders:
+                if id(holder) not in units and _get_fsdp_state(holder) is None:
+                    name = f"{handle.unit_fqn}.{fqn}" if handle.unit_fqn else fqn
+                    held.setdefault(holder, []).append((handle, name))
+    for holder, params in held.items():
+        state.hook_handles.append(holder.register_forward_pre_hook(functools.partial(_refuse_direct_call, params)))
+
+
+def _refuse_direct_call(params: list[tuple[FlatParamHandle, str]], module: nn.Module, args: Any) -> None:
+    for handle, fqn in params:
+        if handle.is_unsharded:  # in the model's forward or backward
+            continue
+        # unshard_params (or a state-dict load) points every parameter at a full view; otherwise some
+        # parameter of the unit is a piece of another shape on every rank (so all ranks raise alike)
+        if any(p.shape != i.shape for p, i in zip(handle.params, handle.layout.infos)):
+            raise RuntimeError(
+                f"fully_shard: {type(module).__name__} holding parameter '{fqn}' was called by itself while its "
+                f"parameters are sharded (each rank holds a 1-D piece of unit '{handle.unit_fqn or '<root>'}'): "
+                "call the model (or the unit that contains it), or call it inside `with unshard_params(model):`"
+            )
 
 
 def _unit_handles(state: _FSDPState, handle: FlatParamHandle) -> list[FlatParamHandle]:

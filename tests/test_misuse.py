@@ -15,7 +15,7 @@ from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, fully_shard
+from fsdp_composable import ModuleWrapPolicy, fully_shard, unshard_params
 
 
 def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
@@ -29,7 +29,7 @@ def _step(model: nn.Module, optim: torch.optim.Optimizer, step: int) -> float:
     loss.backward()
     optim.step()
     optim.zero_grad()
-    return float(loss)
+    return float(loss.detach())
 
 
 # ---------------------------------------------------------------------------- refused loads write nothing
@@ -129,3 +129,27 @@ def test_autograd_grad_over_a_sharded_model_is_refused(dist_run) -> None:
             r["message"],
             """RuntimeError: fully_shard: torch.autograd.grad over a sharded model is not supported: it would return this rank's gradients of its own batch only, full-size and not averaged across ranks. Call loss.backward() instead: each parameter's .grad is then this rank's shard of the averaged gradient (unshard_params(model, with_grads=True) shows the full ones)""",  # noqa: E501
         )
+
+
+# ---------------------------------------------------------------------------- a submodule called by itself
+def direct_call() -> dict[str, Any]:
+    model, optim = _sharded()
+    _step(model, optim, 0)
+    x = torch.randn(3, 16)
+    out = {"fc1": error_of(lambda: model.blocks[0].fc1(x)), "ln": error_of(lambda: model.ln_f(x))}
+    with unshard_params(model):
+        inside = model.blocks[0].fc1(x)
+    out["shape"] = tuple(inside.shape)
+    _step(model, optim, 1)
+    return out
+
+
+def test_submodule_inside_a_unit_called_by_itself(dist_run) -> None:
+    for r in dist_run(2, direct_call):
+        assert r["shape"] == (3, 64), r
+        assert r["fc1"].startswith(
+            "RuntimeError: fully_shard: Linear holding parameter 'blocks.0.fc1.weight' was called by itself while "
+            "its parameters are sharded"
+        ), r
+        assert "unshard_params(model)" in r["fc1"], r
+        assert r["ln"].startswith("RuntimeError: fully_shard: LayerNorm holding parameter 'ln_f.weight'"), r
