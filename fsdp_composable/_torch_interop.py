@@ -7,7 +7,8 @@
 2. Per optimizer, a state-dict post-hook and a load-state-dict pre-hook (``Optimizer.
    register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``, public): ``optim.
    state_dict()`` and torch's ``get/set_optimizer_state_dict`` give and take the global form, through
-   the same conversion as `optim_state_dict`. Why: see [Note: torch's optimizer state dict].
+   the same conversion as `optim_state_dict`. Why: see [Note: torch's optimizer state dict]. The
+   post-hook reads (never changes) the stack for torch's ``_load_optim_state_dict``.
 3. torch's ``clip_grad_norm_`` routed through `_clip_grad_norm_` when given our parameters (the global
    norm instead of this rank's), installed by the first `fully_shard` call. Why, and why a closure
    cell: see [Note: torch's clip_grad_norm_].
@@ -218,7 +219,12 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 #   or full tensors), keyed by int ids or by FQN (as torch's set_optimizer_state_dict passes it): it
 #   matches saved to current parameters by position in the param groups, as ``load_state_dict`` does.
 # Units are visited in the order they were built, never in the optimizer's order, so ranks that list
-# parameters in different orders still run the same collectives. Hooks are installed when an optimizer
+# parameters in different orders still run the same collectives; the presented state is ordered the
+# same way (torch's API gathers DTensor values in the dict's order), and torch's full-state-dict load
+# gets a template of plain tensors (see `_under_torch_full_optim_load`). Both hooks are collectives:
+# the ranks first agree on which parameters the optimizer holds (saving) or on the state given for
+# each parameter (loading), and any difference is an error on every rank, before any payload.
+# Hooks are installed when an optimizer
 # first steps after `fully_shard` (torch's get/set_optimizer_state_dict step a fresh optimizer first),
 # and by `init_optim_state`, `optim_state_dict` and `optim_state_dict_to_load`; whether they are is
 # read from the optimizer's own hook dict.
