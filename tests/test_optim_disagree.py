@@ -5,18 +5,25 @@ rank, is an error on every rank. Never a gloo abort (a collective mismatch kills
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import expecttest
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from harness import error_of
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
+from test_property import EXAMPLES, ModelSpec, build_model, build_policy, model_specs
+from test_property import GLOBAL_BATCH as GLOBAL_BATCH_PROPERTY
+from test_property import _batch as property_batch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fsdp_composable import ModuleWrapPolicy, fully_shard, optim_state_dict
+from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard, optim_state_dict
 
 GLOBAL_BATCH = 4
 
@@ -139,3 +146,56 @@ def test_load_given_other_state_on_one_rank(dist_run) -> None:
     assert r0 == r1, (r0, r1)
     assert r0.startswith("RuntimeError: fully_shard: optimizer.load_state_dict() got different state for parameter"), r0
     assert "use optim_state_dict_to_load" in r0, r0
+
+
+# ---------------------------------------------------------------------------- random models (property soak)
+def orders_on_random_model(spec: ModelSpec, seed: int) -> float:
+    """The spec's model trained 2 steps with SGD-momentum over parameters permuted differently on each
+    rank; torch's full get_state_dict, then set_state_dict into a fresh copy permuted otherwise: the
+    worst difference of the momentum buffers from the unsharded reference's, before and after."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    ref = build_model(spec)
+    sharded = [
+        fully_shard(copy.deepcopy(ref), build_policy(spec), strategy=ShardingStrategy[spec.strategy]) for _ in range(2)
+    ]
+
+    def permuted(model: nn.Module, salt: int) -> torch.optim.Optimizer:
+        params = list(model.parameters())
+        order = torch.randperm(len(params), generator=torch.Generator().manual_seed(seed + 7 * rank + salt))
+        return torch.optim.SGD([params[i] for i in order.tolist()], lr=0.1, momentum=0.9)
+
+    opt_ref, opt, fresh_opt = torch.optim.SGD(ref.parameters(), lr=0.1, momentum=0.9), permuted(sharded[0], 0), None
+    per = GLOBAL_BATCH_PROPERTY // world
+    for step in range(2):
+        x, y = property_batch(spec, step)
+        F.mse_loss(ref(x), y).backward()
+        opt_ref.step()
+        opt_ref.zero_grad()
+        F.mse_loss(sharded[0](x[rank * per : (rank + 1) * per]), y[rank * per : (rank + 1) * per]).backward()
+        opt.step()
+        opt.zero_grad()
+    names = {id(p): n for n, p in ref.named_parameters()}
+    expected = {names[id(p)]: s["momentum_buffer"] for p, s in opt_ref.state.items()}
+    options = StateDictOptions(full_state_dict=True)
+    _, osd = get_state_dict(sharded[0], opt, options=options)
+    fresh_opt = permuted(sharded[1], 1)
+    set_state_dict(sharded[1], fresh_opt, model_state_dict={}, optim_state_dict=osd, options=options)
+    back = optim_state_dict(sharded[1], fresh_opt)["state"]
+    worst = 0.0
+    for state in (osd["state"], back):
+        for fqn, value in expected.items():
+            worst = max(worst, (state[fqn]["momentum_buffer"] - value).abs().max().item() if value.numel() else 0.0)
+    return worst
+
+
+@settings(
+    max_examples=max(EXAMPLES // 2, 1),
+    deadline=None,
+    derandomize=True,
+    database=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(spec=model_specs(), seed=st.integers(0, 1000))
+def test_random_models_with_per_rank_optimizer_orders(dist_run, spec: ModelSpec, seed: int) -> None:
+    for worst in dist_run(2, orders_on_random_model, spec, seed):
+        assert worst <= 1e-5, (spec, seed, worst)
