@@ -88,8 +88,8 @@ def _register_direct_call_checks(state: _FSDPState) -> None:
     units = {id(h.module) for h in state.handles}
     held: dict[nn.Module, list[tuple[FlatParamHandle, str]]] = {}
     for handle in state.handles:
-        if handle.layout.world_size == 1:
-            continue  # its parameters keep their shapes
+        if handle.layout.world_size == 1 or handle.tensor_parallel:
+            continue  # its parameters keep their shapes; DTensor parameters say their global shape
         for info in handle.layout.infos:
             for holder, _, fqn in info.holders:
                 if id(holder) not in units and _get_fsdp_state(holder) is None:
@@ -259,7 +259,9 @@ def _refuse_autograd_grad(ctx: RootContext) -> None:
     torch tells a backward run by ``autograd.grad`` by refusing to say whether it will run a leaf's
     gradient accumulator; the same call on every rank raises on every rank, and the step is closed
     as any failed step is ([Note: a step that stops midway])."""
-    param = next((p for h in ctx.handles for p in h.params if p.requires_grad), None)
+    # a plain parameter: asking about a tensor-parallel (DTensor) one stalled 2-D training (seen with
+    # SequenceParallel norms), so models whose units all are tensor-parallel go unchecked
+    param = next((p for h in ctx.handles if not h.tensor_parallel for p in h.params if p.requires_grad), None)
     if param is None:
         return
     try:
