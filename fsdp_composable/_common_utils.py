@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -15,6 +15,7 @@ from torch import nn
 
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._copy_guard import refusal
 from fsdp_composable._flat_param import FSDP_FLATTENED, FlatParamHandle
 from fsdp_composable._state_machine import StateTransitionError, Transitions, check_transition
 from fsdp_composable.api import BackwardPrefetch, StateDictConfig, StateDictType
@@ -80,6 +81,12 @@ class _FSDPState:
     hook_handles: list[Any] = field(default_factory=list)
     # a state_dict()/load_state_dict() in progress: handle -> its open unit (see `_state_dict_open`)
     open_units: dict[FlatParamHandle, Any] = field(default_factory=dict)
+
+    def __deepcopy__(self, memo: object) -> "_FSDPState":
+        raise refusal(f"the state of '{type(self.module).__name__}'")  # see [Note: copying a sharded model]
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        raise refusal(f"the state of '{type(self.module).__name__}'")
 
     def __repr__(self) -> str:  # the dataclass repr would print whole modules
         return (

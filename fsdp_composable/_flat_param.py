@@ -24,7 +24,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,6 +32,7 @@ from torch import nn
 
 from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._copy_guard import refusal, refuse_copies
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
 from fsdp_composable._unit_switches import UnitSwitches
@@ -200,6 +201,12 @@ class FlatParamHandle:
         self.use_sharded_views()
 
     # ---------------------------------------------------------------- construction
+    def __deepcopy__(self, memo: object) -> "FlatParamHandle":
+        raise refusal(f"unit '{self.unit_fqn or '<root>'}'")  # see [Note: copying a sharded model]
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        raise refusal(f"unit '{self.unit_fqn or '<root>'}'")
+
     def _flatten_and_shard(self) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
@@ -215,6 +222,8 @@ class FlatParamHandle:
         for param, info in zip(self.params, self.layout.infos):
             setattr(param, FSDP_FLATTENED, True)
             param._fsdp_fqn = f"{self.unit_fqn}.{info.fqn}" if self.unit_fqn else info.fqn  # type: ignore[attr-defined]
+            refuse_copies(param, param._fsdp_fqn)  # type: ignore[attr-defined]
+        refuse_copies(flat_param, f"{self.unit_fqn or '<root>'}._flat_param")
         return flat_param
 
     def _init_views(self) -> None:

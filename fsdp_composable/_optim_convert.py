@@ -77,6 +77,7 @@ class _UnitState:
     has_state: list[bool]
     flats: dict[tuple[str, torch.dtype], torch.Tensor]
     scalars: list[dict[str, Any]]
+    held: tuple[bool, ...] = ()  # which parameters the optimizer holds (all, for a flat parameter)
 
     def signature(self) -> Any:
         return (
@@ -96,7 +97,10 @@ def _bad_state_shape(key: str, fqn: str, shape: torch.Size, expected: torch.Size
 def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
     handle, layout = unit.handle, unit.handle.layout
     n = len(layout.infos)
-    out = _UnitState([False] * n, {}, [{} for _ in range(n)])
+    ids = {id(p) for p in _optimizer_params(optim)}
+    whole = id(handle.flat_param) in ids
+    held = tuple(whole or id(p) in ids for p in handle.params)
+    out = _UnitState([False] * n, {}, [{} for _ in range(n)], held)
     sharded = layout.world_size > 1
     flat_state = optim.state.get(handle.flat_param)
     if flat_state:  # the wrapper's flat-parameter mode
@@ -140,6 +144,7 @@ class _Record:
 
     unit: tuple[str, int]  # unit FQN and unpadded numel: the same unit on every rank
     has_state: tuple[bool, ...]
+    held: tuple[bool, ...]
     empty: tuple[bool, ...]  # the parameter's slice on this rank is empty
     keys: tuple[tuple[str, str], ...]  # (state key, dtype) of per-parameter tensors
     scalars: tuple[Any, ...]  # per parameter: its scalar state (``step``), or None
@@ -152,10 +157,37 @@ def _record(unit: _Unit, c: _UnitState) -> _Record:
     return _Record(
         (handle.unit_fqn, handle.layout.unpadded_numel),
         tuple(c.has_state),
+        c.held,
         empty,
         tuple(sorted((key, str(dtype)) for key, dtype in c.flats)),
         tuple(dict(s) if has else None for has, s in zip(c.has_state, c.scalars)),
     )
+
+
+def _exchange(units: list[_Unit], mine: list[Any], what: str) -> list[tuple[list[int], list[list[Any]]]]:
+    """Every rank's ``mine`` (one entry per unit) over each process group, groups in a rank-independent
+    order: per group, the indices of its units and each rank's entries for them. Refused on every rank
+    when the ranks hold different numbers of units."""
+    by_group: dict[tuple[int, ...], list[int]] = {}
+    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    for i, unit in enumerate(units):
+        if unit.handle.layout.world_size > 1:
+            ranks = tuple(dist.get_process_group_ranks(unit.handle.process_group))
+            by_group.setdefault(ranks, []).append(i)
+            groups[ranks] = unit.handle.process_group
+    out = []
+    for ranks in sorted(by_group):
+        entries = [mine[i] for i in by_group[ranks]]
+        _rank_agreement.agree_before(groups[ranks], Op.ALL_GATHER_OBJECT, len(entries), None, what)
+        everyone = all_gather_object(groups[ranks], entries, units[by_group[ranks][0]].handle.device)
+        if any(len(theirs) != len(entries) for theirs in everyone):
+            raise RuntimeError(
+                "fully_shard: the optimizer holds parameters of different units on different ranks "
+                f"({[len(theirs) for theirs in everyone]} units): every rank must build the same optimizer "
+                "from the same sharded model"
+            )
+        out.append((by_group[ranks], everyone))
+    return out
 
 
 def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) -> None:
@@ -165,25 +197,61 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
     A parameter whose slice is empty on some rank may have no state there (its gradient there is
     None, so the optimizer never created any): that rank takes the keys and scalars (``step``) from
     a rank that has them, with zero-length tensors. Any other difference raises on every rank."""
-    by_group: dict[tuple[int, ...], list[int]] = {}
-    groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
-    for i, unit in enumerate(units):
-        if unit.handle.layout.world_size > 1:
-            ranks = tuple(dist.get_process_group_ranks(unit.handle.process_group))
-            by_group.setdefault(ranks, []).append(i)
-            groups[ranks] = unit.handle.process_group
-    for ranks in sorted(by_group):
-        mine = [_record(units[i], collected[i]) for i in by_group[ranks]]
-        _rank_agreement.agree_before(groups[ranks], Op.ALL_GATHER_OBJECT, len(mine), None, "optimizer state check")
-        everyone = all_gather_object(groups[ranks], mine, units[by_group[ranks][0]].handle.device)
-        if any(len(theirs) != len(mine) for theirs in everyone):
-            raise RuntimeError(
-                "the optimizer holds parameters of different units on different ranks "
-                f"({[len(theirs) for theirs in everyone]} units): every rank must build the same optimizer "
-                "from the same sharded model"
-            )
-        for j, i in enumerate(by_group[ranks]):
+    mine = [_record(u, c) for u, c in zip(units, collected)]
+    for indices, everyone in _exchange(units, mine, "optimizer state check"):
+        for j, i in enumerate(indices):
             _agree(units[i], collected[i], [theirs[j] for theirs in everyone])
+
+
+def _saved_signature(entry: Any) -> Optional[tuple[Any, ...]]:
+    """What loading ``entry`` (a parameter's saved state) does: its keys, and per tensor its kind,
+    dtype, shape and placements (a DTensor is a collective to convert, a full tensor is not)."""
+    if not isinstance(entry, Mapping):
+        return None
+    out = []
+    for key, value in entry.items():
+        if isinstance(value, DTensor):
+            out.append((str(key), "DTensor", str(value.dtype), tuple(value.shape), str(value.placements)))
+        elif isinstance(value, torch.Tensor):
+            out.append((str(key), "tensor", str(value.dtype), tuple(value.shape), ""))
+        else:
+            out.append((str(key), type(value).__name__, "", (), ""))
+    return tuple(sorted(out))
+
+
+def _check_saved_same_on_all_ranks(units: list[_Unit], saved: list[list[Any]], usable: bool) -> None:
+    """Before loading: which collectives the conversion runs depends on the saved state (a DTensor
+    value is a collective, a full tensor is not), so every rank must be given the same state for the
+    same parameters, and all must find the state dict usable. Exchange and agree, or raise on every
+    rank naming the first parameter that differs."""
+    mine = [
+        (u.handle.unit_fqn, u.handle.layout.unpadded_numel, usable, [_saved_signature(e) for e in entries])
+        for u, entries in zip(units, saved)
+    ]
+    for indices, everyone in _exchange(units, mine, "optimizer state check"):
+        for j, i in enumerate(indices):
+            records = [theirs[j][2:] for theirs in everyone]
+            if len({theirs[j][:2] for theirs in everyone}) > 1:
+                raise RuntimeError(
+                    "fully_shard: the optimizer holds parameters of different units on different ranks "
+                    f"({sorted({theirs[j][:2] for theirs in everyone})}): every rank must build the same "
+                    "optimizer from the same sharded model"
+                )
+            if len({r[0] for r in records}) > 1:
+                raise RuntimeError(
+                    "fully_shard: optimizer.load_state_dict() got a state dict whose param groups match "
+                    f"the optimizer on ranks {[r for r, rec in enumerate(records) if rec[0]]} only: every rank "
+                    "must build the same optimizer (same param groups) and load the same checkpoint"
+                )
+            for k, fqn in enumerate(units[i].fqns):
+                if len({repr(r[1][k]) for r in records}) > 1:
+                    detail = "; ".join(f"rank {r}: {rec[1][k]}" for r, rec in enumerate(records))
+                    raise RuntimeError(
+                        f"fully_shard: optimizer.load_state_dict() got different state for parameter '{fqn}' "
+                        f"on different ranks ({detail}). Every rank must build its optimizer from the same "
+                        "parameters and load the same checkpoint; to load into optimizers built from "
+                        "differently ordered or grouped parameters, use optim_state_dict_to_load"
+                    )
 
 
 def _agree(unit: _Unit, c: _UnitState, records: list[_Record]) -> None:
@@ -194,6 +262,13 @@ def _agree(unit: _Unit, c: _UnitState, records: list[_Record]) -> None:
             "the same parameters"
         )
 
+    for k, fqn in enumerate(unit.fqns):
+        if len({r.held[k] for r in records if len(r.held) > k}) > 1:
+            holding = [rank for rank, r in enumerate(records) if r.held[k]]
+            raise RuntimeError(
+                f"fully_shard: the optimizer holds parameter '{fqn}' on rank(s) {holding} only: every rank "
+                "must build its optimizer from the same parameters (their order and grouping may differ)"
+            )
     if len({r.unit for r in records}) > 1:
         raise differs(f"the ranks list different units: {sorted({r.unit for r in records})}")
     # the keys of ranks that hold state for a parameter with a non-empty slice must all agree

@@ -90,6 +90,8 @@ _PURPOSES = (
     "sync_module_states",
     "reset_parameters()",
     "fully_shard()",
+    "optimizer.state_dict()",
+    "optimizer.load_state_dict()",
 )
 _FIRST_ENTRY_POINT = 3
 

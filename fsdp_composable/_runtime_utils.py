@@ -31,12 +31,13 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 from torch.autograd import Variable
+from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
 
 from fsdp_composable import _exposed_grads, _trace
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._cast_inputs import cast_floating, to_device
-from fsdp_composable._common_utils import TrainingState, _FSDPState
+from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
@@ -77,7 +78,40 @@ def _register_hooks(state: _FSDPState) -> None:
     state.hook_handles.append(
         module.register_forward_hook(_eager(functools.partial(_fsdp_root_post_forward, state)), always_call=True)
     )
+    _register_direct_call_checks(state)
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
+
+
+def _register_direct_call_checks(state: _FSDPState) -> None:
+    """A module inside a unit holding some of its parameters (``blocks.0.fc1``), called by itself
+    while they are 1-D shard pieces (after a step, outside the root's forward), would fail in its
+    own code with a shape error on some ranks, and compute on a rank whose piece happens to be whole."""
+    units = {id(h.module) for h in state.handles}
+    held: dict[nn.Module, list[tuple[FlatParamHandle, str]]] = {}
+    for handle in state.handles:
+        if handle.layout.world_size == 1 or handle.tensor_parallel:
+            continue  # its parameters keep their shapes; DTensor parameters say their global shape
+        for info in handle.layout.infos:
+            for holder, _, fqn in info.holders:
+                if id(holder) not in units and _get_fsdp_state(holder) is None:
+                    name = f"{handle.unit_fqn}.{fqn}" if handle.unit_fqn else fqn
+                    held.setdefault(holder, []).append((handle, name))
+    for holder, params in held.items():
+        state.hook_handles.append(holder.register_forward_pre_hook(functools.partial(_refuse_direct_call, params)))
+
+
+def _refuse_direct_call(params: list[tuple[FlatParamHandle, str]], module: nn.Module, args: Any) -> None:
+    for handle, fqn in params:
+        if handle.is_unsharded:  # in the model's forward or backward
+            continue
+        # unshard_params (or a state-dict load) points every parameter at a full view; otherwise some
+        # parameter of the unit is a piece of another shape on every rank (so all ranks raise alike)
+        if any(p.shape != i.shape for p, i in zip(handle.params, handle.layout.infos)):
+            raise RuntimeError(
+                f"fully_shard: {type(module).__name__} holding parameter '{fqn}' was called by itself while its "
+                f"parameters are sharded (each rank holds a 1-D piece of unit '{handle.unit_fqn or '<root>'}'): "
+                "call the model (or the unit that contains it), or call it inside `with unshard_params(model):`"
+            )
 
 
 def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
@@ -216,6 +250,7 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     if step.ran_pre_backward:
         return
     if not ctx.final_callback_queued:
+        _refuse_autograd_grad(ctx)
         ctx.final_callback_queued = True
         Variable._execution_engine.queue_callback(functools.partial(_post_backward_final_callback, ctx))
     step.ran_pre_backward = True
@@ -238,6 +273,30 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
         lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
         grads.begin_backward(handle, lazy=lazy)
+
+
+def _refuse_autograd_grad(ctx: RootContext) -> None:
+    """``torch.autograd.grad(loss, model.parameters())`` would return this rank's full-size gradients
+    of its own batch, never averaged across ranks, and leave the units' reductions nothing to reduce.
+    torch tells a backward run by ``autograd.grad`` by refusing to say whether it will run a leaf's
+    gradient accumulator; the same call on every rank raises on every rank, and the step is closed
+    as any failed step is ([Note: a step that stops midway])."""
+    # a plain parameter: asking about a tensor-parallel (DTensor) one stalled 2-D training (seen with
+    # SequenceParallel norms), so models whose units all are tensor-parallel go unchecked
+    param = next((p for h in ctx.handles if not h.tensor_parallel for p in h.params if p.requires_grad), None)
+    if param is None:
+        return
+    try:
+        torch._C._will_engine_execute_node(get_gradient_edge(param).node)
+    except RuntimeError as e:
+        if "autograd.grad" not in str(e):
+            raise
+        raise RuntimeError(
+            "fully_shard: torch.autograd.grad over a sharded model is not supported: it would return this "
+            "rank's gradients of its own batch only, full-size and not averaged across ranks. Call "
+            "loss.backward() instead: each parameter's .grad is then this rank's shard of the averaged "
+            "gradient (unshard_params(model, with_grads=True) shows the full ones)"
+        ) from None
 
 
 @_trace.hook("post_backward")

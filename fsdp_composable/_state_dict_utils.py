@@ -19,6 +19,7 @@ from fsdp_composable._data_writes import keep_data_writes
 from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
+from fsdp_composable._state_dict_atomic import decide_after_load, keep_before_load
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._state_dict_keys import _join as _join
@@ -118,6 +119,9 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
     # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
         state.module._register_state_dict_hook(functools.partial(_root_post_state_dict_hook, state))
+    )
+    state.hook_handles.append(
+        state.module.register_load_state_dict_post_hook(functools.partial(_root_post_load_hook, state))
     )
 
 
@@ -264,6 +268,13 @@ def _root_pre_load_hook(
     for key, value in list(state_dict.items()):
         if key.startswith(prefix) and isinstance(value, DTensor) and _is_replicated(value):
             state_dict[key] = value.to_local()
+    if _kind(state) in (StateDictType.SHARDED_STATE_DICT, StateDictType.FULL_STATE_DICT):
+        keep_before_load(state, module, error_msgs)  # see [Note: a refused load writes nothing]
+
+
+@_rank_agreement.entry_point("load_state_dict()")
+def _root_post_load_hook(state: _FSDPState, module: nn.Module, incompatible_keys: Any) -> None:
+    decide_after_load(state, incompatible_keys)
 
 
 def _compare_keys_across_ranks(

@@ -7,7 +7,8 @@
 2. Per optimizer, a state-dict post-hook and a load-state-dict pre-hook (``Optimizer.
    register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``, public): ``optim.
    state_dict()`` and torch's ``get/set_optimizer_state_dict`` give and take the global form, through
-   the same conversion as `optim_state_dict`. Why: see [Note: torch's optimizer state dict].
+   the same conversion as `optim_state_dict`. Why: see [Note: torch's optimizer state dict]. The
+   post-hook reads (never changes) the stack for torch's ``_load_optim_state_dict``.
 3. torch's ``clip_grad_norm_`` routed through `_clip_grad_norm_` when given our parameters (the global
    norm instead of this rank's), installed by the first `fully_shard` call. Why, and why a closure
    cell: see [Note: torch's clip_grad_norm_].
@@ -84,6 +85,7 @@ import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as torch_module
 from torch.nn.modules.module import (
     register_module_module_registration_hook,
@@ -92,6 +94,7 @@ from torch.nn.modules.module import (
 from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._ddp_guard import refuse_ddp_of_sharded
@@ -100,6 +103,7 @@ from fsdp_composable._grad_utils import NormPieces
 from fsdp_composable._optim_convert import (
     STEP,
     _check_same_on_all_ranks,
+    _check_saved_same_on_all_ranks,
     _collect,
     _export_entries,
     _flat_global,
@@ -215,7 +219,12 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 #   or full tensors), keyed by int ids or by FQN (as torch's set_optimizer_state_dict passes it): it
 #   matches saved to current parameters by position in the param groups, as ``load_state_dict`` does.
 # Units are visited in the order they were built, never in the optimizer's order, so ranks that list
-# parameters in different orders still run the same collectives. Hooks are installed when an optimizer
+# parameters in different orders still run the same collectives; the presented state is ordered the
+# same way (torch's API gathers DTensor values in the dict's order), and torch's full-state-dict load
+# gets a template of plain tensors (see `_under_torch_full_optim_load`). Both hooks are collectives:
+# the ranks first agree on which parameters the optimizer holds (saving) or on the state given for
+# each parameter (loading), and any difference is an error on every rank, before any payload.
+# Hooks are installed when an optimizer
 # first steps after `fully_shard` (torch's get/set_optimizer_state_dict step a fresh optimizer first),
 # and by `init_optim_state`, `optim_state_dict` and `optim_state_dict_to_load`; whether they are is
 # read from the optimizer's own hook dict.
@@ -232,6 +241,7 @@ def _numbering(optim: torch.optim.Optimizer) -> dict[int, int]:
     return out
 
 
+@_rank_agreement.entry_point("optimizer.state_dict()")
 def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Optimizer state-dict post-hook: see [Note: torch's optimizer state dict]."""
     handles = _handles_holding(_optimizer_params(optim))
@@ -259,28 +269,78 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
     # The same order on every rank: a parameter with no state here (its slice is empty, so it got no
-    # gradient) was added above, and torch's API gathers DTensor values in this dict's order.
-    return {**state_dict, "state": dict(sorted(state.items(), key=lambda kv: (str(type(kv[0])), kv[0])))}
+    # gradient) was added above, and torch's API gathers DTensor values in this dict's order, so our
+    # parameters come in the order the units were built, never in the optimizer's numbering (ranks
+    # may list the parameters in different orders).
+    built: dict[int, tuple[int, int]] = {}
+    for h, handle in enumerate(handles):
+        for k, param in enumerate([handle.flat_param, *handle.params]):
+            if id(param) in numbers:
+                built[numbers[id(param)]] = (h, k)
+
+    def position(key: Any) -> tuple[Any, ...]:
+        return (0, *built[key]) if key in built else (1, str(type(key)), key)
+
+    if _under_torch_full_optim_load():  # a template whose values torch replaces by full tensors
+        for number in built:
+            if isinstance(state.get(number), Mapping):
+                state[number] = {k: v.to_local() if isinstance(v, DTensor) else v for k, v in state[number].items()}
+    return {**state_dict, "state": {key: state[key] for key in sorted(state, key=position)}}
 
 
+def _under_torch_full_optim_load() -> bool:
+    """Whether torch's ``set_optimizer_state_dict`` (or ``set_state_dict``) asks for this state dict
+    as the template of a full-state-dict load: the one call of ``optim.state_dict()`` under its
+    ``_load_optim_state_dict``. torch then fills every tensor of the template from the full values,
+    in the order of each rank's optimizer, with a collective per DTensor (``distribute_tensor``
+    scatters from rank 0): ranks that list the parameters in different orders would run different
+    collectives (a gloo abort). Plain tensors there are replaced by the full values with no
+    communication, and the load pre-hook slices them. Frames are read, never changed, as in
+    [Note: torch's model state-dict API]."""
+    dsd = sys.modules.get("torch.distributed.checkpoint.state_dict")
+    fn = getattr(dsd, "_load_optim_state_dict", None)
+    if fn is None:
+        return False
+    code = inspect.unwrap(fn).__code__
+    frame: Optional[FrameType] = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is code:
+            return True
+        frame = frame.f_back
+    return False
+
+
+@_rank_agreement.entry_point("optimizer.load_state_dict()")
 def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]) -> Optional[dict[str, Any]]:
     """Optimizer load-state-dict pre-hook: see [Note: torch's optimizer state dict]."""
-    saved_groups, saved_state = state_dict.get("param_groups"), state_dict.get("state")
-    if not isinstance(saved_groups, (list, tuple)) or not isinstance(saved_state, Mapping):
-        return None  # load_state_dict raises its own error
-    if not all(isinstance(g, Mapping) and "params" in g for g in saved_groups):
-        return None
     current = _optimizer_params(optim)
-    saved_keys = [key for g in saved_groups for key in g["params"]]
-    if len(saved_groups) != len(optim.param_groups) or len(saved_keys) != len(current):
-        return None  # load_state_dict raises its own error
-    key_of = {id(p): key for key, p in zip(saved_keys, current)}
     handles = _handles_holding(current)
     if not handles:
         return None
-    state = dict(saved_state)
+    groups_in, state_in = state_dict.get("param_groups"), state_dict.get("state")
+    usable = (
+        isinstance(groups_in, (list, tuple))
+        and isinstance(state_in, Mapping)
+        and all(isinstance(g, Mapping) and "params" in g for g in groups_in)
+    )
+    saved_groups: list[Any] = list(groups_in) if usable else []  # type: ignore[arg-type]
+    saved_state: Mapping[Any, Any] = state_in if usable else {}  # type: ignore[assignment]
+    saved_keys = [key for g in saved_groups for key in g["params"]]
+    # otherwise load_state_dict raises its own error (on every rank: the ranks agree below first)
+    usable = usable and len(saved_groups) == len(optim.param_groups) and len(saved_keys) == len(current)
+    key_of = {id(p): key for key, p in zip(saved_keys, current)}
+    units = [_unit_of(h) for h in handles]
+    saved_of_unit = []
     for handle in handles:
-        unit = _unit_of(handle)
+        flat_key = key_of.get(id(handle.flat_param))
+        keys = [flat_key] * len(handle.params) if flat_key is not None else [key_of.get(id(p)) for p in handle.params]
+        saved_of_unit.append([saved_state.get(key) if usable and key is not None else None for key in keys])
+    _check_saved_same_on_all_ranks(units, saved_of_unit, usable)
+    if not usable:
+        return None
+    state = dict(saved_state)
+    for unit, saved in zip(units, saved_of_unit):
+        handle = unit.handle
         flat_key = key_of.get(id(handle.flat_param))
         if flat_key is not None:
             entry = saved_state.get(flat_key)
@@ -288,7 +348,6 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
                 state[flat_key] = {key: _flat_local(unit, key, v) for key, v in entry.items()}
             continue
         keys = [key_of.get(id(p)) for p in handle.params]
-        saved = [saved_state.get(key) if key is not None else None for key in keys]
         for key, entry in zip(keys, _local_state(unit, [s if isinstance(s, Mapping) else None for s in saved])):
             if key is not None and entry is not None:
                 state[key] = entry

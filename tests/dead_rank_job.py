@@ -1,6 +1,7 @@
 """A 2-rank job in which rank 1 dies in the middle of its second step (run by test_reliability).
 
-``dead_rank_job.py state_dict``: rank 1 is SIGKILLed inside ``state_dict()`` instead."""
+``dead_rank_job.py state_dict``: rank 1 is SIGKILLed inside ``state_dict()`` instead;
+``dead_rank_job.py optim_state_dict``: inside ``optim_state_dict()``, after the first unit's gather."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import Block, TinyGPT, gpt_batch, gpt_loss  # noqa: E402
 
-from fsdp_composable import ModuleWrapPolicy, fully_shard  # noqa: E402
+from fsdp_composable import ModuleWrapPolicy, _optim_convert, fully_shard, optim_state_dict  # noqa: E402
 
 
 def main() -> None:
@@ -40,6 +41,23 @@ def main() -> None:
         # our pre-hook of blocks.0 gathers it first; the survivor then waits for blocks.1 in vain
         model.blocks[0].register_state_dict_pre_hook(kill)
         model.state_dict()
+        print("finished without noticing", flush=True)
+        return
+    if sys.argv[1:] == ["optim_state_dict"]:
+        optim = torch.optim.Adam(model.parameters())
+        gpt_loss(model, gpt_batch(0, 2)).backward()
+        optim.step()
+        gather = _optim_convert._gather_full_flat
+        calls = {"n": 0}
+
+        def gather_then_die(*args: object) -> torch.Tensor:
+            calls["n"] += 1
+            if rank == 1 and calls["n"] == 2:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return gather(*args)  # type: ignore[arg-type]
+
+        _optim_convert._gather_full_flat = gather_then_die  # type: ignore[assignment]
+        optim_state_dict(model, optim)
         print("finished without noticing", flush=True)
         return
     model.blocks[1].register_forward_pre_hook(die, prepend=True)

@@ -177,55 +177,64 @@ def test_state_dicts(dist_run: Any) -> None:
         "full_state_dict/missing_key",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    Missing key(s) in state_dict: "blocks.0.fc1.weight".""",
+    Missing key(s) in state_dict: "blocks.0.fc1.weight".
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "full_state_dict/unexpected_key",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    Unexpected key(s) in state_dict: "extra".""",
+    Unexpected key(s) in state_dict: "extra".
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "full_state_dict/wrong_shape",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    size mismatch for blocks.1.fc2.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([16, 64]).""",
+    size mismatch for blocks.1.fc2.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([16, 64]).
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "full_state_dict/wrong_shape_root_unit",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    size mismatch for pos: copying a param with shape torch.Size([2]) from checkpoint, the shape in current model is torch.Size([8, 16]).""",
+    size mismatch for pos: copying a param with shape torch.Size([2]) from checkpoint, the shape in current model is torch.Size([8, 16]).
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "full_state_dict/not_a_tensor",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    While copying the parameter named "head.weight", expected torch.Tensor or Tensor-like object from checkpoint but received <class 'list'>""",
+    While copying the parameter named "head.weight", expected torch.Tensor or Tensor-like object from checkpoint but received <class 'list'>
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "sharded_state_dict/missing_key",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    Missing key(s) in state_dict: "blocks.0.fc1.weight".""",
+    Missing key(s) in state_dict: "blocks.0.fc1.weight".
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "sharded_state_dict/unexpected_key",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    Unexpected key(s) in state_dict: "blocks.0.extra".""",
+    Unexpected key(s) in state_dict: "blocks.0.extra".
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "sharded_state_dict/wrong_shape_plain_tensor",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    size mismatch for blocks.1.fc2.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([16, 64]).""",
+    size mismatch for blocks.1.fc2.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([16, 64]).
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "sharded_state_dict/wrong_shape_dtensor",
         """\
 RuntimeError: Error(s) in loading state_dict for TinyGPT:
-    size mismatch for blocks.0.fc1.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([64, 16]).""",
+    size mismatch for blocks.0.fc1.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([64, 16]).
+    fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",
     )
     expect(
         "local_state_dict/other_layout",

@@ -146,6 +146,43 @@ def test_rank_raising_alone_after_first_iteration(pool: DistPool, where: str) ->
     assert r0["diff"] < 1e-6, (r0, r1)
 
 
+def _raise_in_loss_alone() -> dict[str, Any]:
+    """Rank 1's forward completes in step 1 but its loss raises (after every forward collective), so
+    it never runs that backward and goes on with step 2; rank 0 does nothing wrong."""
+    rank = dist.get_rank()
+    model, opt = _sharded()
+    errors = {}
+    for step in range(4):
+
+        def train(step: int = step) -> None:
+            idx, target = local_slice(gpt_batch(step, 4), rank, 2)
+            logits = model(idx)
+            if rank == 1 and step == 1:
+                raise ValueError("a bad loss on rank 1")
+            nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1)).backward()
+            opt.step()
+
+        message = error_of(train)
+        opt.zero_grad()
+        if message:
+            errors[step] = message
+    return {"errors": errors, "diff": _max_diff(model, _reference({1}, 4))}
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="not fixed: a rank that skips a backward (its loss raised after the forward) is only found out by "
+    "its next forward, so it loses that iteration too and the ranks' loops end one iteration apart (a timeout)",
+)
+def test_rank_raising_after_its_forward_alone(pool: DistPool) -> None:
+    """Every rank fails step 1, then all train on as if it never happened."""
+    r0, r1 = pool.run(_raise_in_loss_alone, timeout=60)
+    assert list(r0["errors"]) == [1] and list(r1["errors"]) == [1], (r0, r1)
+    assert "a bad loss on rank 1" in r1["errors"][1], r1
+    assert "rank(s) [1] raised an exception in this step and left it" in r0["errors"][1], r0
+    assert r0["diff"] == r1["diff"] and r0["diff"] < 1e-6, (r0, r1)
+
+
 def _rank0_state_dict_then_train() -> dict[str, Any]:
     model, opt = _sharded()
     _train_step(model, opt, 0)

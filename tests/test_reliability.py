@@ -132,6 +132,19 @@ def test_rank_killed_during_state_dict_is_named_by_the_survivor() -> None:
     assert elapsed < 90
 
 
+def test_rank_killed_during_optim_state_dict_is_named_by_the_survivor() -> None:
+    """A rank SIGKILLed inside optim_state_dict(), after the first unit's gather: the survivor gets a
+    named error within the process group timeout (15 s in the job), never a hang."""
+    procs, outputs, elapsed = _run_dead_rank_job("optim_state_dict")
+    assert procs[1].returncode == -9
+    assert procs[0].returncode not in (0, None), outputs[0]
+    assert "finished without noticing" not in outputs[0][0]
+    last = outputs[0][1].strip().splitlines()[-1]
+    assert "CollectiveError: fully_shard: the optim_state_dict() all-gather of unit" in last, last
+    assert "did not complete" in last and "optim_state_dict() is a collective" in last, last
+    assert elapsed < 90
+
+
 def stale_optimizers() -> dict:
     import copy
 

@@ -405,17 +405,20 @@ def test_bad_checkpoints_name_the_fqn(dist_run) -> None:
             r0[f"{kind}/missing"],
             """\
 Error(s) in loading state_dict for TinyGPT:
-	Missing key(s) in state_dict: "blocks.0.fc1.weight". """,  # noqa: W291
+	Missing key(s) in state_dict: "blocks.0.fc1.weight". 
+	fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",  # noqa: E501, W291
         )
         tc.assertExpectedInline(
             r0[f"{kind}/unexpected"],
             """\
 Error(s) in loading state_dict for TinyGPT:
-	Unexpected key(s) in state_dict: "blocks.0.extra". """,  # noqa: W291
+	Unexpected key(s) in state_dict: "blocks.0.extra". 
+	fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",  # noqa: E501, W291
         )
         tc.assertExpectedInline(
             r1[f"{kind}/shape"],
             """\
 Error(s) in loading state_dict for TinyGPT:
-	size mismatch for blocks.0.fc1.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([64, 16]).""",  # noqa: E501
+	size mismatch for blocks.0.fc1.weight: copying a param with shape torch.Size([3, 3]) from checkpoint, the shape in current model is torch.Size([64, 16]).
+	fully_shard: the load was refused, so nothing was loaded: every parameter and buffer keeps its value on every rank (ranks that could not load: [0, 1]). Fix the state dict and load again""",  # noqa: E501
         )
