@@ -15,6 +15,15 @@ every function here refuses it, naming its FQN.
 finds it unsharded, or its all-gather in flight, and only waits: no second all-gather. The unit is
 resharded where it would have been anyway (its post-forward, the end of the step), or by
 ``reshard(module)``. Inside ``unshard_params`` both are refused, as forward is.
+
+[Note: a unit left unsharded]
+Outside forward and backward a unit can stay unsharded: ``unshard(module)`` before its forward, or
+``set_reshard_after_backward(False)`` after its backward. Its unsharded buffer is a copy of the
+shard, and its next forward uses that copy without gathering again. So whatever writes the shard
+first reshards such a unit (`reshard_left_unsharded`): ``load_state_dict`` (else the next forward
+would run on the values from before the load, silently) and ``unshard_params`` (its writes).
+``optimizer.step()`` refuses it instead, on every step, naming the unit: its parameters are the
+full-shape views then, not the shard the optimizer's state belongs to.
 """
 
 from __future__ import annotations
@@ -150,6 +159,19 @@ def unshard(module: nn.Module, async_op: bool = False) -> Optional[UnshardHandle
         return waiter
     waiter.wait()
     return None
+
+
+def reshard_left_unsharded(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Reshard ``handle`` if it was left unsharded outside forward and backward ([Note: a unit left
+    unsharded]); a no-op otherwise."""
+    if handle.training_state is not HandleTrainingState.IDLE:
+        return
+    if not (handle.is_unsharded or handle.unshard_in_flight):
+        return
+    handle.reshard()
+    _reduce_utils.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
+    if state.ctx is not None:
+        state.ctx.limiter.release_freed(state.ctx.handles)
 
 
 def reshard(module: nn.Module) -> None:

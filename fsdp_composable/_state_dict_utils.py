@@ -17,6 +17,7 @@ from fsdp_composable._checkpoint_comm import all_gather_object
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
+from fsdp_composable._module_controls import reshard_left_unsharded
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._state_dict_keys import _join as _join
@@ -166,6 +167,7 @@ def _pre_load_state_dict_hook(
     error_msgs: list[str],
 ) -> None:
     _close_stale(state, handle)
+    reshard_left_unsharded(state, handle)  # its unsharded copy would go stale ([Note: a unit left unsharded])
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
