@@ -168,7 +168,14 @@ def reshard_left_unsharded(state: _FSDPState, handle: FlatParamHandle) -> None:
         return
     if not (handle.is_unsharded or handle.unshard_in_flight):
         return
+    _reshard_idle(state, handle)
+
+
+def _reshard_idle(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Reshard ``handle`` between steps and show its sharded gradient as ``.grad`` again."""
     handle.reshard()
+    # a zero_grad() since the gradient was last shown cleared it: drop it rather than show it again
+    _reduce_utils.stash_sharded_grads(handle)
     _reduce_utils.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
     if state.ctx is not None:
         state.ctx.limiter.release_freed(state.ctx.handles)
@@ -186,7 +193,4 @@ def reshard(module: nn.Module) -> None:
             "call it before its forward or after its backward"
         )
     for handle in handles:
-        handle.reshard()
-        _reduce_utils.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
-    if state.ctx is not None:
-        state.ctx.limiter.release_freed(state.ctx.handles)
+        _reshard_idle(state, handle)

@@ -18,7 +18,12 @@ from parity import error_text, local_slice
 from torch import nn
 
 from fsdp_composable import (
+    CPUOffload,
+    FullyShardedDataParallel,
+    MixedPrecision,
     ModuleWrapPolicy,
+    ShardingStrategy,
+    apply_activation_checkpointing,
     clip_grad_norm_,
     fully_shard,
     no_sync,
@@ -27,6 +32,7 @@ from fsdp_composable import (
     set_modules_to_forward_prefetch,
     set_requires_gradient_sync,
     set_reshard_after_backward,
+    set_reshard_after_forward,
     unshard,
 )
 
@@ -244,3 +250,93 @@ def test_async_handles_and_a_failing_forward_after_unshard(dist_run: Any, world:
         assert r["failed"].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), r["failed"]
         assert r["diff"] < 1e-6
         assert r["shapes"] == [1] * 4
+
+
+# ---------------------------------------------------------------------------- the controls with other features
+def _single() -> Any:
+    """This rank alone: the replicate group of a HYBRID_SHARD model sharded over every rank."""
+    groups = [dist.new_group([r]) for r in range(dist.get_world_size())]  # every rank creates each
+    return groups[dist.get_rank()]
+
+
+def _build(config: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = OddMLP()
+    if config == "wrapper_flat" or config == "wrapper_orig":
+        return FullyShardedDataParallel(model, auto_wrap_policy=LINEAR, use_orig_params=config == "wrapper_orig")
+    if config == "checkpointing":
+        apply_activation_checkpointing(model, check_fn=lambda m: isinstance(m, nn.Linear))
+    kwargs: dict[str, Any] = {
+        "mixed_precision": {"mixed_precision": MixedPrecision(param_dtype=torch.float64)},
+        "shard_grad_op": {"strategy": ShardingStrategy.SHARD_GRAD_OP},
+        "hybrid": {"strategy": ShardingStrategy.HYBRID_SHARD, "process_group": (dist.group.WORLD, _single())},
+        "offload": {"cpu_offload": CPUOffload(offload_params=True)},
+    }.get(config, {})
+    return fully_shard(model, LINEAR, **kwargs)
+
+
+def with_and_without_controls(config: str) -> dict[str, Any]:
+    """The same training with the controls (explicit unshard, gradient sync off for the first of two
+    micro-batches, units kept whole between them, a load_state_dict while l1 is unsharded) and without:
+    the same parameters."""
+    results = []
+    for controlled in (False, True):
+        model = _build(config)
+        units = (
+            [model.get_submodule(n) for n in ("l1", "l2.0", "l2.2", "l3")]
+            if "wrapper" not in config
+            else [model.module.get_submodule(n) for n in ("l1", "l2.0", "l2.2", "l3")]
+        )
+        units = [u.get_submodule("_checkpoint_wrapped_module") if config == "checkpointing" else u for u in units]
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            for m in range(2):
+                if controlled:
+                    set_requires_gradient_sync(model, m == 1)
+                    set_reshard_after_backward(model, m == 1)
+                    set_reshard_after_forward(units[2], m == 0)
+                    if m == 0:
+                        unshard(units[0])
+                        unshard(units[1], async_op=True)
+                mlp_loss(model, _batch(2 * step + m)[1]).backward()
+            opt.step()
+            opt.zero_grad()
+            if controlled:  # after zero_grad: resharding must not show the cleared gradient again
+                unshard(units[0])
+            sd = model.state_dict()
+            model.load_state_dict({k: v * 0.5 for k, v in sd.items()})
+        results.append({k: v.detach().clone() for k, v in model.state_dict().items()})
+    plain, controlled_sd = results
+    return {"diff": max((plain[k] - controlled_sd[k]).abs().max().item() for k in plain), "keys": len(plain)}
+
+
+CONFIGS = ["plain", "mixed_precision", "shard_grad_op", "hybrid", "offload", "checkpointing"]
+CONFIGS += ["wrapper_flat", "wrapper_orig"]
+
+
+@pytest.mark.parametrize("config", CONFIGS)
+def test_controls_with_other_features(dist_run: Any, config: str) -> None:
+    for r in dist_run(2, with_and_without_controls, config):
+        assert r["diff"] < 1e-6 and r["keys"] == 8, r
+
+
+def cleared_then_resharded() -> dict[str, Any]:
+    """zero_grad(), then unshard + reshard (or a load while unsharded) before the next forward: the
+    cleared gradient must not come back into ``.grad`` and the next step."""
+    ref, model = _pair()
+    _train(ref, model, range(1))
+    unshard(model.l1)
+    reshard(model.l1)
+    shown = model.l1.weight.grad is not None
+    unshard(model.l3)
+    model.load_state_dict(model.state_dict())
+    shown = shown or model.l3.weight.grad is not None
+    _train(ref, model, range(1, 3))
+    return {"shown": shown, "diff": _diff(ref, model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_reshard_does_not_bring_back_a_cleared_gradient(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, cleared_then_resharded):
+        assert not r["shown"]
+        assert r["diff"] < 1e-6
