@@ -27,6 +27,7 @@ from fsdp_composable import (
     clip_grad_norm_,
     fully_shard,
     no_sync,
+    optim_state_dict,
     reshard,
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
@@ -340,3 +341,38 @@ def test_reshard_does_not_bring_back_a_cleared_gradient(dist_run: Any, world: in
     for r in dist_run(world, cleared_then_resharded):
         assert not r["shown"]
         assert r["diff"] < 1e-6
+
+
+def clip_and_optim_state_while_unsharded() -> dict[str, Any]:
+    """Explicit unshard after backward, then clip_grad_norm_ and optim_state_dict: the same norm and
+    state as with every unit sharded; after reshard the step matches the reference."""
+    ref, model = _pair()
+    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.01), torch.optim.Adam(model.parameters(), lr=0.01)
+    norms = []
+    for step in range(2):
+        batch, local = _batch(step)
+        mlp_loss(ref, batch).backward()
+        mlp_loss(model, local).backward()
+        unshard(model.l1)
+        unshard(model.l3, async_op=True)
+        norms.append((clip_grad_norm_(model, 0.1).item(), torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.1).item()))
+        if step == 1:
+            osd = optim_state_dict(model, opt)
+            saved = {k: v["exp_avg"].clone() for k, v in osd["state"].items()}
+            want = {n: opt_ref.state[p]["exp_avg"] for n, p in ref.named_parameters()}
+        reshard(model.l1)
+        reshard(model.l3)
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    state_diff = max((saved[k] - want[k]).abs().max().item() for k in want)
+    return {"norms": norms, "state_diff": state_diff, "diff": _diff(ref, model)}
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_clip_and_optim_state_dict_while_unsharded(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, clip_and_optim_state_while_unsharded):
+        for ours, want in r["norms"]:
+            assert abs(ours - want) < 1e-5, r["norms"]
+        assert r["state_diff"] < 1e-6
+        assert r["diff"] < 1e-5
