@@ -376,3 +376,28 @@ def test_clip_and_optim_state_dict_while_unsharded(dist_run: Any, world: int) ->
             assert abs(ours - want) < 1e-5, r["norms"]
         assert r["state_diff"] < 1e-6
         assert r["diff"] < 1e-5
+
+
+def another_root() -> dict[str, Any]:
+    """unshard on a unit of another root (every unit of it, past the all-gather limit), then training of
+    this root, then the other one's steps: both match their references and end sharded."""
+    ref, model = _pair()
+    other_ref, other = _pair()
+    for unit in _units(other):
+        unshard(unit)
+    _train(ref, model, range(2))
+    mid = [len(u.weight.shape) for u in _units(other)]  # still whole: nothing of this root touched them
+    _train(other_ref, other, range(2))
+    return {
+        "mid": mid,
+        "diff": (_diff(ref, model), _diff(other_ref, other)),
+        "end": [len(u.weight.shape) for m in (model, other) for u in _units(m)],
+    }
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_unshard_of_another_root(dist_run: Any, world: int) -> None:
+    for r in dist_run(world, another_root):
+        assert r["mid"] == [2, 2, 2, 2]
+        assert max(r["diff"]) < 1e-6
+        assert r["end"] == [1] * 8
