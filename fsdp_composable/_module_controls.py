@@ -23,7 +23,9 @@ shard, and its next forward uses that copy without gathering again. So whatever 
 first reshards such a unit (`reshard_left_unsharded`): ``load_state_dict`` (else the next forward
 would run on the values from before the load, silently) and ``unshard_params`` (its writes).
 ``optimizer.step()`` refuses it instead, on every step, naming the unit: its parameters are the
-full-shape views then, not the shard the optimizer's state belongs to.
+full-shape views then, not the shard the optimizer's state belongs to. Resharding between steps
+folds what the user left in ``.grad`` first, so a ``zero_grad()`` since the gradient was last shown
+drops it; a gradient never shown (kept unsharded after backward) cannot be cleared that way.
 """
 
 from __future__ import annotations

@@ -2,7 +2,8 @@
 
 1. A global optimizer step pre-hook (``register_optimizer_step_pre_hook``, torch's public extension
    point), registered by the first `fully_shard` call: it catches optimizers that stepped before
-   `fully_shard` or hold the wrong parameters of a flat-mode wrapper, and installs 2. on the
+   `fully_shard` or hold the wrong parameters of a flat-mode wrapper (and, on every step, a unit
+   left unsharded between steps: [Note: a unit left unsharded]), and installs 2. on the
    optimizers that hold our parameters. Why: see [Note: optimizers built before fully_shard].
 2. Per optimizer, a state-dict post-hook and a load-state-dict pre-hook (``Optimizer.
    register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``, public): ``optim.
