@@ -15,6 +15,17 @@ every function here refuses it, naming its FQN.
 finds it unsharded, or its all-gather in flight, and only waits: no second all-gather. The unit is
 resharded where it would have been anyway (its post-forward, the end of the step), or by
 ``reshard(module)``. Inside ``unshard_params`` both are refused, as forward is.
+
+[Note: a unit left unsharded]
+Outside forward and backward a unit can stay unsharded: ``unshard(module)`` before its forward, or
+``set_reshard_after_backward(False)`` after its backward. Its unsharded buffer is a copy of the
+shard, and its next forward uses that copy without gathering again. So whatever writes the shard
+first reshards such a unit (`reshard_left_unsharded`): ``load_state_dict`` (else the next forward
+would run on the values from before the load, silently) and ``unshard_params`` (its writes).
+``optimizer.step()`` refuses it instead, on every step, naming the unit: its parameters are the
+full-shape views then, not the shard the optimizer's state belongs to. Resharding between steps
+folds what the user left in ``.grad`` first, so a ``zero_grad()`` since the gradient was last shown
+drops it; a gradient never shown (kept unsharded after backward) cannot be cleared that way.
 """
 
 from __future__ import annotations
@@ -152,6 +163,26 @@ def unshard(module: nn.Module, async_op: bool = False) -> Optional[UnshardHandle
     return None
 
 
+def reshard_left_unsharded(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Reshard ``handle`` if it was left unsharded outside forward and backward ([Note: a unit left
+    unsharded]); a no-op otherwise."""
+    if handle.training_state is not HandleTrainingState.IDLE:
+        return
+    if not (handle.is_unsharded or handle.unshard_in_flight):
+        return
+    _reshard_idle(state, handle)
+
+
+def _reshard_idle(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """Reshard ``handle`` between steps and show its sharded gradient as ``.grad`` again."""
+    handle.reshard()
+    # a zero_grad() since the gradient was last shown cleared it: drop it rather than show it again
+    _exposed_grads.stash_sharded_grads(handle)
+    _exposed_grads.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
+    if state.ctx is not None:
+        state.ctx.limiter.release_freed(state.ctx.handles)
+
+
 def reshard(module: nn.Module) -> None:
     """Free ``module``'s unsharded parameters (not its sub-units') and point them at the shard again."""
     module, state = resolve(module, "reshard")
@@ -164,7 +195,4 @@ def reshard(module: nn.Module) -> None:
             "call it before its forward or after its backward"
         )
     for handle in handles:
-        handle.reshard()
-        _exposed_grads.expose_sharded_grads(handle)  # kept unsharded after backward: show its gradient now
-    if state.ctx is not None:
-        state.ctx.limiter.release_freed(state.ctx.handles)
+        _reshard_idle(state, handle)

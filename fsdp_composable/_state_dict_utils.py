@@ -19,6 +19,7 @@ from fsdp_composable._data_writes import keep_data_writes
 from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
+from fsdp_composable._module_controls import reshard_left_unsharded
 from fsdp_composable._state_dict_atomic import decide_after_load, keep_before_load
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
@@ -174,6 +175,7 @@ def _pre_load_state_dict_hook(
     error_msgs: list[str],
 ) -> None:
     _close_stale(state, handle)
+    reshard_left_unsharded(state, handle)  # its unsharded copy would go stale ([Note: a unit left unsharded])
     adopt_cast(handle)
     keep_data_writes(handle)  # else the next forward would copy the write over what this loads
     kind = _kind(state)

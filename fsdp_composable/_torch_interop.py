@@ -2,7 +2,8 @@
 
 1. A global optimizer step pre-hook (``register_optimizer_step_pre_hook``, torch's public extension
    point), registered by the first `fully_shard` call: it catches optimizers that stepped before
-   `fully_shard` or hold the wrong parameters of a flat-mode wrapper, and installs 2. on the
+   `fully_shard` or hold the wrong parameters of a flat-mode wrapper (and, on every step, a unit
+   left unsharded between steps: [Note: a unit left unsharded]), and installs 2. on the
    optimizers that hold our parameters. Why: see [Note: optimizers built before fully_shard].
 2. Per optimizer, a state-dict post-hook and a load-state-dict pre-hook (``Optimizer.
    register_state_dict_post_hook`` / ``register_load_state_dict_pre_hook``, public): ``optim.
@@ -79,7 +80,7 @@ import inspect
 import sys
 from collections.abc import Mapping
 from types import CodeType, FrameType
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 import torch.nn.utils
@@ -98,7 +99,7 @@ from fsdp_composable import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._ddp_guard import refuse_ddp_of_sharded
-from fsdp_composable._flat_param import FlatParameter
+from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
 from fsdp_composable._grad_utils import NormPieces
 from fsdp_composable._optim_convert import (
     STEP,
@@ -140,6 +141,7 @@ __all__: list[str] = []
 # is checked again. Counting is one attribute read per parameter per step; an optimizer of a process
 # with no `fully_shard` state at all returns before it.
 _CHECKED_ATTR = "_fsdp_checked_params"
+_HANDLES_ATTR = "_fsdp_handles"  # the units the optimizer's parameters belong to, found on its first step
 
 
 def _install_process_changes() -> None:
@@ -164,25 +166,44 @@ def _count_ours(optim: torch.optim.Optimizer) -> int:
     return sum(1 for p in _optimizer_params(optim) if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter)
 
 
+def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:
+    """Raise if a unit of ``handles`` is unsharded: the optimizer would step its full-shape views.
+    Later steps check only units left unsharded outside forward and backward (as the first does,
+    every unsharded unit); a step between a forward and its backward is caught on the first."""
+    for handle in handles:
+        unsharded = handle.is_unsharded or handle.unshard_in_flight
+        if not unsharded or (not first and handle.training_state is not HandleTrainingState.IDLE):
+            continue
+        raise RuntimeError(
+            f"optimizer.step() was called while the parameters of unit '{handle.unit_fqn or '<root>'}' are "
+            "unsharded (between a forward and its backward, inside unshard_params, after unshard(module), or "
+            "kept by set_reshard_after_backward(False)), so it would step their full-shape copies instead of "
+            "the shard. Call reshard(module) on that unit (or step after backward); to get a state-dict "
+            "template from a fresh optimizer (init_optim_state, torch's get_state_dict), call it before the "
+            "forward"
+        )
+
+
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _module_to_states:  # nothing was ever sharded in this process
         return
     ours = _count_ours(optim)
     if optim.__dict__.get(_CHECKED_ATTR) == ours:
+        # a later step on a unit left unsharded would update its full-shape views, which the next
+        # reshard throws away: silently no step ([Note: a unit left unsharded] in _module_controls)
+        _refuse_unsharded(optim.__dict__.get(_HANDLES_ATTR, ()), first=False)
         return
     optim.__dict__[_CHECKED_ATTR] = ours
     if ours:
         _install_optimizer_hooks(optim)
         _take_back_state_loaded_early(optim)
-        for handle in _handles_holding(_optimizer_params(optim)):
-            if handle.is_unsharded:  # its first step would create state of the full shapes
-                del optim.__dict__[_CHECKED_ATTR]
-                raise RuntimeError(
-                    f"optimizer.step() was called while the parameters of unit '{handle.unit_fqn or '<root>'}' are "
-                    "unsharded (between a forward and its backward, or inside unshard_params), so it would create "
-                    "optimizer state of the full shapes. Step after backward; to get a state-dict template from a "
-                    "fresh optimizer (init_optim_state, torch's get_state_dict), call it before the forward"
-                )
+        handles = _handles_holding(_optimizer_params(optim))
+        try:
+            _refuse_unsharded(handles, first=True)  # its first step would create state of the full shapes
+        except RuntimeError:
+            del optim.__dict__[_CHECKED_ATTR]
+            raise
+        optim.__dict__[_HANDLES_ATTR] = tuple(handles)
     for group in optim.param_groups:
         for param in group["params"]:
             if not getattr(param, FSDP_FLATTENED, False):
