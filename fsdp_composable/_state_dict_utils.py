@@ -98,21 +98,20 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
         state.module._register_load_state_dict_pre_hook(functools.partial(_root_pre_load_hook, state), with_module=True)
     )
     for handle in state.handles:
-        unit_module = handle.module
-        state.hook_handles.append(
-            unit_module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state, handle))
-        )
-        state.hook_handles.append(
-            unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
-        )
-        state.hook_handles.append(
-            unit_module._register_load_state_dict_pre_hook(
-                functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
+        for unit_module in handle.members:  # each member opens the unit around its own subtree
+            state.hook_handles.append(
+                unit_module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state, handle))
             )
-        )
-        state.hook_handles.append(
-            unit_module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state, handle))
-        )
+            state.hook_handles.append(
+                unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
+            )
+            state.hook_handles.append(
+                unit_module._register_load_state_dict_pre_hook(
+                    functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
+                )
+            )
+            post_load = functools.partial(_post_load_state_dict_hook, state, handle)
+            state.hook_handles.append(unit_module.register_load_state_dict_post_hook(post_load))
         _register_placement_hooks(state, handle)
     # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
