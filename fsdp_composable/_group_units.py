@@ -15,6 +15,8 @@ registered on every member:
 - names: each parameter's holders are (module, attribute) pairs, named from the enclosing root's
   ``named_modules()`` by the state dict, the optimizer state dict and `describe`; the state-dict
   hooks are registered on every member, which opens the unit around its own subtree.
+LOCAL_STATE_DICT keys a unit's flat shard by its module's prefix, which a unit of several modules
+does not have: it is refused (`check_no_local_state_dict`); FULL and SHARDED work.
 The members have no common module until an enclosing ``fully_shard`` is applied, so the unit runs
 only under one: forward of a member before that raises (`check_not_root`).
 """
@@ -77,4 +79,14 @@ def check_not_root(state: Any) -> None:
             f"the unit fully_shard made of several modules ({names}) ran forward without an enclosing "
             "fully_shard: apply fully_shard to a module that contains all of them (e.g. the whole model) "
             "before the first forward, and call that module"
+        )
+
+
+def check_no_local_state_dict(handle: Any) -> None:
+    """LOCAL_STATE_DICT has no key for the flat shard of a unit of several modules."""
+    if len(handle.members) > 1:
+        names = ", ".join(type(m).__name__ for m in handle.members)
+        raise ValueError(
+            f"LOCAL_STATE_DICT cannot save or load the unit fully_shard made of several modules ({names}): "
+            "its flat shard has no single module to be keyed under. Use FULL_STATE_DICT or SHARDED_STATE_DICT"
         )

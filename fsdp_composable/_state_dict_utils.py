@@ -18,6 +18,7 @@ from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
+from fsdp_composable._group_units import check_no_local_state_dict
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
 from fsdp_composable._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._state_dict_keys import _join as _join
@@ -141,6 +142,7 @@ def _post_state_dict_hook(
     local_metadata: Any,
 ) -> None:
     if _kind(state) is StateDictType.LOCAL_STATE_DICT:
+        check_no_local_state_dict(handle)
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
         return
     opened = _take_open(state, handle)
@@ -170,6 +172,7 @@ def _pre_load_state_dict_hook(
     adopt_cast(handle)
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
+        check_no_local_state_dict(handle)
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
         return
     if kind is StateDictType.FULL_STATE_DICT:

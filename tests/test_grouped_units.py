@@ -21,7 +21,7 @@ from models import TinyGPT, gpt_batch, gpt_loss
 from parity import error_text, local_slice, same_values, train_side_by_side
 from torch import nn
 
-from fsdp_composable import _collectives, describe, fully_shard, optim_state_dict
+from fsdp_composable import StateDictType, _collectives, describe, fully_shard, optim_state_dict, state_dict_type
 
 
 def _ends(m: nn.Module) -> nn.Module:
@@ -108,6 +108,28 @@ def test_several_modules_as_one_unit_train_in_parity(dist_run, world_size: int, 
         assert results[0]["members"] == ["Block", "Block"]
         assert list(units) == ["", "blocks.0"], units
         assert {n.split(".")[1] for n in units["blocks.0"]} == {"0", "1"}, units
+
+
+def _sharded_and_local(tied: bool) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model, other = _ends(TinyGPT(tied=tied)), _ends(TinyGPT(tied=tied))
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        sd = model.state_dict()
+    r: dict[str, Any] = {"keys": list(sd) == list(TinyGPT(tied=tied).state_dict())}
+    with state_dict_type(other, StateDictType.SHARDED_STATE_DICT):
+        other.load_state_dict(sd)
+    r["sharded_round_trip"] = same_values(other.state_dict(), model.state_dict())
+    with state_dict_type(model, StateDictType.LOCAL_STATE_DICT):
+        r["local"] = error_text(model.state_dict)
+    r["full_after"] = same_values(other.state_dict(), model.state_dict())
+    return r
+
+
+def test_sharded_state_dict_round_trips_and_local_is_refused(dist_run) -> None:
+    results = dist_run(2, _sharded_and_local, True)
+    for r in results:
+        assert r["keys"] and r["sharded_round_trip"] and r["full_after"], r
+    expecttest.TestCase().assertExpectedInline(results[0]["local"], """ValueError: LOCAL_STATE_DICT cannot save or load the unit fully_shard made of several modules (Embedding, Linear): its flat shard has no single module to be keyed under. Use FULL_STATE_DICT or SHARDED_STATE_DICT""")  # noqa: E501
 
 
 def _bad_lists() -> dict[str, str]:
