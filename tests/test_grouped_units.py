@@ -21,7 +21,15 @@ from models import TinyGPT, gpt_batch, gpt_loss
 from parity import error_text, local_slice, same_values, train_side_by_side
 from torch import nn
 
-from fsdp_composable import StateDictType, _collectives, describe, fully_shard, optim_state_dict, state_dict_type
+from fsdp_composable import (
+    StateDictType,
+    _collectives,
+    describe,
+    fully_shard,
+    optim_state_dict,
+    set_unshard_in_backward,
+    state_dict_type,
+)
 
 
 def _ends(m: nn.Module) -> nn.Module:
@@ -130,6 +138,49 @@ def test_sharded_state_dict_round_trips_and_local_is_refused(dist_run) -> None:
     for r in results:
         assert r["keys"] and r["sharded_round_trip"] and r["full_after"], r
     expecttest.TestCase().assertExpectedInline(results[0]["local"], """ValueError: LOCAL_STATE_DICT cannot save or load the unit fully_shard made of several modules (Embedding, Linear): its flat shard has no single module to be keyed under. Use FULL_STATE_DICT or SHARDED_STATE_DICT""")  # noqa: E501
+
+
+class _Skippable(nn.Module):
+    """``b`` runs only when asked: a unit [a, b] whose second member may not run."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.mid, self.b = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7)
+
+    def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
+        h = self.mid(torch.relu(self.a(x)))
+        return self.b(h) if use_b else h
+
+
+def _member_skipped() -> dict[str, Any]:
+    torch.manual_seed(0)
+    ref = _Skippable()
+    model = copy.deepcopy(ref)
+    fully_shard([model.a, model.b])
+    fully_shard(model)
+    handle = fully_shard.state(model.a).handles[0]
+    set_unshard_in_backward(model.b, False)  # a per-module control reaches the unit through any member
+    switched = handle.switches.unshard_in_backward is False
+    set_unshard_in_backward(model.b, True)
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (ref, model)]
+    rank, world = dist.get_rank(), dist.get_world_size()
+    diffs = []
+    for step, use_b in enumerate([False, True, False]):
+        x = torch.randn(2 * world, 5, generator=torch.Generator().manual_seed(step))
+        ref(x, use_b).square().mean().backward()
+        model(x[2 * rank : 2 * rank + 2], use_b).square().mean().backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+        diffs.append(not handle.is_unsharded)  # the root's post-forward resharded what b left
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    diff = max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+    return {"switched": switched, "resharded": diffs, "diff": diff}
+
+
+def test_a_member_that_does_not_run_is_finished_by_the_root(dist_run) -> None:
+    for r in dist_run(2, _member_skipped):
+        assert r["switched"] and r["resharded"] == [True, True, True] and r["diff"] < 1e-6, r
 
 
 def _bad_lists() -> dict[str, str]:
