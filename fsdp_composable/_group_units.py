@@ -27,7 +27,7 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_composable._wrap_utils import SubmoduleState
+from fsdp_composable._wrap_utils import SubmoduleState, _get_submodule_to_states
 
 __all__: list[str] = []
 
@@ -51,6 +51,22 @@ def check_members(modules: list[nn.Module], policy: Any) -> tuple[nn.Module, ...
             "policy. Call fully_shard on the submodules that should be units of their own first"
         )
     return tuple(modules)
+
+
+def unit_subtrees(
+    module: nn.Module,
+    members: tuple[nn.Module, ...],
+    policy: Any,
+    ignored_modules: set[nn.Module],
+    ignored_params: set[nn.Parameter],
+    batchnorm_full_precision: bool,
+) -> dict[nn.Module, SubmoduleState]:
+    """What each unit of a ``fully_shard`` call manages: ``module``'s policy units, or, for a list of
+    ``members`` (``module`` is the first), one unit of all their subtrees."""
+    if not members:
+        return _get_submodule_to_states(module, policy, ignored_modules, ignored_params, batchnorm_full_precision)
+    subs = [_get_submodule_to_states(m, None, ignored_modules, ignored_params)[m] for m in members]
+    return {module: merge_members(subs)}
 
 
 def merge_members(subs: list[SubmoduleState]) -> SubmoduleState:

@@ -18,7 +18,7 @@ from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
-from fsdp_composable._group_units import merge_members
+from fsdp_composable._group_units import unit_subtrees
 from fsdp_composable._ignored_checks import check_no_param_tied_to_ignored, check_ranks_ignore_alike
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
@@ -27,7 +27,6 @@ from fsdp_composable._wrap_utils import (
     SubmoduleState,
     _as_policy,
     _flat_groups,
-    _get_submodule_to_states,
     _join,
 )
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -401,21 +400,16 @@ def _init_param_handles_from_module(
     device_id: Union[int, torch.device, None] = None,
     members: tuple[nn.Module, ...] = (),
 ) -> dict[nn.Module, SubmoduleState]:
-    """Create one handle per unit, bottom-up (one for all ``members``: [Note: several modules as one
-    unit]). Each unit is materialised (if on the meta device),
+    """Create one handle per unit, bottom-up. Each unit is materialised (if on the meta device),
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
     stays near one unit unsharded."""
     module = state.module
     _check_not_applied_below_parent(module, state.ignored_params)
     _warn_policy_matches_nothing(state, policy, api)
     bn = _warn_batchnorm_under_mixed_precision(state)
-    if members:
-        for member in members[1:]:
-            _materialize_meta_module(member, "", param_init_fn, state.device, api)
-        subs = [_get_submodule_to_states(m, None, state.ignored_modules, state.ignored_params)[m] for m in members]
-        submodule_states = {module: merge_members(subs)}
-    else:
-        submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
+    submodule_states = unit_subtrees(module, members, policy, state.ignored_modules, state.ignored_params, bn)
+    for member in members[1:]:  # fully_shard([m1, m2]): the first is materialised as its unit, below
+        _materialize_meta_module(member, "", param_init_fn, state.device, api)
     _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
     tp_group = _tensor_parallel.model_tp_group(module)
@@ -454,7 +448,6 @@ def _init_param_handles_from_module(
     for group in handles.values():
         for handle in group:
             handle.tp_group = tp_group
-            handle.members = members or (handle.module,)
     if move:
         _move_rest(module, state.device)
     _check_comm_device(state, api)

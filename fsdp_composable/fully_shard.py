@@ -135,6 +135,8 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     init._init_param_handles_from_module(
         state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id, members=members
     )
+    for handle in state.handles:  # fully_shard([m1, m2]): one unit of every member
+        handle.members = members or handle.members
     init_post_forward_groups(state, args.reshard_after_forward_ranks)
     for handle in state.handles:
         init_grads(handle, expose_orig=args.use_orig_params)
