@@ -70,13 +70,14 @@ def _count_group_gathers(model: nn.Module, group_numel: int, batch: Any) -> tupl
 
 def _grouped(layout: str, tied: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = TinyGPT(tied=tied)
+    ref = TinyGPT(tied=tied, d=14)  # tied at 4 ranks: 37 * 14 elements need padding
     shard = _LAYOUTS[layout]
     r: dict[str, Any] = train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=3, optim="adamw")
     model = shard(copy.deepcopy(ref))
     first = model.tok if layout == "ends" else model.blocks[0]
     group = fully_shard.state(first).handles[0]
     r["members"] = [type(m).__name__ for m in group.members]
+    r["padded"] = group.layout.padded_numel != group.layout.unpadded_numel
     batch = local_slice(gpt_batch(0, 2 * dist.get_world_size()), dist.get_rank(), dist.get_world_size())
     r["gathers"] = [_count_group_gathers(model, group.layout.padded_numel, batch) for _ in range(2)]
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
@@ -84,10 +85,10 @@ def _grouped(layout: str, tied: bool) -> dict[str, Any]:
     osd = optim_state_dict(model, opt)
     r["optim_keys"] = sorted(osd["state"]) == sorted(n for n, _ in ref.named_parameters())
     # FULL state dict round trip: another model's values in, the same values out, loadable back
-    other = TinyGPT(tied=tied)
+    other = TinyGPT(tied=tied, d=14)
     model.load_state_dict(other.state_dict())
     r["round_trip"] = same_values(model.state_dict(), other.state_dict())
-    plain = TinyGPT(tied=tied)
+    plain = TinyGPT(tied=tied, d=14)
     plain.load_state_dict(model.state_dict(), strict=True)
     r["into_plain"] = same_values(plain.state_dict(), other.state_dict())
     loss_model, loss_plain = gpt_loss(model, batch).item(), gpt_loss(plain, batch).item()
@@ -107,6 +108,7 @@ def test_several_modules_as_one_unit_train_in_parity(dist_run, world_size: int, 
         assert r["gathers"] == [(1, 1), (1, 1)], r  # one all-gather per phase for the whole group
         assert r["optim_keys"] and r["round_trip"] and r["into_plain"], r
         assert r["after_load"] < 1e-5, r
+        assert r["padded"] == (tied and world_size == 4), r
     units = dict(results[0]["units"])
     if layout == "ends":
         assert results[0]["members"] == ["Embedding", "Linear"]
@@ -145,7 +147,8 @@ class _Skippable(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        self.a, self.mid, self.b = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7)
+        # 42 + 49 elements: padded at 2 and 4 ranks
+        self.a, self.mid, self.b = nn.Linear(5, 7), nn.Linear(7, 7), nn.Linear(7, 7, bias=False)
 
     def forward(self, x: torch.Tensor, use_b: bool) -> torch.Tensor:
         h = self.mid(torch.relu(self.a(x)))
@@ -175,12 +178,14 @@ def _member_skipped() -> dict[str, Any]:
         diffs.append(not handle.is_unsharded)  # the root's post-forward resharded what b left
     sd, ref_sd = model.state_dict(), ref.state_dict()
     diff = max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
-    return {"switched": switched, "resharded": diffs, "diff": diff}
+    padded = handle.layout.padded_numel > handle.layout.unpadded_numel == 91
+    return {"switched": switched, "resharded": diffs, "diff": diff, "padded": padded}
 
 
-def test_a_member_that_does_not_run_is_finished_by_the_root(dist_run) -> None:
-    for r in dist_run(2, _member_skipped):
-        assert r["switched"] and r["resharded"] == [True, True, True] and r["diff"] < 1e-6, r
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_a_member_that_does_not_run_is_finished_by_the_root(dist_run, world_size: int) -> None:
+    for r in dist_run(world_size, _member_skipped):
+        assert r["padded"] and r["switched"] and r["resharded"] == [True, True, True] and r["diff"] < 1e-6, r
 
 
 def _bad_lists() -> dict[str, str]:
