@@ -116,13 +116,16 @@ def _structure_of(module: nn.Module) -> tuple[type, list[str], list[str], list[s
 class _Contract(Generic[_S]):
     """A composable API: the function plus ``.state(module)`` to read what it attached."""
 
-    def __init__(self, name: str, fn: Callable[..., nn.Module], several: str = "") -> None:
+    def __init__(self, name: str, fn: Callable[..., nn.Module], several: str = "", groups: bool = False) -> None:
         self.name = name
         self.several = several  # what to do instead of passing a list of modules
+        self.groups = groups  # ``fn`` takes a list of modules too (several modules as one unit)
         self._fn = fn
         functools.update_wrapper(self, fn)
 
-    def __call__(self, module: nn.Module, *args: Any, **kwargs: Any) -> nn.Module:
+    def __call__(self, module: Any, *args: Any, **kwargs: Any) -> Any:
+        if self.groups and isinstance(module, (list, tuple)):
+            return self._call_group(list(module), *args, **kwargs)
         if isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
             names = ", ".join(type(m).__name__ for m in module)
             raise TypeError(
@@ -140,6 +143,18 @@ class _Contract(Generic[_S]):
             raise AssertionError(f"{self.name} changed the module's type or FQNs, which composable APIs must not do")
         return module
 
+    def _call_group(self, modules: list[Any], *args: Any, **kwargs: Any) -> list[Any]:
+        if not modules or not all(isinstance(m, nn.Module) for m in modules):
+            got = ", ".join(type(m).__name__ for m in modules) or "nothing"
+            raise TypeError(f"{self.name} expects an nn.Module or a non-empty list of them, got a list of {got}")
+        before = [_structure_of(m) for m in modules]
+        out = self._fn(modules, *args, **kwargs)
+        if out is not modules:
+            raise AssertionError(f"{self.name} must return the list of modules it was given")
+        if before != [_structure_of(m) for m in modules]:
+            raise AssertionError(f"{self.name} changed a module's type or FQNs, which composable APIs must not do")
+        return modules
+
     def state(self, module: nn.Module) -> _S:
         """Return the state ``self`` attached to ``module``; raise if it was not applied there."""
         state = _get_module_state(module, self.name)
@@ -151,11 +166,14 @@ class _Contract(Generic[_S]):
         return state  # type: ignore[no-any-return]
 
 
-def contract(name: str, several: str = "") -> Callable[[Callable[..., nn.Module]], _Contract[Any]]:
+def contract(
+    name: str, several: str = "", groups: bool = False
+) -> Callable[[Callable[..., Any]], _Contract[Any]]:
     """Decorate a composable API so it is checked to keep the module's type and FQNs. ``several``: what
-    the error for a list of modules tells the user to do instead."""
+    the error for a list of modules tells the user to do instead; ``groups``: the API takes a list of
+    modules itself (every module's structure is checked)."""
 
-    def decorator(fn: Callable[..., nn.Module]) -> _Contract[Any]:
-        return _Contract(name, fn, several)
+    def decorator(fn: Callable[..., Any]) -> _Contract[Any]:
+        return _Contract(name, fn, several, groups)
 
     return decorator

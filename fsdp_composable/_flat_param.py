@@ -154,6 +154,9 @@ class FlatParamHandle:
         name: str = "_flat_param",
     ) -> None:
         self.module = module
+        # every module of the unit: ``(module,)``, or the list given to fully_shard([m1, m2]) (see
+        # [Note: several modules as one unit] in `_group_units`)
+        self.members: tuple[nn.Module, ...] = (module,)
         # the attribute the flat parameter is registered under on ``module`` when a wrapper exposes
         # flat parameters, and its key in LOCAL state dicts
         self.name = name

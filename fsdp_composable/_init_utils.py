@@ -18,6 +18,7 @@ from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
+from fsdp_composable._group_units import unit_subtrees
 from fsdp_composable._ignored_checks import check_no_param_tied_to_ignored, check_ranks_ignore_alike
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
@@ -26,7 +27,6 @@ from fsdp_composable._wrap_utils import (
     SubmoduleState,
     _as_policy,
     _flat_groups,
-    _get_submodule_to_states,
     _join,
 )
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -398,6 +398,7 @@ def _init_param_handles_from_module(
     sync_module_states: bool = False,
     api: str = "fully_shard",
     device_id: Union[int, torch.device, None] = None,
+    members: tuple[nn.Module, ...] = (),
 ) -> dict[nn.Module, SubmoduleState]:
     """Create one handle per unit, bottom-up. Each unit is materialised (if on the meta device),
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
@@ -406,7 +407,9 @@ def _init_param_handles_from_module(
     _check_not_applied_below_parent(module, state.ignored_params)
     _warn_policy_matches_nothing(state, policy, api)
     bn = _warn_batchnorm_under_mixed_precision(state)
-    submodule_states = _get_submodule_to_states(module, policy, state.ignored_modules, state.ignored_params, bn)
+    submodule_states = unit_subtrees(module, members, policy, state.ignored_modules, state.ignored_params, bn)
+    for member in members[1:]:  # fully_shard([m1, m2]): the first is materialised as its unit, below
+        _materialize_meta_module(member, "", param_init_fn, state.device, api)
     _check_unit_overrides(state, submodule_states, api)
     handles: dict[nn.Module, list[FlatParamHandle]] = {}
     tp_group = _tensor_parallel.model_tp_group(module)

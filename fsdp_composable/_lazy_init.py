@@ -12,6 +12,7 @@ from fsdp_composable import _comm_hooks
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
+from fsdp_composable._group_units import check_not_root
 from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._root_context import RootContext, UnitStep
 
@@ -24,6 +25,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     every state below it shares ([Note: the root context])."""
     if state.ctx is not None:
         return
+    check_not_root(state)  # see [Note: several modules as one unit]
     states = _get_fsdp_states(root_module)
     _check_no_unit_in_no_sync(state, states, root_module)
     _check_comm_hook_on_root(state, states, root_module)

@@ -109,7 +109,7 @@ def resolve(module: object, api: str) -> tuple[nn.Module, _FSDPState]:
 
 def unit_handles(state: _FSDPState, module: nn.Module) -> list[FlatParamHandle]:
     """The handles of the unit ``module`` owns (none when it holds no parameter of its own)."""
-    return [h for h in state.handles if h.module is module]
+    return [h for h in state.handles if any(m is module for m in h.members)]  # any member of a list unit
 
 
 def unit_name(state: _FSDPState, module: nn.Module) -> str:

@@ -63,12 +63,16 @@ class UnitStep:
     pending_triggers: int = 0  # post-backward triggers attached in forward and not yet fired
     untriggered_calls: int = 0  # forward calls whose inputs needed no grad (no trigger possible)
     forward_depth: int = 0  # > 1 while the unit's module calls itself (a registered method's self(...))
+    # a unit of several modules: the members whose forward is still to run in this forward (see
+    # [Note: several modules as one unit] in `_group_units`)
+    group_left: set[int] = field(default_factory=set)
 
     def reset(self) -> None:
         self.ran_pre_backward = False
         self.pending_triggers = 0
         self.untriggered_calls = 0
         self.forward_depth = 0
+        self.group_left.clear()
 
 
 @dataclass

@@ -68,13 +68,13 @@ def _register_hooks(state: _FSDPState) -> None:
         )
     )
     for handle in state.handles:
-        unit_module = handle.module
         pre = _eager(functools.partial(_pre_forward, state, handle))
         post = _eager(functools.partial(_post_forward, state, handle))
-        state.hook_handles.append(
-            unit_module.register_forward_pre_hook(pre, prepend=unit_module is not module, with_kwargs=True)
-        )
-        state.hook_handles.append(unit_module.register_forward_hook(post))
+        for unit_module in handle.members:  # several for fully_shard([m1, m2])
+            state.hook_handles.append(
+                unit_module.register_forward_pre_hook(pre, prepend=unit_module is not module, with_kwargs=True)
+            )
+            state.hook_handles.append(unit_module.register_forward_hook(post))
     state.hook_handles.append(
         module.register_forward_hook(_eager(functools.partial(_fsdp_root_post_forward, state)), always_call=True)
     )
@@ -156,6 +156,10 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         return None
     if not ctx.leave_forward(failed=False):
         return output  # nested in a registered method: its own post-forward closes the forward
+    for s, h in ctx.units():  # a unit of several modules some of which did not run
+        if ctx.steps[h].group_left:
+            ctx.steps[h].group_left.clear()
+            _finish_forward(s, h)
     ctx.exec_order.end_forward()
     if not torch.is_grad_enabled() or not any(t.requires_grad for t in _tensors(output)):
         ctx.end_step()  # no backward will follow: leave everything IDLE and resharded now
@@ -173,15 +177,21 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     if state.ctx is None:  # a unit called by itself before the root's first forward
         _lazy_init(state, state.module)
     ctx = _ctx(state)
+    step = ctx.steps[handle]
+    grouped = len(handle.members) > 1
     nested = handle.training_state is HandleTrainingState.FORWARD
-    if nested and ctx.method_calls == 0:  # left in FORWARD by a forward that died (BaseException)
+    if grouped and step.group_left:  # another member of a unit whose forward started: already whole
+        nested = False
+    elif nested and ctx.method_calls == 0:  # left in FORWARD by a forward that died (BaseException)
         ctx.abort_step()
         nested = False
     if nested:  # the unit's module calls itself inside a registered method: it is already whole
-        ctx.steps[handle].forward_depth += 1
-    else:
+        step.forward_depth += 1
+    elif not (grouped and step.group_left):
         handle.set_training_state(HandleTrainingState.FORWARD)
-        ctx.steps[handle].forward_depth = 1
+        step.forward_depth = 1
+        if grouped:
+            step.group_left.update(id(m) for m in handle.members)
         unit = ctx.unit_of(handle)
         ctx.exec_order.record_pre_forward(handle, list(unit))
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
@@ -204,17 +214,15 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         return output
     step = _ctx(state).steps[handle]
-    if step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
+    if len(handle.members) > 1:  # the last member to run finishes: [Note: several modules as one unit]
+        if id(module) in step.group_left:
+            step.group_left.discard(id(module))
+            if not step.group_left:
+                _finish_forward(state, handle)
+    elif step.forward_depth > 1:  # the inner call of a unit calling itself: stays whole
         step.forward_depth -= 1
     else:
-        step.forward_depth = 0
-        _ctx(state).exec_order.record_post_forward(handle)
-        if _reshard_after_forward(state, handle):
-            if handle.post_forward_group is not None and torch.is_grad_enabled() and handle.is_unsharded:
-                handle.reshard_to_post_forward_group()  # see [Note: resharding to a smaller group]
-            else:
-                handle.reshard()
-        handle.set_training_state(HandleTrainingState.IDLE)
+        _finish_forward(state, handle)
     if torch.is_grad_enabled():
         hook = functools.partial(_pre_backward_hook, state, handle)
         outputs = [t for t in _tensors(output) if t.requires_grad]
@@ -223,6 +231,17 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
         if outputs:
             _ctx(state).backward_hooks.append(weakref.ref(hook))
     return output
+
+
+def _finish_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
+    _ctx(state).steps[handle].forward_depth = 0
+    _ctx(state).exec_order.record_post_forward(handle)
+    if _reshard_after_forward(state, handle):
+        if handle.post_forward_group is not None and torch.is_grad_enabled() and handle.is_unsharded:
+            handle.reshard_to_post_forward_group()  # see [Note: resharding to a smaller group]
+        else:
+            handle.reshard()
+    handle.set_training_state(HandleTrainingState.IDLE)
 
 
 def _unit_output_dtype(state: _FSDPState, handle: FlatParamHandle) -> Optional[torch.dtype]:

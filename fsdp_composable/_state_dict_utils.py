@@ -19,6 +19,7 @@ from fsdp_composable._data_writes import keep_data_writes
 from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._fsdp1_names import as_ours
+from fsdp_composable._group_units import check_no_local_state_dict
 from fsdp_composable._module_controls import reshard_left_unsharded
 from fsdp_composable._state_dict_atomic import decide_after_load, keep_before_load
 from fsdp_composable._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
@@ -101,21 +102,20 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
         state.module._register_load_state_dict_pre_hook(functools.partial(_root_pre_load_hook, state), with_module=True)
     )
     for handle in state.handles:
-        unit_module = handle.module
-        state.hook_handles.append(
-            unit_module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state, handle))
-        )
-        state.hook_handles.append(
-            unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
-        )
-        state.hook_handles.append(
-            unit_module._register_load_state_dict_pre_hook(
-                functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
+        for unit_module in handle.members:  # each member opens the unit around its own subtree
+            state.hook_handles.append(
+                unit_module.register_state_dict_pre_hook(functools.partial(_pre_state_dict_hook, state, handle))
             )
-        )
-        state.hook_handles.append(
-            unit_module.register_load_state_dict_post_hook(functools.partial(_post_load_state_dict_hook, state, handle))
-        )
+            state.hook_handles.append(
+                unit_module._register_state_dict_hook(functools.partial(_post_state_dict_hook, state, handle))
+            )
+            state.hook_handles.append(
+                unit_module._register_load_state_dict_pre_hook(
+                    functools.partial(_pre_load_state_dict_hook, state, handle), with_module=True
+                )
+            )
+            post_load = functools.partial(_post_load_state_dict_hook, state, handle)
+            state.hook_handles.append(unit_module.register_load_state_dict_post_hook(post_load))
         _register_placement_hooks(state, handle)
     # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
@@ -149,6 +149,7 @@ def _post_state_dict_hook(
     local_metadata: Any,
 ) -> None:
     if _kind(state) is StateDictType.LOCAL_STATE_DICT:
+        check_no_local_state_dict(handle)
         _local_post_state_dict_hook(state, handle, state_dict, prefix)
         return
     opened = _take_open(state, handle)
@@ -180,6 +181,7 @@ def _pre_load_state_dict_hook(
     keep_data_writes(handle)  # else the next forward would copy the write over what this loads
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
+        check_no_local_state_dict(handle)
         _local_pre_load_hook(handle, state_dict, prefix, missing_keys, error_msgs)
         return
     if kind is StateDictType.FULL_STATE_DICT:

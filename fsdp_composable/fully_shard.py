@@ -13,6 +13,7 @@ from fsdp_composable._composable_state import _get_module_state, _insert_module_
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
+from fsdp_composable._group_units import check_members
 from fsdp_composable._post_forward_group import init_post_forward_groups, resolve_post_forward_ranks
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
@@ -25,14 +26,9 @@ from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, Sh
 __all__ = ["fully_shard"]
 
 
-@contract(
-    API_NAME,
-    several="sharding several modules as one unit (FSDP2's fully_shard([m1, m2])) is not supported. Call "
-    "fully_shard on each of them (each becomes its own unit), or leave them to an enclosing call (their "
-    "parameters join its unit)",
-)
+@contract(API_NAME, groups=True)
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, list[nn.Module]],
     policy: Any = None,
     *,
     process_group: Any = None,
@@ -52,7 +48,7 @@ def fully_shard(
     offload_policy: Any = None,
     ignored_params: Any = None,
     shard_placement_fn: Any = None,
-) -> nn.Module:
+) -> Any:
     """Shard ``module``'s parameters across the ranks of ``process_group``, in place.
 
     ``policy`` picks which submodules own a unit (all-gathered and freed together); the rest go to
@@ -61,11 +57,20 @@ def fully_shard(
     steps), so build the optimizer after calling this. Read the attached state with
     ``fully_shard.state(module)``.
 
+    ``module`` may be a list of modules: their parameters become one unit (one all-gather, one
+    reduction), see [Note: several modules as one unit] in `_group_units`. The list is returned.
+
     FSDP2's names are accepted too: ``mesh`` (for ``process_group``; 2-D means HYBRID_SHARD),
     ``reshard_after_forward`` (False is SHARD_GRAD_OP), ``mp_policy``, ``offload_policy`` and
     ``ignored_params`` (see [Note: FSDP2 names] in `_fsdp2_names`). FSDP1's enums and configs from
     ``torch.distributed.fsdp`` are taken as ours (see [Note: torch's FSDP1 objects] in `_fsdp1_names`).
     """
+    given = module
+    members: tuple[nn.Module, ...] = ()
+    if isinstance(module, list):
+        members = check_members(module, policy)
+        module = members[0]
+    assert isinstance(module, nn.Module)  # the contract checked it
     # FSDP1's classes from torch.distributed.fsdp: see [Note: torch's FSDP1 objects]
     strategy = as_ours("fully_shard argument 'strategy'", strategy)
     mixed_precision = as_ours("fully_shard argument 'mixed_precision'", mixed_precision)
@@ -98,16 +103,19 @@ def fully_shard(
         limit_all_gathers=limit_all_gathers,
         reshard_after_forward_ranks=ours.reshard_after_forward_ranks,
     )
-    _build_state(module, args)
-    return module
+    for member in members[1:]:
+        _register_torch_api_hooks(member)
+    _build_state(module, args, members)
+    return given
 
 
-def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
+def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module, ...] = ()) -> _FSDPState:
     """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``args.api``
     names the caller in error messages (see [Note: API names in messages] in `_init_utils`)."""
-    if _get_module_state(module, API_NAME) is not None:
+    applied = [m for m in (module, *members) if _get_module_state(m, API_NAME) is not None]
+    if applied:
         raise RuntimeError(
-            f"fully_shard was already applied to this {type(module).__name__} (directly or as a unit of "
+            f"fully_shard was already applied to this {type(applied[0]).__name__} (directly or as a unit of "
             "a parent's policy); apply it once per module"
         )
     api = args.api
@@ -125,12 +133,14 @@ def _build_state(module: nn.Module, args: ShardConfig) -> _FSDPState:
     state.ignored_param_holders = single
     init._init_buffer_state(state, module)
     init._init_param_handles_from_module(
-        state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id
+        state, unit_policy, args.param_init_fn, args.sync_module_states, api, device_id=args.device_id, members=members
     )
+    for handle in state.handles:  # fully_shard([m1, m2]): one unit of every member
+        handle.members = members or handle.members
     init_post_forward_groups(state, args.reshard_after_forward_ranks)
     for handle in state.handles:
         init_grads(handle, expose_orig=args.use_orig_params)
-    for unit_module in {module, *(h.module for h in state.handles)}:
+    for unit_module in {module, *members, *(h.module for h in state.handles)}:
         _insert_module_state(unit_module, API_NAME, state)
     _register_hooks(state)
     _register_state_dict_hooks(state)
