@@ -104,9 +104,21 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     for device in served:
         if device.type == "cuda" and torch.cuda.is_available():
             return torch.device("cuda", torch.cuda.current_device())
-        if device.type not in ("cpu", "cuda"):
+        if device.type not in ("cpu", "cuda") and _present(device):
             return device
     return torch.device("cpu")
+
+
+def _present(device: torch.device) -> bool:
+    """Whether this process can make tensors on ``device``'s type: torch's fake process group serves
+    every type it knows (``xpu`` too) on a machine that has none of them."""
+    if device.type == "meta":
+        return True
+    try:
+        is_available = getattr(getattr(torch, device.type, None), "is_available", None)
+    except ImportError:  # torch's lazy submodule for a type this build lacks
+        return False
+    return bool(is_available()) if callable(is_available) else False
 
 
 def host_values(tensor: torch.Tensor) -> torch.Tensor:
