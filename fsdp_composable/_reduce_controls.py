@@ -35,8 +35,9 @@ import torch
 from torch import nn
 
 from fsdp_composable._comm_hooks import registered
-from fsdp_composable._common_utils import _get_fsdp_state, _get_fsdp_states
+from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._module_controls import _wrapper_state, module_fqn, unit_handles
 from fsdp_composable._reduce_utils import ReduceControls
 
 __all__ = [
@@ -137,43 +138,36 @@ def _controls(handle: FlatParamHandle) -> ReduceControls:
 
 def _target(module: nn.Module) -> nn.Module:
     """The module holding the state: a wrapper instance's wrapped module, else ``module`` itself."""
-    if _get_fsdp_state(module) is None:
-        wrapped = module._modules.get("_fsdp_wrapped_module")
-        if wrapped is not None:
-            return wrapped
-    return module
+    wrapper = _wrapper_state(module)
+    return wrapper.module if wrapper is not None else module
 
 
 def _units(module: nn.Module, api: str, recurse: bool) -> list[FlatParamHandle]:
-    """The handles of the units ``module`` owns (with ``recurse``: every unit in its subtree)."""
+    """The handles of the unit ``module`` owns (any member of a list unit; with ``recurse``: every
+    unit in its subtree). A wrapper instance stands for the module it wraps."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"{api} argument 'module' must be a sharded nn.Module, got {type(module).__name__}")
     target = _target(module)
-    members = set(target.modules()) if recurse else {target}
-    handles = [h for s in _get_fsdp_states(target) for h in s.handles if h.module in members]
+    states = _get_fsdp_states(target)
+    if recurse:
+        inside = set(target.modules())
+        handles = [h for s in states for h in s.handles if h.module in inside]
+    else:
+        handles = [h for s in states for h in unit_handles(s, target)]
     if handles:
         return handles
-    where = _fqn_inside(target)
+    where = module_fqn(target)
     if where is not None:
         raise ValueError(
-            f"{api}: module '{where}' ({type(target).__name__}) is not a unit: its parameters belong to an "
-            "enclosing unit; call it on that unit's module, or on the root with recurse=True"
+            f"{api}: module '{where or '<root>'}' ({type(target).__name__}) is not a unit: its parameters belong "
+            "to an enclosing unit; call it on that unit's module, or on the root with recurse=True"
         )
-    if _get_fsdp_states(target):
+    if states:
         raise ValueError(
             f"{api}: this {type(target).__name__} owns no unit of its own (its parameters all belong to units "
             "below it); pass recurse=True to set it on every unit under it"
         )
     raise ValueError(f"{api}: no fully_shard state on this {type(target).__name__}; call fully_shard(module) first")
-
-
-def _fqn_inside(module: nn.Module) -> Optional[str]:
-    """The FQN of a module inside a unit, from its parameters' recorded FQNs (None: not inside one)."""
-    for name, param in module.named_parameters():
-        fqn = getattr(param, "_fsdp_fqn", None)
-        if fqn is not None:
-            return str(fqn)[: -len(name) - 1] or "<root>"
-    return None
 
 
 def _name(units: list[FlatParamHandle]) -> str:
