@@ -14,7 +14,7 @@ import socket
 import tempfile
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -27,10 +27,30 @@ class RankFailed(RuntimeError):
     pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def join_ranks(ctx: Any, timeout_s: float) -> Optional[str]:
+    """Wait for every rank started by ``ctx`` (torch.multiprocessing's context) until ``timeout_s``;
+    kill the ranks still running then. Returns why some rank may have written no result (None: all
+    exited in time)."""
+    deadline = time.monotonic() + timeout_s
+    error = None
+    try:
+        while not ctx.join(timeout=1.0):
+            if time.monotonic() > deadline:
+                error = f"timed out after {timeout_s}s"
+                break
+    except Exception as e:  # a rank died without writing its result
+        error = f"{type(e).__name__}: {e}"
+    for p in ctx.processes:
+        if p.is_alive():
+            p.kill()
+            p.join()
+    return error
 
 
 def _rank_main(
@@ -62,24 +82,12 @@ def run_ranks(
     with tempfile.TemporaryDirectory(prefix="bench_ranks_") as out_dir:
         ctx = mp.start_processes(
             _rank_main,
-            args=(world, _free_port(), threads, fn, args, out_dir),
+            args=(world, free_port(), threads, fn, args, out_dir),
             nprocs=world,
             join=False,
             start_method="fork",
         )
-        deadline = time.monotonic() + timeout_s
-        error = None
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = f"timed out after {timeout_s}s"
-                    break
-        except Exception as e:  # a rank died without writing its result
-            error = f"{type(e).__name__}: {e}"
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        error = join_ranks(ctx, timeout_s)
         results = []
         for rank in range(world):
             path = os.path.join(out_dir, f"rank{rank}.json")

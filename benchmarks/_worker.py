@@ -15,7 +15,6 @@ import gc
 import json
 import os
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -31,14 +30,9 @@ from benchmarks._impls import Built, build
 from benchmarks._mem_tracker import LiveBytesTracker
 from benchmarks._model import ModelConfig, count_params, gpt_loss, make_batch
 from benchmarks._profile import profile_call
+from benchmarks._ranks import free_port, join_ranks
 
 __all__ = ["run_impl"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _sync(device: torch.device) -> None:
@@ -215,24 +209,12 @@ def _combine(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any
 
 def run_impl(spec: dict[str, Any]) -> dict[str, Any]:
     """Spawn ``spec['procs']`` ranks for one impl and return the combined result (never raises on rank failure)."""
-    spec = dict(spec, port=_free_port())
+    spec = dict(spec, port=free_port())
     with tempfile.TemporaryDirectory(prefix="bench_step_") as out_dir:
         ctx = mp.start_processes(
             _rank_main, args=(spec, out_dir), nprocs=spec["procs"], join=False, start_method=spec["start_method"]
         )
-        deadline = time.monotonic() + spec["timeout_s"]
-        error = None
-        try:
-            while not ctx.join(timeout=1.0):
-                if time.monotonic() > deadline:
-                    error = f"timed out after {spec['timeout_s']}s"
-                    break
-        except Exception as e:  # a rank died without writing its result
-            error = f"{type(e).__name__}: {e}"
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-                p.join()
+        error = join_ranks(ctx, spec["timeout_s"])
         ranks = []
         for rank in range(spec["procs"]):
             path = os.path.join(out_dir, f"rank{rank}.json")

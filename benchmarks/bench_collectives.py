@@ -16,7 +16,6 @@ import argparse
 import datetime
 import json
 import os
-import socket
 import statistics
 import sys
 import tempfile
@@ -32,6 +31,7 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
+from benchmarks._ranks import free_port  # noqa: E402
 from benchmarks._report import save_run, write_time_bars  # noqa: E402
 from fsdp_composable import _collectives  # noqa: E402
 
@@ -93,15 +93,9 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     with tempfile.TemporaryDirectory(prefix="bench_collectives_") as out_dir:
-        mp.start_processes(_rank_main, args=(args, _free_port(), out_dir), nprocs=args.world_size, start_method="fork")
+        mp.start_processes(_rank_main, args=(args, free_port(), out_dir), nprocs=args.world_size, start_method="fork")
         ranks = []
         for rank in range(args.world_size):
             with open(os.path.join(out_dir, f"rank{rank}.json")) as f:
