@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
-from models import gpt_batch, gpt_loss
+from models import gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from torch import nn
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -111,3 +111,18 @@ def error_text(fn: Callable[[], Any]) -> str:
     except Exception as e:  # noqa: BLE001 - the message is what we compare
         return f"{type(e).__name__}: {e}"
     return "no error"
+
+
+def mlp_sgd_diff(model: nn.Module, ref: nn.Module, steps: int = 3) -> float:
+    """SGD on the same global MLP batches: the sharded model on this rank's slice, the plain one on
+    all; the largest difference of their state dicts afterwards."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    for step in range(steps):
+        batch = mlp_batch(step, 3 * world)
+        for m, o, b in ((model, opt, local_slice(batch, rank, world)), (ref, opt_ref, batch)):
+            mlp_loss(m, b).backward()
+            o.step()
+            o.zero_grad()
+    sd, ref_sd = model.state_dict(), ref.state_dict()
+    return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
-from parity import error_text, local_slice, same_values, train_side_by_side
+from parity import error_text, mlp_sgd_diff, same_values, train_side_by_side
 from torch import nn
 
 from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, describe, fully_shard, unshard_params
@@ -41,20 +41,6 @@ def _reset_each_module(model: nn.Module) -> None:
             module.reset_parameters()
 
 
-def _train_diff(model: nn.Module, ref: nn.Module, steps: int = 3) -> float:
-    """SGD on the same global batches: the sharded model on this rank's slice, the plain one on all."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(steps):
-        batch = mlp_batch(step, 3 * world)
-        for m, o, b in ((model, opt, local_slice(batch, rank, world)), (ref, opt_ref, batch)):
-            mlp_loss(m, b).backward()
-            o.step()
-            o.zero_grad()
-    sd, ref_sd = model.state_dict(), ref.state_dict()
-    return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
-
-
 def _units(model: nn.Module) -> list[tuple[str, int]]:
     return [(u.fqn, u.numel) for u in describe(model).units]
 
@@ -77,7 +63,7 @@ def meta_recipe_with_reset(how: str) -> dict[str, Any]:
     r["lowest_rank_draw"] = same_values(mine, _state(ref))
     r["units_kept"] = _units(model) == units and len(units) == 2
     r["still_sharded"] = model.l1.weight.dim() == 1
-    r["train_diff"] = _train_diff(model, ref)
+    r["train_diff"] = mlp_sgd_diff(model, ref)
     return r
 
 
@@ -105,7 +91,7 @@ def meta_recipe_with_init_loop() -> dict[str, Any]:
             p_ref.fill_(0.01 * (i + 1))
     model.zero_grad()
     r["plain_values"] = same_values(_state(model), _state(ref))
-    r["train_diff"] = _train_diff(model, ref)
+    r["train_diff"] = mlp_sgd_diff(model, ref)
     return r
 
 

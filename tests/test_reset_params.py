@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from harness import DistPool, error_of
 from models import OddMLP, mlp_batch, mlp_loss
-from parity import local_slice, same_values
+from parity import local_slice, mlp_sgd_diff, same_values
 from torch import nn
 
 from fsdp_composable import (
@@ -70,20 +70,6 @@ def _shard(model: nn.Module, strategy: str) -> nn.Module:
     return fully_shard(model, strategy=s, process_group=group)
 
 
-def _train(model: nn.Module, ref: nn.Module, steps: int) -> float:
-    """SGD on the same global batches: the sharded model on this rank's slice, the plain one on all."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    opt, opt_ref = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
-    for step in range(steps):
-        batch = mlp_batch(step, 3 * world)
-        for m, o, b in ((model, opt, local_slice(batch, rank, world)), (ref, opt_ref, batch)):
-            mlp_loss(m, b).backward()
-            o.step()
-            o.zero_grad()
-    sd, ref_sd = model.state_dict(), ref.state_dict()
-    return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
-
-
 def reset_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
     out: dict[str, dict[str, Any]] = {}
     for strategy in strategies:
@@ -112,7 +98,7 @@ def reset_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
         ref.l2[0].reset_parameters()
         r["one_module"] = same_values(_state(model), _state(ref))
         r["still_shards"] = model.l1.weight.dim() == (2 if dist.get_world_size() == 1 or strategy == "NO_SHARD" else 1)
-        r["train_diff"] = _train(model, ref, steps=3)
+        r["train_diff"] = mlp_sgd_diff(model, ref, steps=3)
         out[strategy] = r
     return out
 
@@ -155,7 +141,7 @@ def reset_wrapper_flat_mode() -> dict[str, Any]:
         "flat_mode": all("_flat_param" in n for n in flat_names),
         "still_flat": [n for n, _ in model.named_parameters()] == flat_names,
         "same": same_values(_state(model), _state(ref)),
-        "train_diff": _train(model, ref, steps=3),
+        "train_diff": mlp_sgd_diff(model, ref, steps=3),
     }
 
 
