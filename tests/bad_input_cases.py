@@ -342,6 +342,7 @@ def constructor_cases() -> dict[str, Outcome]:
     case("MixedPrecision/param_dtype_int", lambda: MixedPrecision(param_dtype=torch.int32))
     case("MixedPrecision/param_dtype_str", lambda: MixedPrecision(param_dtype="bfloat16"))  # type: ignore[arg-type]
     case("MixedPrecision/reduce_dtype_bool", lambda: MixedPrecision(reduce_dtype=torch.bool))
+    case("MixedPrecision/output_dtype_int", lambda: MixedPrecision(output_dtype=torch.int64))
     case("MixedPrecision/buffer_dtype_python_float", lambda: MixedPrecision(buffer_dtype=float))  # type: ignore[arg-type]
     case("MixedPrecision/keep_low_precision_grads_str", lambda: MixedPrecision(keep_low_precision_grads="no"))  # type: ignore[arg-type]
     case("MixedPrecision/cast_forward_inputs_none", lambda: MixedPrecision(cast_forward_inputs=None))  # type: ignore[arg-type]

@@ -403,6 +403,10 @@ def test_configs(dist_run: Any) -> None:
         """ValueError: MixedPrecision.reduce_dtype must be a floating-point torch.dtype or None, got torch.bool; use e.g. torch.bfloat16 or torch.float16""",
     )
     expect(
+        "MixedPrecision/output_dtype_int",
+        """ValueError: MixedPrecision.output_dtype must be a floating-point torch.dtype or None, got torch.int64; use e.g. torch.bfloat16 or torch.float16""",
+    )
+    expect(
         "MixedPrecision/buffer_dtype_python_float",
         """ValueError: MixedPrecision.buffer_dtype must be a floating-point torch.dtype or None, got <class 'float'>; use e.g. torch.bfloat16 or torch.float16""",
     )
