@@ -22,7 +22,7 @@ from expecttest import TestCase
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
 
-from fsdp_composable import ModuleWrapPolicy, _init_utils, fully_shard
+from fsdp_composable import ModuleWrapPolicy, _collectives, _init_utils, fully_shard
 from fsdp_composable._flat_param import FSDP_FLATTENED
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
@@ -331,3 +331,21 @@ def test_dtensor_gathered_on_its_meshs_device(dist_run) -> None:
     value, and give the result back on the CPU."""
     for r in dist_run(2, _full_tensor_devices):
         assert r == {"seen": ["local on meta, mesh of meta"], "result": "cpu", "shape": [4]}
+
+
+def test_comm_device_skips_device_types_this_process_cannot_use() -> None:
+    """torch's fake process group serves every device type it knows (xpu, hpu, cuda, cpu); on a
+    machine with none of the accelerators its collectives take CPU tensors, not an ``xpu`` tensor
+    that torch cannot make here."""
+
+    class Group:
+        _device_types = [torch.device(t) for t in ("xpu", "hpu", "cuda", "cpu")]
+
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert _collectives.comm_device(Group()).type == expected  # type: ignore[arg-type]
+    assert _collectives.comm_device(Group(), torch.device("cpu")).type == "cpu"  # type: ignore[arg-type]
+
+    class MetaOnly:
+        _device_types = [torch.device("meta")]
+
+    assert _collectives.comm_device(MetaOnly()).type == "meta"  # type: ignore[arg-type]
