@@ -162,7 +162,8 @@ class CommCounter(_Tally):
             depth = getattr(self._tls, "depth", 0)
             if depth == 0 and self.enabled:
                 what = "header" if kind == "send" and _is_agreement_header(args) else kind
-                self.record(name if what == kind else "header", what, payload_bytes(args, kwargs), _group_size(args, kwargs))
+                size = payload_bytes(args, kwargs)
+                self.record(name if what == kind else "header", what, size, _group_size(args, kwargs))
             self._tls.depth = depth + 1
             try:
                 return original(*args, **kwargs)

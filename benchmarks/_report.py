@@ -18,7 +18,16 @@ import os
 import sys
 from typing import Any, Optional
 
-__all__ = ["theory_bytes", "format_table", "format_profile_table", "write_chart", "write_time_bars", "save_run", "MIB"]
+__all__ = [
+    "theory_bytes",
+    "format_table",
+    "format_cpu_table",
+    "format_profile_table",
+    "write_chart",
+    "write_time_bars",
+    "save_run",
+    "MIB",
+]
 
 MIB = 2**20
 
@@ -78,6 +87,35 @@ def format_table(results: list[dict[str, Any]]) -> str:
             _mib(kinds.get("all_reduce", 0)),
             _mib(kinds.get("send", 0)),
             f"{r['losses_rank0'][-1]:.4f}",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_cpu_table(results: list[dict[str, Any]]) -> str:
+    """Where a step's time goes on a machine whose cores the ranks share: the CPU seconds each rank
+    used per step (all its threads; median over steps), the part its communication threads used,
+    and that CPU time over the step's wall time (below 1: the rank waited; the cores were shared)."""
+    import statistics
+
+    local = next((r for r in results if r["impl"] == "local" and r["status"] == "ok"), None)
+    local_cpu = statistics.median(local["cpu_times_s"]) if local and local.get("cpu_times_s") else None
+    lines = [
+        "| impl | step (s, median) | CPU/step/rank (s) | comm threads CPU/step (s) | CPU / step time | CPU x local |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if r["status"] != "ok" or not r.get("cpu_times_s"):
+            continue
+        cpu = statistics.median(r["cpu_times_s"])
+        comm = [c for c in r.get("comm_thread_cpu_times_s", []) if c is not None]
+        cells = [
+            _label(r),
+            f"{r['median_step_time_s']:.3f}",
+            f"{cpu:.3f}",
+            f"{statistics.median(comm):.3f}" if comm else "-",
+            f"{cpu / r['median_step_time_s']:.2f}",
+            f"{cpu / local_cpu:.2f}" if local_cpu else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -63,6 +63,28 @@ def _train_step(
     return float(loss.detach())
 
 
+def _comm_thread_cpu() -> Optional[float]:
+    """CPU seconds used so far by this process's communication threads (gloo's and NCCL's, which move
+    the bytes off the Python thread); None where ``/proc`` does not list threads (not Linux)."""
+    root = "/proc/self/task"
+    if not os.path.isdir(root):
+        return None
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = 0.0
+    for tid in os.listdir(root):
+        try:
+            with open(f"{root}/{tid}/comm") as f:
+                name = f.read().strip()
+            if not name.startswith(("gloo", "pt_gloo", "pt_nccl", "nccl")):
+                continue
+            with open(f"{root}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        except OSError:  # the thread ended meanwhile
+            continue
+    return total
+
+
 def _per_step(snapshot: dict[str, Any], steps: int) -> dict[str, Any]:
     out = dict(snapshot)
     out["payload_bytes"] = snapshot["payload_bytes"] / steps
@@ -97,15 +119,21 @@ def _measure(spec: dict[str, Any], rank: int, world: int, device: torch.device, 
         _train_step(built, cfg, i, rank, device)
     counter.reset()
     times: list[float] = []
+    cpu: list[float] = []  # this process's CPU seconds per step, every thread
+    comm_cpu: list[Optional[float]] = []  # of which the communication threads'
     losses: list[float] = []
     for i in range(warmup, warmup + steps):
         if distributed:
             dist.barrier()
         _sync(device)
+        c0, k0 = time.process_time(), _comm_thread_cpu()
         t0 = time.perf_counter()
         losses.append(_train_step(built, cfg, i, rank, device))
         _sync(device)
         times.append(time.perf_counter() - t0)
+        k1 = _comm_thread_cpu()
+        cpu.append(time.process_time() - c0)
+        comm_cpu.append(k1 - k0 if k0 is not None and k1 is not None else None)
     comm_py = _per_step(counter.snapshot(), steps)
 
     counter.reset()
@@ -133,6 +161,8 @@ def _measure(spec: dict[str, Any], rank: int, world: int, device: torch.device, 
         "notes": built.notes,
         "profile_rank0": profile,
         "step_times_s": times,
+        "cpu_times_s": cpu,
+        "comm_thread_cpu_times_s": comm_cpu,
         "losses": losses,
         "tracked_step_loss": tracked_loss,
         "tracked_step_time_s": tracked_time,
@@ -189,6 +219,9 @@ def _combine(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any
         return {"impl": spec["impl"], "status": "failed", "error": failed[0].get("error"), "per_rank": ranks}
     r0 = ranks[0]
     step_times = [max(r["step_times_s"][i] for r in ranks) for i in range(spec["steps"])]
+    cpu_times = [statistics.fmean(r["cpu_times_s"][i] for r in ranks) for i in range(spec["steps"])]
+    comm = [[r["comm_thread_cpu_times_s"][i] for r in ranks] for i in range(spec["steps"])]
+    comm_cpu = [statistics.fmean(c) if None not in c else None for c in comm]
     return {
         "impl": spec["impl"],
         "status": "ok",
@@ -197,6 +230,9 @@ def _combine(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any
         "step_times_s": step_times,
         "median_step_time_s": statistics.median(step_times),
         "min_step_time_s": min(step_times),
+        # CPU seconds per step, mean over ranks: all threads, and the communication threads alone
+        "cpu_times_s": cpu_times,
+        "comm_thread_cpu_times_s": comm_cpu,
         "losses_rank0": r0["losses"],
         "peak_live_bytes": max(r["peak_live_bytes"] for r in ranks),
         "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ranks),

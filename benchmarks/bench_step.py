@@ -32,7 +32,7 @@ import torch  # noqa: E402
 
 from benchmarks._impls import IMPLS  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL  # noqa: E402
-from benchmarks._report import format_profile_table, format_table, theory_bytes, write_chart  # noqa: E402
+from benchmarks._report import format_cpu_table, format_profile_table, format_table, theory_bytes, write_chart  # noqa: E402
 from benchmarks._worker import run_impl  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -141,6 +141,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 kept["step_times_s"] = kept["step_times_s"] + r["step_times_s"]
                 kept["median_step_time_s"] = statistics.median(kept["step_times_s"])
                 kept["min_step_time_s"] = min(kept["step_times_s"])
+                for key in ("cpu_times_s", "comm_thread_cpu_times_s"):
+                    kept[key] = kept[key] + r[key]
             elif r["status"] != "ok":
                 by_impl[impl] = {**r, "round_medians_s": kept["round_medians_s"]}
     results = [by_impl[impl] for impl in args.impl_list]
@@ -207,6 +209,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     write_chart(report["results"], png, title)
     print(f"model: {cfg['param_count']:,} parameters; {cfg['model']}")
     print(format_table(report["results"]))
+    print("\nCPU work per step and rank (all threads; the communication threads apart):")
+    print(format_cpu_table(report["results"]))
     profile_table = format_profile_table(report["results"])
     if profile_table:
         print("\ncProfile of one step on rank 0, own time by area (s):")
