@@ -18,8 +18,11 @@ order, which the first iteration's order check enforces), and gloo matches the m
 peer sent it. A reduce-scatter given parts (autograd's gradients, one per parameter) sends each
 part's slice of a peer's chunk as its own message; the slice boundaries depend only on the sizes, so
 both sides agree on them. A reduce-scatter receives its first peer's chunk into the output itself and N-2 chunks
-into a temporary, so at 2 ranks it needs no memory beyond its output. NCCL and other backends use
-their native collectives.
+into a temporary, so at 2 ranks it needs no memory beyond its output. A send request holds the
+tensor it sends until the request itself is dropped, and a gradient reduction is kept to the end of
+backward (its result is committed there), so a completed exchange drops its requests at once:
+otherwise every reduced unit's gradients, the slices sent to peers, stay alive through the whole
+backward. NCCL and other backends use their native collectives.
 """
 
 from __future__ import annotations
@@ -76,6 +79,9 @@ class Exchange:
             raise self.error
         for request in self.requests:
             request.wait()
+        # the requests hold what they sent (slices of a unit's gradients): see [Note: gloo
+        # collectives as point-to-point exchanges]
+        self.requests = ()
         if self.then is not None:
             then, self.then = self.then, None
             then()
@@ -323,6 +329,9 @@ class InFlight:
             compute_stream(self.device).wait_event(self.event)
         else:
             wait(self.work, what)
+            # a completed work still holds its tensors (a native one too), and a reduction, which owns
+            # this, lives to the end of backward: see [Note: gloo collectives as point-to-point exchanges]
+            self.work = None
 
 
 def compute_stream(device: Optional[torch.device]) -> "torch.cuda.Stream":

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import warnings
+import weakref
 from typing import Any, Optional
 from unittest import mock
 
@@ -120,6 +121,56 @@ def test_unsharded_params_term_matches_runtime(dist_run) -> None:
     # TinyGPT(n_layers=3): root 1,344 elements, blocks 3,216 each, fp32
     assert full_est == full_peak == (1344 + 2 * 3216) * 4  # root + two blocks in flight (BACKWARD_PRE)
     assert sgo_est == sgo_peak == (1344 + 3 * 3216) * 4  # SHARD_GRAD_OP keeps every block unsharded
+
+
+def _backward_grad_peak(n_layers: int) -> int:
+    """Peak bytes of the gradient storages autograd makes for the original parameters over two steps
+    of TinyGPT (gloo: each unit's gradients are sent as they are; see [Note: gradients land in the
+    flat buffer]). A storage counts from its parameter's first accumulation until it is freed."""
+    live = {"now": 0, "peak": 0}
+    seen: set[int] = set()
+
+    def freed(key: int, nbytes: int) -> None:
+        seen.discard(key)
+        live["now"] -= nbytes
+
+    def on_grad(param: torch.Tensor) -> None:
+        assert param.grad is not None
+        storage = param.grad.untyped_storage()
+        if storage._cdata in seen:
+            return
+        seen.add(storage._cdata)
+        live["now"] += storage.nbytes()
+        live["peak"] = max(live["peak"], live["now"])
+        # the storage's Python object lives exactly as long as the storage
+        weakref.finalize(storage, freed, storage._cdata, storage.nbytes())
+
+    torch.manual_seed(0)
+    model = TinyGPT(n_layers=n_layers)
+    fully_shard(model, POLICY)
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters()]
+    for step in range(2):
+        model.zero_grad(set_to_none=True)
+        gpt_loss(model, gpt_batch(step, 2 * dist.get_world_size())).backward()
+    for hook in hooks:
+        hook.remove()
+    return live["peak"]
+
+
+def measure_backward_grad_peaks() -> tuple[int, int]:
+    return _backward_grad_peak(2), _backward_grad_peak(6)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_unsharded_grads_do_not_grow_with_depth(dist_run, world_size: int) -> None:
+    """A unit's gradients are freed once its reduction is waited for (in the next unit's
+    post-backward), not when the backward ends: the peak is the same at 2 and 6 blocks. It grew with
+    depth (66,368 bytes at 6 blocks on 2 ranks) while a finished point-to-point reduce-scatter kept its
+    send requests, which hold the sent slices of the unit's gradients, to the end of backward."""
+    for rank, (shallow, deep) in enumerate(dist_run(world_size, measure_backward_grad_peaks)):
+        # the root's head (37 x 16) and ln_f (2 x 16) gradients, made first and reduced in the final
+        # callback, plus two blocks of 3,216 elements: the one in backward and the one being reduced
+        assert shallow == deep == (592 + 32 + 2 * 3216) * 4, (rank, shallow, deep)
 
 
 # ---------------------------------------------------------------------------- estimate, by hand
