@@ -23,6 +23,15 @@ tensor it sends until the request itself is dropped, and a gradient reduction is
 backward (its result is committed there), so a completed exchange drops its requests at once:
 otherwise every reduced unit's gradients, the slices sent to peers, stay alive through the whole
 backward. NCCL and other backends use their native collectives.
+
+[Note: receives before sends]
+gloo's point-to-point messages meet by rendezvous: a send's bytes go out once the receiving side
+has said that a matching receive is posted, so a send posted before the peer's receive waits one more
+round trip between the two processes' gloo threads, each a thread wake-up, which on cores busy with
+compute can cost a scheduler tick. Every exchange (and the header exchange of `_rank_agreement`)
+posts its receives first: by the time a peer sends, it has usually heard of the receive already and
+writes at once. Matching is per peer, tag and direction, first in first out, so the order of a rank's
+own receives and sends changes nothing else.
 """
 
 from __future__ import annotations
@@ -203,9 +212,9 @@ def _all_gather_exchange(
     size, me, pairs = _peers(group)
     pieces = output.view(size, -1)
     pieces[me].copy_(shard.reshape(-1))
-    messages: list[Message] = []
-    for dst, src in pairs:
-        messages += [(dist.isend, shard, dst), (dist.irecv, pieces[src], src)]
+    # receives first (see [Note: receives before sends])
+    messages: list[Message] = [(dist.irecv, pieces[src], src) for _, src in pairs]
+    messages += [(dist.isend, shard, dst) for dst, _ in pairs]
     return _start(group, _ALL_GATHER_TAG, messages, numel=output.numel(), output=output, origin=origin)
 
 
@@ -233,10 +242,11 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
     sizes = [piece.numel() for piece in mine]
     extra = torch.empty((max(size - 2, 0), output.numel()), dtype=output.dtype, device=output.device)
     targets = [output.view(-1), *extra.unbind(0)]
-    messages: list[Message] = []
-    for (dst, src), target in zip(pairs, targets):
-        messages += [(dist.isend, piece, dst) for piece in pieces[dst]]
+    messages: list[Message] = []  # receives first (see [Note: receives before sends])
+    for (_, src), target in zip(pairs, targets):
         messages += [(dist.irecv, piece, src) for piece in target.split(sizes)]
+    for dst, _ in pairs:
+        messages += [(dist.isend, piece, dst) for piece in pieces[dst]]
 
     def add_mine() -> None:
         out = output.view(-1)

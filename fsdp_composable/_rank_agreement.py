@@ -331,8 +331,8 @@ def agree(
     peers = [p for p in range(size) if p != me]
     theirs: dict[int, dict[str, int]] = {}
     try:
+        posted = {p: _post_recv(group, p) for p in peers}  # first: [Note: receives before sends]
         sends = [dist.isend(mine, dist.get_global_rank(group, p), group, _HEADER_TAG) for p in peers]
-        posted = {p: _post_recv(group, p) for p in peers}
         while posted:
             for peer, (buffer, work) in list(posted.items()):
                 work.wait()
