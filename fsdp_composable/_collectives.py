@@ -77,8 +77,20 @@ class Exchange:
     output: Optional[torch.Tensor] = None
     group: Optional[dist.ProcessGroup] = None
     generation: int = 0
+    # the headers sent with the payload, checked first by `wait` ([Note: agreement without a round trip])
+    agreement: Optional[_rank_agreement.Agreement] = None
+    # refused with its payload posted: a receive may still write into ``output`` (see `left_posted`)
+    unmatched: bool = False
 
     def wait(self) -> bool:
+        if self.agreement is not None:
+            agreement, self.agreement = self.agreement, None
+            try:
+                _rank_agreement.settle(agreement)
+            except RuntimeError as e:  # refused (or a peer died): the payload may never be matched
+                _rank_agreement.keep_unmatched(agreement.group, self.requests)
+                self.unmatched = bool(self.requests)
+                self.requests, self.then, self.error = (), None, e
         if self.error is not None:
             refused = isinstance(self.error, RankMismatchError) and self.group is not None
             if refused and _rank_agreement.settled(self.group, self.generation):  # type: ignore[arg-type]
@@ -95,6 +107,12 @@ class Exchange:
             then, self.then = self.then, None
             then()
         return True
+
+
+def left_posted(flight: "InFlight") -> bool:
+    """Whether a failed collective left a receive posted into its output: gloo cannot withdraw it, so
+    that memory must never be freed or reused ([Note: agreement without a round trip])."""
+    return isinstance(flight.work, Exchange) and flight.work.unmatched
 
 
 def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device] = None) -> torch.device:
@@ -176,17 +194,23 @@ def _start(
     output: Optional[torch.Tensor] = None,
     origin: Optional[torch.dtype] = None,
 ) -> Exchange:
-    """Post ``messages`` once the ranks agreed on the exchange (``numel``: its whole size, the same
-    on every rank; see [Note: collective headers])."""
-    requests = []
+    """Post ``messages`` with this rank's header; `Exchange.wait` checks the peers' headers before it
+    waits for the payload (``numel``: the exchange's whole size, the same on every rank; see [Note:
+    agreement without a round trip] in `_rank_agreement`)."""
+    requests: list[dist.Work] = []
+    generation = _rank_agreement.generation(group)
+    agreement = None
     try:
         dtype = messages[0][1].dtype if messages else None
-        agree(group, Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER, numel, dtype, origin)
+        op = Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER
+        agreement = _rank_agreement.begin(group, op, numel, dtype, origin)
+        payload_tag = _rank_agreement.payload_tag(agreement, tag)
         for post, tensor, peer in messages:
-            requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=tag))
-    except RuntimeError as e:  # a disagreement, or gloo noticed a dead peer while posting a send
-        return Exchange(requests, error=e, output=output, group=group, generation=_rank_agreement.generation(group))
-    return Exchange(requests, then)
+            requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=payload_tag))
+    except RuntimeError as e:  # the step was abandoned, or gloo noticed a dead peer while posting
+        _rank_agreement.keep_unmatched(group, requests)  # posted ones stay referenced, never waited
+        return Exchange((), error=e, output=output, group=group, generation=generation, unmatched=bool(requests))
+    return Exchange(requests, then, output=output, group=group, generation=generation, agreement=agreement)
 
 
 def _checked(
@@ -341,7 +365,8 @@ class InFlight:
             wait(self.work, what)
             # a completed work still holds its tensors (a native one too), and a reduction, which owns
             # this, lives to the end of backward: see [Note: gloo collectives as point-to-point exchanges]
-            self.work = None
+            if not left_posted(self):
+                self.work = None
 
 
 def compute_stream(device: Optional[torch.device]) -> "torch.cuda.Stream":

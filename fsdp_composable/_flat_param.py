@@ -398,8 +398,21 @@ class FlatParamHandle:
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None
         work, self._unshard_work = self._unshard_work, None
-        work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
-        self._unshard_src = None
+        try:
+            work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
+        finally:  # refused (raised, or discarded after its step was left) with a receive still posted
+            self._unshard_src = None
+            if _collectives.left_posted(work):
+                self._abandon_buffer()
+
+    def _abandon_buffer(self) -> None:
+        """A refused all-gather left a receive posted into the unsharded buffer, which gloo cannot
+        withdraw: that storage stays with the receive (held by the group's record) and later unshards
+        gather into a new buffer. Only in a step that fails."""
+        assert self._unsharded is not None
+        self._unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
+        self._unsharded_views = self.views_of(self._unsharded)
+        self._unsharded.untyped_storage().resize_(0)
 
     def _alloc_unsharded(self) -> bool:
         """Give the unsharded flat parameter its storage; whether it had to be allocated now."""

@@ -10,21 +10,39 @@ which collective (`Op`), what for (`purpose`: forward, backward, or a collective
 before a mixed-precision cast, so ranks whose parameters were cast differently disagree: [Note: casts
 after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see
 below). Headers are all the same size, so they cannot abort; every rank sees every header, so every
-rank reaches the same verdict: all post the payload, or all raise
-`RankMismatchError` naming the ranks and what each was doing, with no payload posted anywhere.
-The check blocks until every peer has reached the same collective, one round trip of 72 bytes per
-peer; the payload itself stays asynchronous.
+rank reaches the same verdict: all complete the collective, or all raise `RankMismatchError` naming
+the ranks and what each was doing, with no payload received anywhere.
+
+Native collectives (`agree`) are posted once the headers agreed: the check blocks until every peer
+reached the same collective. Our point-to-point exchanges do not wait ([Note: agreement without a
+round trip]).
+
+[Note: agreement without a round trip]
+A header is only a guard against receiving a payload of the wrong size, so an exchange posts its
+header and its payload together (`begin`) and checks the peers' headers when it is waited for
+(`settle`). The payload's tag is derived from the group's epoch, the collective and its size
+(`payload_tag`), so a receive can only meet a send of the same size and purpose: if the ranks disagree, the
+messages stay unmatched instead of killing the process, every rank raises at ``settle`` as before, and
+the group's epoch moves on so that nothing posted in that step can ever be matched later (the
+unmatched requests are kept in the group's record, never freed under gloo). The headers of several
+exchanges may be in flight at once: each carries its sequence number within the epoch, and
+``settle`` reads each peer's headers in the order they were sent, keeping those of exchanges not
+waited for yet. Each header receive is posted with its exchange, before its sends ([Note: receives
+before sends] in `_collectives`). Two different sizes could in principle hash to the same tag (one
+chance in 2^29 per pair of disagreeing exchanges): only in a step whose ranks disagree anyway, where
+gloo would then end the process, as it would without headers.
 
 A rank that raises in forward or backward (a user hook, the loss, a bad batch on one rank) leaves the
 step on its own. Its recovery calls `leave_step`, which sends every peer an ``Op.LEFT`` header: the
 next `agree` on each peer reads it and raises too, in the same step, so every rank gets an error and
 the ranks stay in step for the next iteration. Headers a rank posted in a step that was left are
-stale; the group's *epoch* counts steps left, every header carries it, and a header from an older
-epoch is skipped. A rank that learned of the departure from a peer (or whose error was a header
-mismatch every rank saw) does not announce it again (``left``). If a rank leaves a step that a peer
-already completed, the ranks may hold different parameters: that peer raises and the group is
-marked broken, as it is after a timeout or a dead peer (gloo cannot withdraw a posted receive, so
-the group's message streams can no longer be trusted); every later collective on it raises at once.
+stale; the group's *epoch* counts steps left (or refused after a disagreement), every header carries
+it, and a header from an older epoch is skipped. A rank that learned of the departure from a peer
+(or whose error was a header mismatch every rank saw) does not announce it again (``left``). If a
+rank leaves a step that a peer already completed, the ranks may hold different parameters: that peer
+raises and the group is marked broken, as it is after a timeout or a dead peer (gloo cannot withdraw a
+posted receive, so the group's message streams can no longer be trusted); every later collective on
+it raises at once.
 
 NCCL and other backends: no headers (reading one would synchronise the CPU with the GPU at every
 collective); the first iteration's order and structure check (`_exec_order_utils`) is what runs
@@ -33,8 +51,11 @@ there. See docs/troubleshooting.md.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import enum
+import struct
+import zlib
 from contextvars import ContextVar
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
@@ -51,6 +72,10 @@ __all__: list[str] = []
 # Far from the small tags user code picks, and from the payload tags in `_collectives`.
 _HEADER_TAG = 0x46530010
 _MAGIC = 0x46534450
+# An exchange's payload tag when headers are on: [_PAYLOAD_TAGS, _PAYLOAD_TAGS + _PAYLOAD_TAG_SPAN),
+# clear of the tags above and below 2**31 (gloo's tags are non-negative int32)
+_PAYLOAD_TAGS = 0x50000000
+_PAYLOAD_TAG_SPAN = 1 << 29
 
 
 class Op(enum.IntEnum):
@@ -111,7 +136,7 @@ _DTYPES = (
 )
 
 # ``origin``: an all-gather's shard dtype before a mixed-precision cast (see [Note: casts after sharding])
-_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin")
+_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin", "seq")
 _COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin")
 
 
@@ -127,7 +152,12 @@ class _GroupRecord:
     # prefetch) fail at once instead of meeting a peer that moved on; cleared by the next step
     abandoned: Optional[str] = None
     generation: int = 0  # bumped when a step starts or is left: see `settled`
-    pending: list[Any] = field(default_factory=list)  # `Op.LEFT` sends in flight
+    pending: list[Any] = field(default_factory=list)  # header sends in flight (`Op.LEFT` ones too)
+    seq: int = 0  # headers sent in this epoch ([Note: agreement without a round trip])
+    # per peer: header receives posted, oldest first, and headers read of this epoch not settled yet
+    posted: dict[int, collections.deque[tuple[torch.Tensor, Any]]] = field(default_factory=dict)
+    inbox: dict[int, dict[int, dict[str, int]]] = field(default_factory=dict)
+    unmatched: list[Any] = field(default_factory=list)  # payload requests of refused exchanges
     gloo: Optional[bool] = None  # the group's backend is gloo (None: not asked yet)
     several: bool = False  # the group has more than one rank
 
@@ -223,7 +253,7 @@ def leave_step(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
                     record.pending.append(dist.isend(header, dist.get_global_rank(group, peer), group, _HEADER_TAG))
         except RuntimeError as e:  # a peer is gone: nothing to tell it
             record.broken = f"a peer could not be told that this rank left step {record.step} ({e})"
-        record.epoch += 1
+        _new_epoch(record)
         record.left = True
         record.abandoned = None  # the step is over here; what follows belongs to the next
 
@@ -234,6 +264,8 @@ def saw_mismatch(group: Optional[dist.ProcessGroup], reason: str) -> None:
     if checks(group):
         assert group is not None
         record = _record(group)
+        if not record.left:  # exchanges of the step may still be posted: their tags must not match again
+            _new_epoch(record)
         record.left = True
         record.abandoned = reason
 
@@ -254,6 +286,13 @@ def _dtype_code(dtype: Optional[torch.dtype]) -> int:
     return _DTYPES.index(dtype) if dtype in _DTYPES else 99
 
 
+def _new_epoch(record: _GroupRecord) -> None:
+    """The step was left or refused on every rank: what was posted in it belongs to no later step."""
+    record.epoch += 1
+    record.seq = 0
+    record.inbox.clear()
+
+
 def _header(
     group: dist.ProcessGroup,
     record: _GroupRecord,
@@ -261,6 +300,7 @@ def _header(
     numel: int,
     dtype: Optional[torch.dtype],
     origin: Optional[torch.dtype] = None,
+    seq: int = -1,
 ) -> torch.Tensor:
     values = (
         _MAGIC,
@@ -272,6 +312,7 @@ def _header(
         _dtype_code(dtype),
         dist.get_world_size(group),
         _dtype_code(origin if origin != dtype else None),
+        seq,
     )
     return torch.tensor(values, dtype=torch.int64)
 
@@ -316,8 +357,33 @@ def agree(
     `RankMismatchError` (on every rank) if not. ``numel``: a size every rank must agree on; ``origin``:
     the dtype the payload was cast from, which every rank must agree on too. No-op where `checks` is
     false. See [Note: collective headers]."""
+    agreement = begin(group, op, numel, dtype, origin)
+    if agreement is not None:
+        settle(agreement)
+
+
+@dataclass
+class Agreement:
+    """A header sent to every peer and the receives of theirs, checked by `settle`."""
+
+    group: dist.ProcessGroup
+    mine: dict[str, int]
+    peers: list[int]
+    sends: list[Any]
+
+
+def begin(
+    group: dist.ProcessGroup,
+    op: Op,
+    numel: int,
+    dtype: Optional[torch.dtype],
+    origin: Optional[torch.dtype] = None,
+) -> Optional[Agreement]:
+    """Send this rank's header for a collective to every peer without waiting for theirs (None where
+    `checks` is false); `settle` checks it. Raises at once if the group is unusable or the step was
+    already abandoned. See [Note: agreement without a round trip]."""
     if not checks(group):
-        return
+        return None
     record = _record(group)
     if record.broken is not None:
         raise RankMismatchError(
@@ -326,30 +392,83 @@ def agree(
     if record.abandoned is not None and _purpose() < _FIRST_ENTRY_POINT:
         raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned})")
     record.pending = [w for w in record.pending if not w.is_completed()]
-    mine = _header(group, record, op, numel, dtype, origin)
+    record.unmatched = [w for w in record.unmatched if not w.is_completed()]
+    mine = _header(group, record, op, numel, dtype, origin, record.seq)
+    record.seq += 1
     me, size = dist.get_rank(group), dist.get_world_size(group)
     peers = [p for p in range(size) if p != me]
+    try:
+        for peer in peers:  # first: [Note: receives before sends]
+            record.posted.setdefault(peer, collections.deque()).append(_post_recv(group, peer))
+        sends = [dist.isend(mine, dist.get_global_rank(group, p), group, _HEADER_TAG) for p in peers]
+    except RuntimeError as e:
+        record.broken = f"a collective did not complete ({e})"
+        raise RuntimeError(f"{e}. While sending this rank's collective header{_entry_hint({_purpose()})}") from e
+    # held until done even if the exchange is refused unread: gloo must never see a request destroyed
+    # while it is still posted (it would write into freed memory)
+    record.pending.extend(sends)
+    return Agreement(group, dict(zip(_FIELDS, mine.tolist())), peers, sends)
+
+
+def payload_tag(agreement: Optional[Agreement], tag: int) -> int:
+    """The tag of an exchange's payload: ``tag`` itself without headers, else one that only a payload
+    of the same collective, size and epoch carries ([Note: agreement without a round trip])."""
+    if agreement is None:
+        return tag
+    h = agreement.mine
+    key = struct.pack("<7q", tag, h["epoch"], h["op"], h["purpose"], h["numel"], h["dtype"], h["origin"])
+    return _PAYLOAD_TAGS + zlib.crc32(key) % _PAYLOAD_TAG_SPAN
+
+
+def keep_unmatched(group: dist.ProcessGroup, requests: Iterable[Any]) -> None:
+    """The payload requests of a refused exchange: held by the group's record, so gloo never writes
+    into or reads from freed memory (nothing will match them: their epoch is over)."""
+    _record(group).unmatched.extend(requests)
+
+
+def settle(agreement: Agreement) -> None:
+    """Wait for every peer's header of ``agreement``'s collective and check it is the same one; raise
+    `RankMismatchError` (on every rank) if not."""
+    group, mine = agreement.group, agreement.mine
+    record = _record(group)
+    if mine["epoch"] != record.epoch:  # the step was left or refused meanwhile (here or by a peer)
+        raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned or 'it was left'})")
     theirs: dict[int, dict[str, int]] = {}
     try:
-        posted = {p: _post_recv(group, p) for p in peers}  # first: [Note: receives before sends]
-        sends = [dist.isend(mine, dist.get_global_rank(group, p), group, _HEADER_TAG) for p in peers]
-        while posted:
-            for peer, (buffer, work) in list(posted.items()):
-                work.wait()
-                header = dict(zip(_FIELDS, buffer.tolist()))
-                if header["epoch"] < record.epoch:  # posted in a step that was left: skip it
-                    posted[peer] = _post_recv(group, peer)
-                    continue
-                theirs[peer] = header
-                del posted[peer]
-        for send in sends:
-            if send is not None:
-                send.wait()
+        for peer in agreement.peers:
+            header = _header_of(group, record, peer, mine["seq"])
+            if header["epoch"] > mine["epoch"]:  # the peer refused the step already: [Note: ...]
+                theirs = {peer: header}
+                break
+            theirs[peer] = header
+        for send in agreement.sends:
+            send.wait()
     except RuntimeError as e:
         record.broken = f"a collective did not complete ({e})"
         hint = _entry_hint({_purpose()})
         raise RuntimeError(f"{e}. While waiting for the other ranks to reach this collective{hint}") from e
-    _verdict(group, record, dict(zip(_FIELDS, mine.tolist())), theirs)
+    _verdict(group, record, mine, theirs)
+
+
+def _header_of(group: dist.ProcessGroup, record: _GroupRecord, peer: int, seq: int) -> dict[str, int]:
+    """``peer``'s header number ``seq`` of this epoch, read in the order the peer sent its headers
+    (those of exchanges not settled yet are kept in the inbox); its departure (`Op.LEFT`) or a header
+    of a later epoch if the peer left or refused this step first."""
+    inbox = record.inbox.setdefault(peer, {})
+    while seq not in inbox:
+        queue = record.posted.setdefault(peer, collections.deque())
+        if not queue:  # each `begin` posted one; skipped stale headers used some
+            queue.append(_post_recv(group, peer))
+        buffer, work = queue[0]
+        work.wait()  # only then dropped: a request must not be destroyed while gloo may still fill it
+        queue.popleft()
+        header = dict(zip(_FIELDS, buffer.tolist()))
+        if header["epoch"] < record.epoch:  # posted in a step that was left: skip it
+            continue
+        if header["op"] == Op.LEFT or header["epoch"] > record.epoch:
+            return header
+        inbox[header["seq"]] = header
+    return inbox.pop(seq)
 
 
 def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
@@ -370,6 +489,18 @@ def _verdict(
 ) -> None:
     me = dist.get_rank(group)
     everyone = {**theirs, me: mine}
+    ahead = sorted(r for r, h in theirs.items() if h["op"] != Op.LEFT and h["epoch"] > mine["epoch"])
+    if ahead:  # a peer refused this step at an exchange this rank had not settled yet: so does this one
+        _new_epoch(record)
+        record.left = True
+        record.abandoned = f"rank(s) {ahead} abandoned it"
+        for r in ahead:  # the first header of its next step: keep it for that step
+            if theirs[r]["epoch"] == record.epoch:
+                record.inbox.setdefault(r, {})[theirs[r]["seq"]] = theirs[r]
+        raise RankMismatchError(
+            f"rank(s) {ahead} found that the ranks reached different collectives in this step and abandoned "
+            "it. Every rank must run the same modules, steps and collective calls in the same order"
+        )
     left = sorted(r for r, h in theirs.items() if h["op"] == Op.LEFT)
     if not left and all(
         all(h[k] == mine[k] for k in _COMPARED) and h["epoch"] == mine["epoch"] for h in theirs.values()
@@ -384,13 +515,14 @@ def _verdict(
                 f"rank(s) {left} raised in step {min(steps)} after this rank had completed that step ({detail}). "
                 "The ranks may now hold different parameters: restart from a checkpoint"
             )
-        record.epoch += 1
+        _new_epoch(record)
         record.left = True
         record.abandoned = f"rank(s) {left} left it"
         raise RankMismatchError(
             f"rank(s) {left} raised an exception in this step and left it ({detail}). Every rank abandons "
             "the step; the next one can run. See the failing rank's log for its exception"
         )
+    _new_epoch(record)  # on every rank: what was posted in this step must not match later
     record.left = True  # every rank saw the same headers: none announces leaving
     if _purpose() < _FIRST_ENTRY_POINT:
         record.abandoned = "the ranks reached different collectives"
@@ -402,6 +534,6 @@ def _verdict(
             "(model.half(), model.to(dtype), ...)"
         )
     raise RankMismatchError(
-        f"ranks reached different collectives ({detail}). Nothing was sent{hint}. Every rank must run the same "
+        f"ranks reached different collectives ({detail}). No rank completed it{hint}. Every rank must run the same "
         "modules, steps and collective calls in the same order"
     )

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from test_parity import _check, _gpt_policy, _mlp_manual_nesting
 
-from fsdp_composable import _collectives
+from fsdp_composable import _collectives, _rank_agreement
 
 
 def _compare_with_gloo(dtype: torch.dtype) -> dict[str, Any]:
@@ -84,3 +84,80 @@ def test_a_send_that_fails_while_posting_names_the_unit_at_wait(dist_run) -> Non
     for message in dist_run(2, _failing_post_is_reported_at_wait):
         expected = "fully_shard: the all-gather of unit 'blocks.1' did not complete: Connection closed by peer"
         assert message.startswith(expected), message
+
+
+def _issue_then_meet(numel_by_rank: list[int]) -> dict[str, Any]:
+    """Rank 0 issues an all-gather and only then waits at a barrier that the other ranks reach before
+    they issue theirs: an exchange that waited for the peers' headers before returning would hang here.
+    Then the ranks gather again, each with its own size, and once more with one size."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    out = torch.empty(world * 5)
+    if rank == 0:
+        work = _collectives.all_gather(out, torch.full((5,), 1.0), group)
+        dist.barrier()
+    else:
+        dist.barrier()
+        work = _collectives.all_gather(out, torch.full((5,), float(rank + 1)), group)
+    _collectives.wait(work, "test")
+    gathered = out.tolist()
+    numel = numel_by_rank[rank]
+    mismatch = ""
+    try:
+        _collectives.wait(_collectives.all_gather(torch.empty(world * numel), torch.ones(numel), group), "test")
+    except Exception as e:  # noqa: BLE001
+        mismatch = f"{type(e).__name__}"
+    _rank_agreement.start_step(group)  # what the next root forward does: the refused step is over
+    again = torch.empty(world * 3)
+    _collectives.wait(_collectives.all_gather(again, torch.full((3,), float(rank)), group), "test")
+    return {"gathered": gathered, "mismatch": mismatch, "again": again.tolist()}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_exchange_is_posted_before_the_peers_headers_arrive(dist_run, world_size: int) -> None:
+    """[Note: agreement without a round trip]: the payload goes out with the header; a disagreement on
+    the size is still an error on every rank (no receive met a send of another size: no abort) and the
+    next exchange gets its own data, not a message left over from the refused one."""
+    sizes = [4] * world_size
+    sizes[-1] = 6
+    results = dist_run(world_size, _issue_then_meet, sizes)
+    for r in results:
+        assert r["gathered"] == [float(x) for x in range(1, world_size + 1) for _ in range(5)], r
+        assert r["mismatch"] == "RankMismatchError", r
+        assert r["again"] == [float(x) for x in range(world_size) for _ in range(3)], r
+
+
+def _refused_after_posting() -> dict[str, Any]:
+    """Rank 0 issues an all-gather, then leaves the step (as its recovery does after an exception)
+    before waiting for it: its exchange is refused (discarded: its step is over), but the peer, which
+    read the matching header rank 0 sent with it, completes it, so rank 0's receive still gets
+    written. It must stay posted into memory nobody frees (`left_posted`), and the group must keep
+    working for the next step."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    out = torch.zeros(world * 4)
+    work = _collectives.InFlight(work=_collectives.all_gather(out, torch.full((4,), float(rank + 1)), group))
+    if rank == 0:
+        _rank_agreement.leave_step([group])
+    outcome = "completed"
+    try:
+        work.wait("the test all-gather")
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    if rank != 0:  # the departure reaches the peer at its next collective of the step
+        try:
+            _collectives.wait(_collectives.all_gather(torch.empty(world), torch.ones(1), group), "test")
+        except Exception as e:  # noqa: BLE001
+            outcome += f", then {type(e).__name__}"
+    _rank_agreement.start_step(group)
+    again = torch.empty(world * 2)
+    _collectives.wait(_collectives.all_gather(again, torch.full((2,), float(rank)), group), "test")
+    return {"outcome": outcome, "left_posted": _collectives.left_posted(work), "again": again.tolist()}
+
+
+def test_refused_exchange_keeps_its_posted_receive(dist_run) -> None:
+    r0, r1 = dist_run(2, _refused_after_posting)
+    # waited for after its step was left, the refused exchange is discarded (as the recovery does)
+    assert (r0["outcome"], r0["left_posted"]) == ("completed", True), r0
+    assert (r1["outcome"], r1["left_posted"]) == ("completed, then RankMismatchError", False), r1
+    assert r0["again"] == r1["again"] == [0.0, 0.0, 1.0, 1.0]

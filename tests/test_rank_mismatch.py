@@ -96,9 +96,9 @@ def _reference(skipped: set[int], steps: int) -> dict[str, torch.Tensor]:
     return ref.state_dict()
 
 
-def _sharded() -> tuple[nn.Module, torch.optim.Optimizer]:
+def _sharded(forward_prefetch: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
+    model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}), forward_prefetch=forward_prefetch)
     return model, torch.optim.SGD(model.parameters(), lr=0.1)
 
 
@@ -111,11 +111,13 @@ def _raise_alone(where: str) -> dict[str, Any]:
     """Rank 1 raises in step 1 (in a block's forward, or in backward) and carries on, as a training
     loop that catches errors would; rank 0 does nothing wrong."""
     rank = dist.get_rank()
-    model, opt = _sharded()
+    # with forward prefetch the next block's all-gather is in flight when rank 1 raises: its exchange
+    # is refused on rank 1 after its payload was posted, while rank 0 completes it
+    model, opt = _sharded(forward_prefetch=where == "forward with prefetch")
     fail = {"now": False}
 
     def forward_hook(module: nn.Module, args: Any) -> None:
-        if fail["now"] and where == "forward":
+        if fail["now"] and where.startswith("forward"):
             raise ValueError("a bad batch on rank 1")
 
     def grad_hook(grad: torch.Tensor) -> torch.Tensor:
@@ -135,7 +137,7 @@ def _raise_alone(where: str) -> dict[str, Any]:
     return {"errors": errors, "diff": _max_diff(model, _reference({1}, 4))}
 
 
-@pytest.mark.parametrize("where", ["forward", "backward"])
+@pytest.mark.parametrize("where", ["forward", "forward with prefetch", "backward"])
 def test_rank_raising_alone_after_first_iteration(pool: DistPool, where: str) -> None:
     """Every rank gets an error in the failed step, then all train on as if it never happened."""
     r0, r1 = pool.run(_raise_alone, where, timeout=60)
@@ -205,11 +207,11 @@ def test_state_dict_on_one_rank_then_training(pool: DistPool) -> None:
         r["message"] = re.sub(r"\(step (\d+)\)", lambda m: f"(step {int(m[1]) - base})", r["message"])
     tc.assertExpectedInline(
         r0["message"],
-        """RankMismatchError: fully_shard: the state_dict() all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the state_dict() all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r1["message"],
-        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). Nothing was sent; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     assert r0["diff"] < 1e-6 and r1["diff"] < 1e-6, (r0, r1)
 
