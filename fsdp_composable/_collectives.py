@@ -292,6 +292,31 @@ def reduce_scatter(
         )
 
 
+@dataclass
+class InOrder:
+    """Collectives issued back to back (on one stream), waited for as one, in the order issued."""
+
+    works: list[Waitable]
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def in_order(*collectives: Callable[[], Optional[Waitable]]) -> Optional[Waitable]:
+    """Issue each collective in turn; one refused by the ranks (see [Note: collective headers])
+    stops the rest, and waiting raises its error."""
+    works: list[Waitable] = []
+    for collective in collectives:
+        work = collective()
+        if work is not None:
+            works.append(work)
+        if isinstance(work, Exchange) and work.error is not None:
+            break
+    return InOrder(works) if works else None
+
+
 def wait(work: Optional[Waitable], what: str) -> None:
     """Wait for ``work``; on failure say which collective of which unit never completed."""
     if work is None:

@@ -74,11 +74,21 @@ def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torc
     """The flags as a tensor made on ``device`` without copying host data (no synchronisation)."""
     if device.type == "cpu":
         return torch.tensor(got, dtype=dtype)
-    out = torch.ones(len(got), dtype=dtype, device=device)
+    out = torch.empty(len(got), dtype=dtype, device=device)
+    write_flags(got, out)
+    return out
+
+
+def write_flags(got: Sequence[bool], into: torch.Tensor) -> None:
+    """Write the flags into ``into`` (the tail of a reduction's buffer), on its device, without
+    copying host data to a device (no synchronisation)."""
+    if into.device.type == "cpu":
+        into.copy_(torch.tensor(got, dtype=into.dtype))
+        return
+    into.fill_(1)
     for i, present in enumerate(got):
         if not present:
-            out[i] = 0
-    return out
+            into[i] = 0
 
 
 def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor) -> list[torch.Tensor]:
@@ -102,8 +112,11 @@ def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor
     return out
 
 
-def present(got: Optional[list[bool]], reduced_flags: torch.Tensor) -> Optional[list[bool]]:
-    """Which parameters have a gradient on some rank (None: all of them, or unknown)."""
+def present(got: Optional[list[bool]], reduced_flags: Optional[torch.Tensor]) -> Optional[list[bool]]:
+    """Which parameters have a gradient on some rank (None: all of them, or unknown).
+    ``reduced_flags`` None: no other rank, this rank's own flags are the answer."""
     if got is None or all(got):
         return None
+    if reduced_flags is None:
+        return list(got)
     return (reduced_flags > 0).tolist()  # type: ignore[no-any-return]

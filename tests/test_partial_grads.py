@@ -3,7 +3,9 @@ has a gradient if any rank's backward produced one, otherwise its ``.grad`` stay
 when accumulating), also when other parameters of its unit did get one. Each case trains a sharded
 copy next to the unsharded model on the same global batch with AdamW (weight decay and momentum move
 a parameter whose ``.grad`` is a zero tensor, so zeros instead of None show up in the weights), and
-compares after every step which ``.grad`` are None. Float64, odd sizes (every unit is padded)."""
+compares after every step which ``.grad`` are None. Float64, odd sizes (every unit is padded).
+"native": gloo's own collectives instead of the point-to-point exchanges, the path NCCL takes (the
+flat gradient reduce-scattered as it is, the flags by their own all-reduce)."""
 
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
+    _collectives,
     fully_shard,
     no_sync,
     unshard_params,
@@ -113,9 +116,19 @@ def _grad_none(model: nn.Module) -> list[bool | None]:
     return [None if p.numel() == 0 else p.grad is None for p in model.parameters()]
 
 
-def train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[str, Any]:
+def train(api: str, strategy: str, schedule_name: str, accumulate: str, native: bool = False) -> dict[str, Any]:
     """``accumulate``: "plain" (one backward after another) or "no_sync" (all but the last micro-batch
-    of a step inside ``no_sync``)."""
+    of a step inside ``no_sync``); ``native``: gloo's own collectives (see the module docstring)."""
+    real = _collectives.point_to_point
+    if native:
+        _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
+    try:
+        return _train(api, strategy, schedule_name, accumulate)
+    finally:
+        _collectives.point_to_point = real  # type: ignore[assignment]
+
+
+def _train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[str, Any]:
     schedule = STEPS if schedule_name == "steps" else ACCUMULATE
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -149,39 +162,48 @@ def train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[
 
 
 CASES = [
-    pytest.param(2, "fully_shard", "FULL_SHARD", id="fully_shard-FULL_SHARD-2"),
-    pytest.param(4, "fully_shard", "FULL_SHARD", id="fully_shard-FULL_SHARD-4"),
-    pytest.param(2, "fully_shard", "SHARD_GRAD_OP", id="fully_shard-SHARD_GRAD_OP-2"),
-    pytest.param(2, "fully_shard", "NO_SHARD", id="fully_shard-NO_SHARD-2"),
-    pytest.param(4, "fully_shard", "HYBRID_SHARD", id="fully_shard-HYBRID_SHARD-4"),
-    pytest.param(2, "wrapper", "FULL_SHARD", id="wrapper-FULL_SHARD-2"),
-    pytest.param(4, "wrapper", "SHARD_GRAD_OP", id="wrapper-SHARD_GRAD_OP-4"),
-    pytest.param(4, "wrapper", "NO_SHARD", id="wrapper-NO_SHARD-4"),
-    pytest.param(4, "wrapper", "HYBRID_SHARD", id="wrapper-HYBRID_SHARD-4"),
+    pytest.param(1, "fully_shard", "FULL_SHARD", False, id="fully_shard-1"),
+    pytest.param(2, "fully_shard", "FULL_SHARD", True, id="fully_shard-FULL_SHARD-2-native"),
+    pytest.param(4, "fully_shard", "FULL_SHARD", True, id="fully_shard-FULL_SHARD-4-native"),
+    pytest.param(4, "wrapper", "HYBRID_SHARD", True, id="wrapper-HYBRID_SHARD-4-native"),
+    pytest.param(2, "fully_shard", "FULL_SHARD", False, id="fully_shard-FULL_SHARD-2"),
+    pytest.param(4, "fully_shard", "FULL_SHARD", False, id="fully_shard-FULL_SHARD-4"),
+    pytest.param(2, "fully_shard", "SHARD_GRAD_OP", False, id="fully_shard-SHARD_GRAD_OP-2"),
+    pytest.param(2, "fully_shard", "NO_SHARD", False, id="fully_shard-NO_SHARD-2"),
+    pytest.param(4, "fully_shard", "HYBRID_SHARD", False, id="fully_shard-HYBRID_SHARD-4"),
+    pytest.param(2, "wrapper", "FULL_SHARD", False, id="wrapper-FULL_SHARD-2"),
+    pytest.param(4, "wrapper", "SHARD_GRAD_OP", False, id="wrapper-SHARD_GRAD_OP-4"),
+    pytest.param(4, "wrapper", "NO_SHARD", False, id="wrapper-NO_SHARD-4"),
+    pytest.param(4, "wrapper", "HYBRID_SHARD", False, id="wrapper-HYBRID_SHARD-4"),
 ]
 
 
-@pytest.mark.parametrize("world,api,strategy", CASES)
-def test_unused_parameters_of_a_used_unit_keep_grad_none(dist_run, world: int, api: str, strategy: str) -> None:
-    for r in dist_run(world, train, api, strategy, "steps", "plain"):
+@pytest.mark.parametrize("world,api,strategy,native", CASES)
+def test_unused_parameters_of_a_used_unit_keep_grad_none(
+    dist_run, world: int, api: str, strategy: str, native: bool
+) -> None:
+    for r in dist_run(world, train, api, strategy, "steps", "plain", native):
         assert r["mismatches"] == []
         assert r["diff"] < 1e-12
 
 
 @pytest.mark.parametrize(
-    "world,api,strategy,accumulate",
+    "world,api,strategy,accumulate,native",
     [
-        (2, "fully_shard", "FULL_SHARD", "plain"),
-        (4, "fully_shard", "FULL_SHARD", "no_sync"),
-        (2, "fully_shard", "NO_SHARD", "no_sync"),
-        (2, "wrapper", "SHARD_GRAD_OP", "no_sync"),
-        (4, "wrapper", "HYBRID_SHARD", "no_sync"),
-        (4, "fully_shard", "HYBRID_SHARD", "plain"),
+        (1, "fully_shard", "FULL_SHARD", "no_sync", False),
+        (2, "fully_shard", "FULL_SHARD", "no_sync", True),
+        (4, "fully_shard", "HYBRID_SHARD", "no_sync", True),
+        (2, "fully_shard", "FULL_SHARD", "plain", False),
+        (4, "fully_shard", "FULL_SHARD", "no_sync", False),
+        (2, "fully_shard", "NO_SHARD", "no_sync", False),
+        (2, "wrapper", "SHARD_GRAD_OP", "no_sync", False),
+        (4, "wrapper", "HYBRID_SHARD", "no_sync", False),
+        (4, "fully_shard", "HYBRID_SHARD", "plain", False),
     ],
 )
 def test_accumulation_keeps_none_only_if_no_backward_touched_it(
-    dist_run, world: int, api: str, strategy: str, accumulate: str
+    dist_run, world: int, api: str, strategy: str, accumulate: str, native: bool
 ) -> None:
-    for r in dist_run(world, train, api, strategy, "accumulate", accumulate):
+    for r in dist_run(world, train, api, strategy, "accumulate", accumulate, native):
         assert r["mismatches"] == []
         assert r["diff"] < 1e-12
