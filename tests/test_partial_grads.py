@@ -15,6 +15,7 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from reduction_copies import reduction_copies
 from torch import nn
 
 from fsdp_composable import (
@@ -207,3 +208,46 @@ def test_accumulation_keeps_none_only_if_no_backward_touched_it(
     for r in dist_run(world, train, api, strategy, "accumulate", accumulate, native):
         assert r["mismatches"] == []
         assert r["diff"] < 1e-12
+
+
+def _reduction_copies(strategy: str, native: bool) -> dict[str, Any]:
+    """Steady-state backwards (with unused parameters, so the flags matter): the copies of a unit's
+    whole gradient each reduction makes while it is issued, and its collectives."""
+    real = _collectives.point_to_point
+    if native:
+        _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = _shard(Net().double(), "fully_shard", strategy)
+        x = _x(0, 0)[:3]
+        _loss(model, x, {"head": True}).backward()  # the first iteration checks the order across ranks
+        with reduction_copies() as seen:
+            for use in ({"head": True, "skip": True}, {"first": True}):
+                _loss(model, x, use).backward()
+        units = len(fully_shard.state(model).handles)
+        return {"copies": seen.copies, "collectives": seen.collectives, "units": units}
+    finally:
+        _collectives.point_to_point = real  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    "world,strategy,native",
+    [
+        (1, "FULL_SHARD", False),  # world size 1: NO_SHARD, the flags are this rank's own
+        (2, "NO_SHARD", False),  # the flags ride after the gradient, in its all-reduce
+        (2, "FULL_SHARD", True),  # the flags: their own all-reduce after the reduce-scatter
+        (4, "HYBRID_SHARD", True),  # and the all-reduce across replicas (of both) later
+    ],
+)
+def test_reduction_copies_no_unit_sized_tensor(dist_run, world: int, strategy: str, native: bool) -> None:
+    """Carrying the flags costs no copy of a unit's gradient: NO_SHARD sends the gradient buffer
+    itself (alone, with no collective at all), native collectives (NCCL's path) take the flat
+    gradient as it is."""
+    for r in dist_run(world, _reduction_copies, strategy, native):
+        assert r["copies"] == []
+        seen = r["collectives"]
+        if strategy == "NO_SHARD" or world == 1:  # one all-reduce of the buffer (flags included) each, or none
+            assert {c.split()[0] for c in seen} == ({"all_reduce"} if world > 1 else set()), seen
+        else:  # each reduce-scatter followed by the all-reduce of its unit's 6 flags
+            scatters = [i for i, c in enumerate(seen) if c.startswith("reduce_scatter")]
+            assert scatters and all(seen[i + 1] == "all_reduce 6" for i in scatters), seen
