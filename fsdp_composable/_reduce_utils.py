@@ -247,16 +247,27 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> torch.Tensor:
-    """This backward's gradient as one padded unsharded tensor (FLAT: the buffer itself)."""
+    """This backward's gradient as one padded unsharded tensor (FLAT: the buffer itself; AUTOGRAD: one
+    concatenation of autograd's gradients, which writes each element once, with no zero fill first),
+    laid out as `_grad_buffer`."""
     grads = handle.grads
     if grads.buffer is not None:
         return grads.buffer
-    flat = _grad_buffer(handle, handle.compute_dtype)
+    dtype, numel, room = handle.compute_dtype, handle.layout.padded_numel, _flag_room(handle)
+    pieces: list[torch.Tensor] = []
+    at = 0
     with torch.no_grad():
-        for view, grad in zip(handle.views_of(flat), parts):
-            if grad is not None:
-                view.copy_(grad)
-    return flat
+        for info, grad in zip(handle.layout.infos, parts):
+            if info.offset > at:
+                pieces.append(_zeros(handle, info.offset - at, dtype))
+            if grad is None:
+                pieces.append(_zeros(handle, info.numel, dtype))
+            else:
+                pieces.append(grad.reshape(-1).to(device=handle.device, dtype=dtype))
+            at = info.offset + info.numel
+        pieces.append(_zeros(handle, numel + room - at, dtype))  # the padding (and the flags' room)
+        whole = torch.cat(pieces)
+    return whole[:numel] if room else whole
 
 
 def stage_for_no_sync(handle: FlatParamHandle) -> None:

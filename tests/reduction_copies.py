@@ -1,6 +1,8 @@
-"""What a gradient reduction copies: every data copy of at least a unit's whole (padded) gradient made
-while `_reduce_utils.start_reduce` issues that unit's reduction (used by test_partial_grads.py and
-device_audit_world.py)."""
+"""What a gradient reduction copies: every copy of a unit's whole (padded) gradient made while
+`_reduce_utils.start_reduce` issues that unit's reduction: a copy of at least that size reading a
+tensor whose memory holds at least that much (the gradient buffer or slices of it; autograd's separate
+gradients assembled into one tensor are not counted). Used by test_partial_grads.py and
+device_audit_world.py."""
 
 from __future__ import annotations
 
@@ -21,6 +23,13 @@ _COPIES = {
 }
 
 
+def _read(func: Any, args: Any) -> list[torch.Tensor]:
+    """The tensors a copy reads."""
+    if func is torch.ops.aten.cat.default:
+        return list(args[0])
+    return [args[1] if func is torch.ops.aten.copy_.default else args[0]]
+
+
 class _Copies(TorchDispatchMode):
     def __init__(self, least: int, unit: str, seen: list[str]) -> None:
         super().__init__()
@@ -29,7 +38,10 @@ class _Copies(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         out = func(*args, **(kwargs or {}))
         if func in _COPIES and isinstance(out, torch.Tensor) and out.numel() >= self.least:
-            self.seen.append(f"{func.__name__} of {out.numel()} elements (unit '{self.unit}')")
+            # read from memory of a whole unit's gradient (the buffer, or a slice of it): not autograd's
+            # separate gradients assembled into one tensor
+            if any(t.untyped_storage().nbytes() >= self.least * t.element_size() for t in _read(func, args)):
+                self.seen.append(f"{func.__name__} of {out.numel()} elements (unit '{self.unit}')")
         return out
 
 
@@ -42,7 +54,8 @@ class Seen:
 @contextlib.contextmanager
 def reduction_copies() -> Iterator[Seen]:
     """Collect, per reduction issued meanwhile, each copy (``cat``, ``copy_``, ``clone``, ``to``) of
-    at least its unit's whole padded gradient made while issuing it, and the collectives it issued."""
+    its unit's whole gradient made while issuing it (see the module docstring), and the collectives
+    issued meanwhile."""
     seen = Seen()
     real = _reduce_utils.start_reduce
     real_collectives = {name: getattr(_collectives, name) for name in ("reduce_scatter", "all_reduce")}
