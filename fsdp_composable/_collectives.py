@@ -277,7 +277,7 @@ def reduce_scatter(
 
     ``full`` may be given as 1-D parts whose concatenation it is (a unit's gradients, one per
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
-    concatenated first."""
+    concatenated first (the gradient reductions give parts to the point-to-point exchange only)."""
     parts = [full.view(-1)] if isinstance(full, torch.Tensor) else list(full)
     with _trace.span("reduce_scatter", None, output):
         if point_to_point(group, output.device):

@@ -17,7 +17,10 @@ Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
   its backward instead of being allocated whole at its start.
 Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend
 (nothing could be reduced before the end of backward, so there is no point holding a buffer through
-it); on NCCL their gradients are added into a flat buffer there. On CUDA every tensor a reduction
+it); on NCCL their gradients are concatenated into one flat tensor there (one write per element,
+no zero fill). World size 1 keeps FLAT, the buffer becoming the gradient uncopied: against AUTOGRAD
+plus one concatenation (benchmark GPT, one CPU thread) zero fill and accumulation took about 25 ms
+a step, the concatenation about 29 ms, and FLAT's step medians were ahead by about 1%. On CUDA every tensor a reduction
 reads is made on the compute stream before it is issued and kept until the compute stream waited
 for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in
 parts.
@@ -199,15 +202,6 @@ def _grad_buffer(handle: FlatParamHandle, dtype: torch.dtype, zero: bool = True)
     return whole[:numel] if room else whole
 
 
-def _with_room(front: torch.Tensor, room: int) -> Optional[torch.Tensor]:
-    """``front`` (1-D, from `_grad_buffer`) and the ``room`` elements after it in its storage, as one
-    tensor; None if its storage has no room there."""
-    end = (front.storage_offset() + front.numel() + room) * front.element_size()
-    if not front.is_contiguous() or front.untyped_storage().nbytes() < end:
-        return None
-    return front.as_strided((front.numel() + room,), (1,))
-
-
 def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
     """This backward's gradient of each original parameter (None: it got none), detached from the
     parameters, and whether it got one (see [Note: which parameters got a gradient]). In FLAT mode
@@ -342,7 +336,7 @@ def start_reduce(
         # how the flags travel: [Note: which parameters got a gradient]
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
             room = _flag_room(handle)
-            whole = _with_room(send[0], room) if room else send[0]
+            whole = _grad_presence.with_room(send[0], room) if room else send[0]
             assert whole is not None, "a NO_SHARD gradient buffer without room for the flags"
             out = whole
             if room:  # the flags ride after the gradient, in the same all-reduce
