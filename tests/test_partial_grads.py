@@ -95,7 +95,11 @@ def _x(step: int, micro: int) -> torch.Tensor:
 def _groups(strategy: str) -> Any:
     if strategy != "HYBRID_SHARD":
         return None
-    rank = dist.get_rank()  # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
+    rank = dist.get_rank()
+    if dist.get_world_size() == 2:  # shard groups of one rank: NO_SHARD's layout, all-reduced across replicas
+        shards = [dist.new_group([0]), dist.new_group([1])]
+        return (shards[rank], dist.new_group([0, 1]))
+    # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     return (shards[rank // 2], replicas[rank % 2])
@@ -172,6 +176,7 @@ CASES = [
     pytest.param(2, "fully_shard", "SHARD_GRAD_OP", False, id="fully_shard-SHARD_GRAD_OP-2"),
     pytest.param(2, "fully_shard", "NO_SHARD", False, id="fully_shard-NO_SHARD-2"),
     pytest.param(4, "fully_shard", "HYBRID_SHARD", False, id="fully_shard-HYBRID_SHARD-4"),
+    pytest.param(2, "fully_shard", "HYBRID_SHARD", False, id="fully_shard-HYBRID_SHARD-1x2"),
     pytest.param(2, "wrapper", "FULL_SHARD", False, id="wrapper-FULL_SHARD-2"),
     pytest.param(4, "wrapper", "SHARD_GRAD_OP", False, id="wrapper-SHARD_GRAD_OP-4"),
     pytest.param(4, "wrapper", "NO_SHARD", False, id="wrapper-NO_SHARD-4"),
@@ -200,6 +205,7 @@ def test_unused_parameters_of_a_used_unit_keep_grad_none(
         (2, "wrapper", "SHARD_GRAD_OP", "no_sync", False),
         (4, "wrapper", "HYBRID_SHARD", "no_sync", False),
         (4, "fully_shard", "HYBRID_SHARD", "plain", False),
+        (2, "fully_shard", "HYBRID_SHARD", "no_sync", True),  # shard groups of one rank
     ],
 )
 def test_accumulation_keeps_none_only_if_no_backward_touched_it(
