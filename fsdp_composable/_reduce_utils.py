@@ -20,10 +20,10 @@ Units reduced in the final callback (their trigger never fires) take AUTOGRAD on
 it); on NCCL their gradients are concatenated into one flat tensor there (one write per element,
 no zero fill). World size 1 keeps FLAT, the buffer becoming the gradient uncopied: against AUTOGRAD
 plus one concatenation (benchmark GPT, one CPU thread) zero fill and accumulation took about 25 ms
-a step, the concatenation about 29 ms, and FLAT's step medians were ahead by about 1%. On CUDA every tensor a reduction
-reads is made on the compute stream before it is issued and kept until the compute stream waited
-for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in
-parts.
+a step, the concatenation about 29 ms, and FLAT's step medians were ahead by about 1%. On CUDA
+every tensor a reduction reads is made on the compute stream before it is issued and kept until the
+compute stream waited for it ([Note: streams without record_stream]), which is why only CPU
+tensors on gloo are sent in parts.
 
 [Note: the gradient lifecycle]
 ``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
