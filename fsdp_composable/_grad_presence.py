@@ -1,5 +1,5 @@
 """Which original parameters of a unit got a gradient: decided per parameter, agreed across ranks,
-carried inside the gradient reduction itself.
+carried with the gradient reduction.
 
 [Note: which parameters got a gradient]
 A unit is one flat parameter, but a gradient belongs to an original parameter. A backward may give
@@ -29,7 +29,8 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
     the padded gradient (``_reduce_utils._grad_buffer``; ``.grad`` views cover its front), so the one
     all-reduce takes the whole buffer, flags included: no second collective, which on gloo would
     also cost a header round trip.
-  - Alone (world size 1 without replicas): no collective at all; this rank's flags are the answer.
+  - Alone (world size 1 without replicas): no collective at all, and the gradient buffer itself
+    becomes the sharded gradient; this rank's flags are the answer (``PendingReduce.own_flags``).
 - Reading the flags is a host read (a device synchronisation on CUDA); a rank whose own backward
   gave every parameter of the unit a gradient knows the answer without reading (`present`), so a
   step where everything gets a gradient stays free of host synchronisation.
