@@ -317,7 +317,7 @@ def reduce_scatter(
 
     ``full`` may be given as 1-D parts whose concatenation it is (a unit's gradients, one per
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
-    concatenated first."""
+    concatenated first (the gradient reductions give parts to the point-to-point exchange only)."""
     parts = [full.view(-1)] if isinstance(full, torch.Tensor) else list(full)
     with _trace.span("reduce_scatter", None, output):
         if point_to_point(group, output.device):
@@ -330,6 +330,31 @@ def reduce_scatter(
             flat.numel(),
             lambda: _reduce_scatter(output, flat, op=dist.ReduceOp.SUM, group=group, async_op=async_op),
         )
+
+
+@dataclass
+class InOrder:
+    """Collectives issued back to back (on one stream), waited for as one, in the order issued."""
+
+    works: list[Waitable]
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def in_order(*collectives: Callable[[], Optional[Waitable]]) -> Optional[Waitable]:
+    """Issue each collective in turn; one refused by the ranks (see [Note: collective headers])
+    stops the rest, and waiting raises its error."""
+    works: list[Waitable] = []
+    for collective in collectives:
+        work = collective()
+        if work is not None:
+            works.append(work)
+        if isinstance(work, Exchange) and work.error is not None:
+            break
+    return InOrder(works) if works else None
 
 
 def wait(work: Optional[Waitable], what: str) -> None:

@@ -1,5 +1,5 @@
 """Which original parameters of a unit got a gradient: decided per parameter, agreed across ranks,
-carried inside the gradient reduction itself.
+carried with the gradient reduction.
 
 [Note: which parameters got a gradient]
 A unit is one flat parameter, but a gradient belongs to an original parameter. A backward may give
@@ -13,14 +13,24 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   None after its unit's backward. With the flat buffer (FLAT) ``.grad`` is our view before the
   backward starts, so a post-accumulate-grad hook on each trainable original parameter (registered
   once, `watch_accumulation`) marks the ones autograd wrote into.
-- Across ranks: the unit's reduction carries one extra element per original parameter (1 where
-  this rank's backward, or an earlier ``no_sync`` micro-batch, produced a gradient, else 0) at the
-  end of every rank's chunk of the reduce-scatter input (`with_presence`), so each rank's reduced
-  shard ends with the sum over ranks of those flags: positive means "some rank had a gradient".
-  HYBRID_SHARD's all-reduce across replicas reduces the flags with the shard; NO_SHARD's all-reduce
-  sends them after the gradient. On gloo the pieces are sent as they are (no copy); other backends
-  concatenate a list of pieces into the one tensor they reduce (`_collectives.reduce_scatter`), one
-  copy of the unit's gradient. No collective of its own, and no message per parameter.
+- Across ranks: one element per original parameter (1 where this rank's backward, or an earlier
+  ``no_sync`` micro-batch, produced a gradient, else 0) is summed over ranks with the unit's
+  reduction, and lands right after the reduced gradient in the reduction's output: positive means
+  "some rank had a gradient". HYBRID_SHARD's all-reduce across replicas takes that output whole, so
+  it reduces the flags with the shard. Never a copy of the unit's gradient to carry them:
+  - gloo (point-to-point exchange): the flags end every rank's chunk of the reduce-scatter input
+    (`with_presence`), sent as pieces as they are; no collective of their own.
+  - NCCL and other backends reduce-scatter the flat gradient buffer as it is and all-reduce the flags
+    (written into the output's tail) right after it, on the same stream, waited for with it: a
+    second, tiny collective per unit. The alternative, a chunk-by-chunk input with the flags after
+    every chunk, is a concatenation of the whole gradient and a second unit-sized buffer alive
+    during every reduce-scatter.
+  - NO_SHARD with other ranks: the unit's gradient buffer is allocated with room for the flags after
+    the padded gradient (``_reduce_utils._grad_buffer``; ``.grad`` views cover its front), so the one
+    all-reduce takes the whole buffer, flags included: no second collective, which on gloo would
+    also cost a header round trip.
+  - Alone (world size 1 without replicas): no collective at all, and the gradient buffer itself
+    becomes the sharded gradient; this rank's flags are the answer (``PendingReduce.own_flags``).
 - Reading the flags is a host read (a device synchronisation on CUDA); a rank whose own backward
   gave every parameter of the unit a gradient knows the answer without reading (`present`), so a
   step where everything gets a gradient stays free of host synchronisation.
@@ -74,11 +84,21 @@ def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torc
     """The flags as a tensor made on ``device`` without copying host data (no synchronisation)."""
     if device.type == "cpu":
         return torch.tensor(got, dtype=dtype)
-    out = torch.ones(len(got), dtype=dtype, device=device)
+    out = torch.empty(len(got), dtype=dtype, device=device)
+    write_flags(got, out)
+    return out
+
+
+def write_flags(got: Sequence[bool], into: torch.Tensor) -> None:
+    """Write the flags into ``into`` (the tail of a reduction's buffer), on its device, without
+    copying host data to a device (no synchronisation)."""
+    if into.device.type == "cpu":
+        into.copy_(torch.tensor(got, dtype=into.dtype))
+        return
+    into.fill_(1)
     for i, present in enumerate(got):
         if not present:
-            out[i] = 0
-    return out
+            into[i] = 0
 
 
 def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor) -> list[torch.Tensor]:
@@ -102,8 +122,20 @@ def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor
     return out
 
 
-def present(got: Optional[list[bool]], reduced_flags: torch.Tensor) -> Optional[list[bool]]:
-    """Which parameters have a gradient on some rank (None: all of them, or unknown)."""
+def with_room(front: torch.Tensor, room: int) -> Optional[torch.Tensor]:
+    """``front`` (1-D: a NO_SHARD gradient buffer's view) and the ``room`` elements after it in its
+    storage, as one tensor; None if its storage has no room there."""
+    end = (front.storage_offset() + front.numel() + room) * front.element_size()
+    if not front.is_contiguous() or front.untyped_storage().nbytes() < end:
+        return None
+    return front.as_strided((front.numel() + room,), (1,))
+
+
+def present(got: Optional[list[bool]], reduced_flags: Optional[torch.Tensor]) -> Optional[list[bool]]:
+    """Which parameters have a gradient on some rank (None: all of them, or unknown).
+    ``reduced_flags`` None: no other rank, this rank's own flags are the answer."""
     if got is None or all(got):
         return None
+    if reduced_flags is None:
+        return list(got)
     return (reduced_flags > 0).tolist()  # type: ignore[no-any-return]

@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import Block, TinyGPT, gpt_loss  # noqa: E402
+from reduction_copies import reduction_copies  # noqa: E402
 from stream_recorder import check_streams, recording, storage_key  # noqa: E402
 
 import fsdp_composable as fc  # noqa: E402
@@ -311,6 +312,21 @@ def no_self_copies() -> None:
         assert mode.count == 0, f"{strategy.name}: {mode.count} gradients copied onto themselves in two steps"
 
 
+def no_unit_sized_copy_for_the_flags() -> None:
+    """The reductions on native collectives take the flat gradient buffer as it is: no copy of a
+    unit's gradient carries the presence flags (a reduce-scatter's flags go by their own all-reduce,
+    NO_SHARD's ride after the gradient in its buffer)."""
+    shard = dist.new_group([0, 1])
+    replicate = dist.new_group([0, 2])
+    for strategy in (fc.ShardingStrategy.FULL_SHARD, fc.ShardingStrategy.NO_SHARD, fc.ShardingStrategy.HYBRID_SHARD):
+        group = (shard, replicate) if strategy is fc.ShardingStrategy.HYBRID_SHARD else None
+        m = model(strategy=strategy, process_group=group)
+        steps(m, n=1)
+        with reduction_copies() as seen:
+            steps(m, n=1)
+        assert seen.collectives and not seen.copies, f"{strategy.name}: {seen.copies}"
+
+
 def cpu_inputs_moved() -> None:
     """The root pre-forward moves the batch (integer token ids here) to the compute device."""
     m = model()
@@ -389,6 +405,7 @@ CHECKS: list[Callable[[], Any]] = [
     streams_all_reduce_hook_and_post_optim_event,
     no_host_sync_in_steady_state,
     no_self_copies,
+    no_unit_sized_copy_for_the_flags,
     cpu_inputs_moved,
     offload_copies_one_sync,
     model_on_a_device_the_group_does_not_serve,

@@ -41,6 +41,7 @@ class Recorder:
         self.uses: dict[int, dict[str, int]] = {}  # storage -> stream -> last use time
         # every tensor recorded, kept alive so that no other storage takes its address (the key)
         self.alive: list[torch.Tensor] = []
+        self.collectives: list[tuple[str, str, int]] = []  # (collective, stream, output numel), as issued
 
     def fail(self, text: str) -> None:
         if text not in self.violations:
@@ -186,6 +187,7 @@ def recording() -> Iterator[Recorder]:
                     rec.fail("an all-gather waited for all compute issued before it (no overlap)")
                 rec.root_forward_wait = False
             time = s.tick()
+            rec.collectives.append((name, s.name, out.numel()))
             rec.alive += [out, *inputs]
             rec.written[storage_key(out)] = (s.name, time)
             for t in inputs:
@@ -272,6 +274,11 @@ def recording() -> Iterator[Recorder]:
 
 def check_streams(rec: Recorder, forwards: int) -> None:
     problems = list(rec.violations)
+    for i, (name, stream, numel) in enumerate(rec.collectives):
+        # a reduce-scatter's presence flags: a small all-reduce of their own, next on the same stream
+        after = [c for c in rec.collectives[i + 1 :] if c[1] == stream][:1]
+        if name == "reduce_scatter" and not (after and after[0][0] == "all_reduce" and after[0][2] < numel):
+            problems.append(f"a reduce-scatter on {stream} not followed there by its flags' all-reduce: {after}")
     if rec.unshard_waits_on_compute != forwards:
         problems.append(
             f"the unshard stream waited for the compute stream {rec.unshard_waits_on_compute} times in {forwards} "

@@ -111,6 +111,12 @@ def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
     assert audit["no_self_copies"] == "ok", audit["no_self_copies"]
 
 
+def test_no_unit_sized_copy_for_the_presence_flags(audit: dict[str, str]) -> None:
+    """The presence flags travel without a copy of a unit's gradient on the native-collective path
+    (FULL_SHARD, NO_SHARD, HYBRID_SHARD); the stream checks see the flags' own all-reduce."""
+    assert audit["no_unit_sized_copy_for_the_flags"] == "ok", audit["no_unit_sized_copy_for_the_flags"]
+
+
 def test_root_inputs_moved_to_the_compute_device(audit: dict[str, str]) -> None:
     """A CPU batch (integer token ids) reaches the model on its compute device."""
     assert audit["cpu_inputs_moved"] == "ok", audit["cpu_inputs_moved"]

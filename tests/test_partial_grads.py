@@ -3,7 +3,9 @@ has a gradient if any rank's backward produced one, otherwise its ``.grad`` stay
 when accumulating), also when other parameters of its unit did get one. Each case trains a sharded
 copy next to the unsharded model on the same global batch with AdamW (weight decay and momentum move
 a parameter whose ``.grad`` is a zero tensor, so zeros instead of None show up in the weights), and
-compares after every step which ``.grad`` are None. Float64, odd sizes (every unit is padded)."""
+compares after every step which ``.grad`` are None. Float64, odd sizes (every unit is padded).
+"native": gloo's own collectives instead of the point-to-point exchanges, the path NCCL takes (the
+flat gradient reduce-scattered as it is, the flags by their own all-reduce)."""
 
 from __future__ import annotations
 
@@ -13,12 +15,14 @@ from typing import Any, Callable
 import pytest
 import torch
 import torch.distributed as dist
+from reduction_copies import reduction_copies
 from torch import nn
 
 from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
+    _collectives,
     fully_shard,
     no_sync,
     unshard_params,
@@ -91,7 +95,11 @@ def _x(step: int, micro: int) -> torch.Tensor:
 def _groups(strategy: str) -> Any:
     if strategy != "HYBRID_SHARD":
         return None
-    rank = dist.get_rank()  # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
+    rank = dist.get_rank()
+    if dist.get_world_size() == 2:  # shard groups of one rank: NO_SHARD's layout, all-reduced across replicas
+        shards = [dist.new_group([0]), dist.new_group([1])]
+        return (shards[rank], dist.new_group([0, 1]))
+    # 2 x 2: shard within {0,1} and {2,3}, replicate across {0,2} and {1,3}
     shards = [dist.new_group([0, 1]), dist.new_group([2, 3])]
     replicas = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     return (shards[rank // 2], replicas[rank % 2])
@@ -113,9 +121,19 @@ def _grad_none(model: nn.Module) -> list[bool | None]:
     return [None if p.numel() == 0 else p.grad is None for p in model.parameters()]
 
 
-def train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[str, Any]:
+def train(api: str, strategy: str, schedule_name: str, accumulate: str, native: bool = False) -> dict[str, Any]:
     """``accumulate``: "plain" (one backward after another) or "no_sync" (all but the last micro-batch
-    of a step inside ``no_sync``)."""
+    of a step inside ``no_sync``); ``native``: gloo's own collectives (see the module docstring)."""
+    real = _collectives.point_to_point
+    if native:
+        _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
+    try:
+        return _train(api, strategy, schedule_name, accumulate)
+    finally:
+        _collectives.point_to_point = real  # type: ignore[assignment]
+
+
+def _train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[str, Any]:
     schedule = STEPS if schedule_name == "steps" else ACCUMULATE
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
@@ -149,39 +167,93 @@ def train(api: str, strategy: str, schedule_name: str, accumulate: str) -> dict[
 
 
 CASES = [
-    pytest.param(2, "fully_shard", "FULL_SHARD", id="fully_shard-FULL_SHARD-2"),
-    pytest.param(4, "fully_shard", "FULL_SHARD", id="fully_shard-FULL_SHARD-4"),
-    pytest.param(2, "fully_shard", "SHARD_GRAD_OP", id="fully_shard-SHARD_GRAD_OP-2"),
-    pytest.param(2, "fully_shard", "NO_SHARD", id="fully_shard-NO_SHARD-2"),
-    pytest.param(4, "fully_shard", "HYBRID_SHARD", id="fully_shard-HYBRID_SHARD-4"),
-    pytest.param(2, "wrapper", "FULL_SHARD", id="wrapper-FULL_SHARD-2"),
-    pytest.param(4, "wrapper", "SHARD_GRAD_OP", id="wrapper-SHARD_GRAD_OP-4"),
-    pytest.param(4, "wrapper", "NO_SHARD", id="wrapper-NO_SHARD-4"),
-    pytest.param(4, "wrapper", "HYBRID_SHARD", id="wrapper-HYBRID_SHARD-4"),
+    pytest.param(1, "fully_shard", "FULL_SHARD", False, id="fully_shard-1"),
+    pytest.param(2, "fully_shard", "FULL_SHARD", True, id="fully_shard-FULL_SHARD-2-native"),
+    pytest.param(4, "fully_shard", "FULL_SHARD", True, id="fully_shard-FULL_SHARD-4-native"),
+    pytest.param(4, "wrapper", "HYBRID_SHARD", True, id="wrapper-HYBRID_SHARD-4-native"),
+    pytest.param(2, "fully_shard", "FULL_SHARD", False, id="fully_shard-FULL_SHARD-2"),
+    pytest.param(4, "fully_shard", "FULL_SHARD", False, id="fully_shard-FULL_SHARD-4"),
+    pytest.param(2, "fully_shard", "SHARD_GRAD_OP", False, id="fully_shard-SHARD_GRAD_OP-2"),
+    pytest.param(2, "fully_shard", "NO_SHARD", False, id="fully_shard-NO_SHARD-2"),
+    pytest.param(4, "fully_shard", "HYBRID_SHARD", False, id="fully_shard-HYBRID_SHARD-4"),
+    pytest.param(2, "fully_shard", "HYBRID_SHARD", False, id="fully_shard-HYBRID_SHARD-1x2"),
+    pytest.param(2, "wrapper", "FULL_SHARD", False, id="wrapper-FULL_SHARD-2"),
+    pytest.param(4, "wrapper", "SHARD_GRAD_OP", False, id="wrapper-SHARD_GRAD_OP-4"),
+    pytest.param(4, "wrapper", "NO_SHARD", False, id="wrapper-NO_SHARD-4"),
+    pytest.param(4, "wrapper", "HYBRID_SHARD", False, id="wrapper-HYBRID_SHARD-4"),
 ]
 
 
-@pytest.mark.parametrize("world,api,strategy", CASES)
-def test_unused_parameters_of_a_used_unit_keep_grad_none(dist_run, world: int, api: str, strategy: str) -> None:
-    for r in dist_run(world, train, api, strategy, "steps", "plain"):
+@pytest.mark.parametrize("world,api,strategy,native", CASES)
+def test_unused_parameters_of_a_used_unit_keep_grad_none(
+    dist_run, world: int, api: str, strategy: str, native: bool
+) -> None:
+    for r in dist_run(world, train, api, strategy, "steps", "plain", native):
         assert r["mismatches"] == []
         assert r["diff"] < 1e-12
 
 
 @pytest.mark.parametrize(
-    "world,api,strategy,accumulate",
+    "world,api,strategy,accumulate,native",
     [
-        (2, "fully_shard", "FULL_SHARD", "plain"),
-        (4, "fully_shard", "FULL_SHARD", "no_sync"),
-        (2, "fully_shard", "NO_SHARD", "no_sync"),
-        (2, "wrapper", "SHARD_GRAD_OP", "no_sync"),
-        (4, "wrapper", "HYBRID_SHARD", "no_sync"),
-        (4, "fully_shard", "HYBRID_SHARD", "plain"),
+        (1, "fully_shard", "FULL_SHARD", "no_sync", False),
+        (2, "fully_shard", "FULL_SHARD", "no_sync", True),
+        (4, "fully_shard", "HYBRID_SHARD", "no_sync", True),
+        (2, "fully_shard", "FULL_SHARD", "plain", False),
+        (4, "fully_shard", "FULL_SHARD", "no_sync", False),
+        (2, "fully_shard", "NO_SHARD", "no_sync", False),
+        (2, "wrapper", "SHARD_GRAD_OP", "no_sync", False),
+        (4, "wrapper", "HYBRID_SHARD", "no_sync", False),
+        (4, "fully_shard", "HYBRID_SHARD", "plain", False),
+        (2, "fully_shard", "HYBRID_SHARD", "no_sync", True),  # shard groups of one rank
     ],
 )
 def test_accumulation_keeps_none_only_if_no_backward_touched_it(
-    dist_run, world: int, api: str, strategy: str, accumulate: str
+    dist_run, world: int, api: str, strategy: str, accumulate: str, native: bool
 ) -> None:
-    for r in dist_run(world, train, api, strategy, "accumulate", accumulate):
+    for r in dist_run(world, train, api, strategy, "accumulate", accumulate, native):
         assert r["mismatches"] == []
         assert r["diff"] < 1e-12
+
+
+def _reduction_copies(strategy: str, native: bool) -> dict[str, Any]:
+    """Steady-state backwards (with unused parameters, so the flags matter): the copies of a unit's
+    whole gradient each reduction makes while it is issued, and its collectives."""
+    real = _collectives.point_to_point
+    if native:
+        _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
+    try:
+        torch.manual_seed(0)
+        model = _shard(Net().double(), "fully_shard", strategy)
+        x = _x(0, 0)[:3]
+        _loss(model, x, {"head": True}).backward()  # the first iteration checks the order across ranks
+        with reduction_copies() as seen:
+            for use in ({"head": True, "skip": True}, {"first": True}):
+                _loss(model, x, use).backward()
+        units = len(fully_shard.state(model).handles)
+        return {"copies": seen.copies, "collectives": seen.collectives, "units": units}
+    finally:
+        _collectives.point_to_point = real  # type: ignore[assignment]
+
+
+@pytest.mark.parametrize(
+    "world,strategy,native",
+    [
+        (1, "FULL_SHARD", False),  # world size 1: NO_SHARD, the flags are this rank's own
+        (2, "NO_SHARD", False),  # the flags ride after the gradient, in its all-reduce
+        (2, "FULL_SHARD", True),  # the flags: their own all-reduce after the reduce-scatter
+        (4, "HYBRID_SHARD", True),  # and the all-reduce across replicas (of both) later
+    ],
+)
+def test_reduction_copies_no_unit_sized_tensor(dist_run, world: int, strategy: str, native: bool) -> None:
+    """Carrying the flags costs no copy of a unit's gradient: NO_SHARD sends the gradient buffer
+    itself (alone, with no collective at all), native collectives (NCCL's path) take the flat
+    gradient as it is."""
+    for r in dist_run(world, _reduction_copies, strategy, native):
+        assert r["copies"] == []
+        seen = r["collectives"]
+        if strategy == "NO_SHARD" or world == 1:  # one all-reduce of the buffer (flags included) each, or none
+            assert {c.split()[0] for c in seen} == ({"all_reduce"} if world > 1 else set()), seen
+        else:  # each reduce-scatter followed by the all-reduce of its unit's 6 flags
+            scatters = [i for i, c in enumerate(seen) if c.startswith("reduce_scatter")]
+            assert scatters and all(seen[i + 1] == "all_reduce 6" for i in scatters), seen

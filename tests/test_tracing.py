@@ -128,6 +128,6 @@ def test_environment_switch_logs_to_stderr(tmp_path: Path) -> None:
         env[_trace.ENV_SWITCH] = value
         proc = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0, proc.stderr[-3000:]
-        # Linear(4, 4)'s 16 + 4, and one flag per parameter ([Note: which parameters got a gradient])
-        line = "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (22 x float32, 88 B)"
+        # Linear(4, 4)'s 16 + 4: alone, the flags stay this rank's own ([Note: which parameters got a gradient])
+        line = "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (20 x float32, 80 B)"
         assert (line in proc.stderr) is logs, proc.stderr
