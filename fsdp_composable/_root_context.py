@@ -25,13 +25,14 @@ callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `cli
 A step is opened by `begin_step` and closed by `end_step` (the final callback, or the root
 post-forward when no backward follows). When forward or backward raises, `abort_step` closes it
 instead: it waits for every collective already posted (each rank that failed at the same point
-posted the same ones, so nothing stays half-matched), drops everything the step produced for the
-gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
-while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
-root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
-(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
-backward, where autograd skips the final callback), from the next entry point that finds the step
-unfinished ([Note: the root context]).
+posted the same ones, so nothing stays half-matched) and starts none (HYBRID_SHARD's all-reduce
+across replicas of a reduction that completed is not issued: the replicas may be elsewhere), drops
+everything the step produced for the gradients ([Note: the gradient lifecycle]), reshards and
+returns every state and handle to IDLE, while the sharded gradients of earlier backwards and
+``no_sync``'s kept sums stay. It runs from the root post-forward (``always_call``: an ``Exception``
+in forward), from a registered forward method (any ``BaseException``), and, for what neither sees (a
+``BaseException`` in forward, anything in backward, where autograd skips the final callback), from
+the next entry point that finds the step unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -232,6 +233,9 @@ class RootContext:
         reductions = self.pending_reductions + self.finished_reductions
         self.pending_reductions, self.finished_reductions = [], []
         for reduction in reductions:
+            # wait for what is posted, start nothing: HYBRID_SHARD's all-reduce across replicas not
+            # issued yet would wait for replicas that are elsewhere (a hang), and the user's hook is moot
+            reduction.replicate_group, reduction.hook = None, None
             try:
                 reduction.finish()  # its buffers must outlive the collective; its result is dropped
             except Exception as e:  # a peer died: still reset everything, then report it
