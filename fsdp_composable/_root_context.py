@@ -192,6 +192,9 @@ class RootContext:
         for s in self.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         self.exec_order.start_forward()
+        for group in self.collective_groups():  # the root's own group was opened by the order check
+            if group is not self.exec_order.group:
+                _rank_agreement.start_step(group)  # else a step left there stays left: later ones refused
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None and self.unshard_stream is not None:  # the user's: [Note: reduction controls]
             self.unshard_stream.wait_event(event)
@@ -225,10 +228,16 @@ class RootContext:
         self.reset_counters()
         self.exec_order.next_iter()
 
+    def collective_groups(self) -> list[Any]:
+        """Every process group the step's collectives use (shard, replicate and post-forward groups),
+        once each: a step opens and is left on all of them ([Note: collective headers])."""
+        groups = (g for h in self.handles for g in (h.process_group, h.replicate_group, h.post_forward_group))
+        return list({id(g): g for g in groups if g is not None}.values())
+
     def abort_step(self) -> None:
         """Close a step that stopped midway; see [Note: a step that stops midway]."""
         # tell the peers first: one still inside a collective of this step raises instead of waiting
-        _rank_agreement.leave_step(g for h in self.handles for g in (h.process_group, h.replicate_group))
+        _rank_agreement.leave_step(self.collective_groups())
         error: Optional[BaseException] = None
         reductions = self.pending_reductions + self.finished_reductions
         self.pending_reductions, self.finished_reductions = [], []
