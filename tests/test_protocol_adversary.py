@@ -9,6 +9,7 @@ matches the unsharded model trained on the batches of the steps that succeeded.
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 from typing import Any, Iterator
 
@@ -16,8 +17,9 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import DistPool, error_of
-from models import Block, TinyGPT, gpt_batch, gpt_loss
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
+from torch import nn
 
 from fsdp_composable import (
     ModuleWrapPolicy,
@@ -159,6 +161,63 @@ def test_repeated_failures_then_training_matches(pool2: DistPool, config: str) -
     places = ["forward", "backward", "backward first"]
     failures = {step: (step % 2, places[step % 3]) for step in range(1, 11)}
     _check(pool2.run(_train, config, failures, 12, timeout=90), failures)
+
+
+def _two_roots(failed: set[int], steps: int) -> dict[str, Any]:
+    """Two roots trained together, each on its own process group; rank 1 raises in the second root's
+    forward in the ``failed`` steps."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    other = dist.new_group(list(range(world)), timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
+    models = []
+    for group in (None, other):
+        torch.manual_seed(0)
+        models.append(TinyGPT(n_layers=3) if group is None else OddMLP())
+    refs = [copy.deepcopy(m) for m in models]
+    a = fully_shard(models[0], ModuleWrapPolicy({Block}), forward_prefetch=True)
+    b = fully_shard(models[1], lambda m: isinstance(m, nn.Linear), process_group=other)
+    fail = {"now": False}
+
+    def raise_now(module: nn.Module, args: Any) -> None:
+        if fail["now"]:
+            raise ValueError("a bad batch for the second model")
+
+    b.l2.register_forward_pre_hook(raise_now)
+
+    def step_of(x: nn.Module, y: nn.Module, step: int, shard: bool) -> None:
+        r, w = (rank, world) if shard else (0, 1)
+        gpt = gpt_batch(step, 2 * world)
+        mlp = mlp_batch(step, 2 * world)
+        (gpt_loss(x, local_slice(gpt, r, w)) + mlp_loss(y, local_slice(mlp, r, w))).backward()
+
+    opt = torch.optim.SGD([*a.parameters(), *b.parameters()], lr=0.1)
+    ref_opt = torch.optim.SGD([p for m in refs for p in m.parameters()], lr=0.1)
+    errors = {}
+    for step in range(steps):
+        fail["now"] = rank == 1 and step in failed
+        message = error_of(lambda: (step_of(a, b, step, True), opt.step()))  # noqa: B023 - called at once
+        opt.zero_grad()
+        if message:
+            errors[step] = message
+        if step not in failed:
+            step_of(refs[0], refs[1], step, False)
+            ref_opt.step()
+            ref_opt.zero_grad()
+    diff = 0.0
+    for model, ref in zip((a, b), refs):
+        sd = model.state_dict()
+        diff = max(diff, *((sd[k] - v).abs().max().item() for k, v in ref.state_dict().items()))
+    return {"errors": errors, "diff": diff}
+
+
+def test_two_roots_on_their_own_groups_rank_raising_in_the_second(pool2: DistPool) -> None:
+    """A peer that left must not be waited for to receive this rank's header: before, the rank still in
+    the step waited for its header send to the departed rank, which posts a receive for it only at its
+    next exchange on that group, after the first root's all-gathers, which wait for this rank (a hang)."""
+    results = pool2.run(_two_roots, {1, 3}, 5, timeout=90)
+    for rank, r in enumerate(results):
+        assert sorted(r["errors"]) == [1, 3], (rank, r)
+        assert r["errors"][1].startswith("ValueError" if rank == 1 else "RankMismatchError"), r
+    assert results[0]["diff"] == results[1]["diff"] and results[0]["diff"] < 1e-5, results
 
 
 def _healthy(steps: int) -> list[dict[str, int]]:
