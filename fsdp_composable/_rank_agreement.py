@@ -21,16 +21,19 @@ round trip]).
 A header is only a guard against receiving a payload of the wrong size, so an exchange posts its
 header and its payload together (`begin`) and checks the peers' headers when it is waited for
 (`settle`). The payload's tag is derived from the group's epoch, the collective and its size
-(`payload_tag`), so a receive can only meet a send of the same size and purpose: if the ranks disagree, the
-messages stay unmatched instead of killing the process, every rank raises at ``settle`` as before, and
-the group's epoch moves on so that nothing posted in that step can ever be matched later (the
-unmatched requests are kept in the group's record, never freed under gloo). The headers of several
-exchanges may be in flight at once: each carries its sequence number within the epoch, and
-``settle`` reads each peer's headers in the order they were sent, keeping those of exchanges not
-waited for yet. Each header receive is posted with its exchange, before its sends ([Note: receives
-before sends] in `_collectives`). Two different sizes could in principle hash to the same tag (one
-chance in 2^29 per pair of disagreeing exchanges): only in a step whose ranks disagree anyway, where
-gloo would then end the process, as it would without headers.
+(`payload_tag`), so a receive can only meet a send of the same size and purpose: if the ranks
+disagree, the messages stay unmatched instead of killing the process, every rank raises at
+``settle`` as before, and the group's epoch moves on so that nothing posted in that step can ever be
+matched later (the unmatched requests are kept in the group's record, never freed under gloo). The
+headers of several exchanges may be in flight at once: each carries its sequence number within the
+epoch, and ``settle`` reads each peer's headers in the order they were sent, keeping those of
+exchanges not waited for yet. Each header receive is posted with its exchange, before its sends
+([Note: receives before sends] in `_collectives`). ``settle`` waits for its own header sends only
+when no peer left or refused the step: such a peer receives them only at its next exchange on the
+group, which may come after collectives of another group that wait for this rank (two roots trained
+together). Two different sizes could in principle hash to the same tag (one chance in 2^29 per pair
+of disagreeing exchanges): only in a step whose ranks disagree anyway, where gloo would then end the
+process, as it would without headers.
 
 A rank that raises in forward or backward (a user hook, the loss, a bad batch on one rank) leaves the
 step on its own. Its recovery calls `leave_step`, which sends every peer an ``Op.LEFT`` header: the
@@ -441,8 +444,11 @@ def settle(agreement: Agreement) -> None:
                 theirs = {peer: header}
                 break
             theirs[peer] = header
-        for send in agreement.sends:
-            send.wait()
+        if all(h["op"] != Op.LEFT and h["epoch"] == mine["epoch"] for h in theirs.values()):
+            # a peer that left posts no receive for this header before its next exchange on this group,
+            # which may wait for this rank elsewhere (another root's group): kept in ``pending`` instead
+            for send in agreement.sends:
+                send.wait()
     except RuntimeError as e:
         record.broken = f"a collective did not complete ({e})"
         hint = _entry_hint({_purpose()})

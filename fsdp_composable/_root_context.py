@@ -25,13 +25,14 @@ callback, is noticed: at the next entry point (root pre-forward, `no_sync`, `cli
 A step is opened by `begin_step` and closed by `end_step` (the final callback, or the root
 post-forward when no backward follows). When forward or backward raises, `abort_step` closes it
 instead: it waits for every collective already posted (each rank that failed at the same point
-posted the same ones, so nothing stays half-matched), drops everything the step produced for the
-gradients ([Note: the gradient lifecycle]), reshards and returns every state and handle to IDLE,
-while the sharded gradients of earlier backwards and ``no_sync``'s kept sums stay. It runs from the
-root post-forward (``always_call``: an ``Exception`` in forward), from a registered forward method
-(any ``BaseException``), and, for what neither sees (a ``BaseException`` in forward, anything in
-backward, where autograd skips the final callback), from the next entry point that finds the step
-unfinished ([Note: the root context]).
+posted the same ones, so nothing stays half-matched) and starts none (HYBRID_SHARD's all-reduce
+across replicas of a reduction that completed is not issued: the replicas may be elsewhere), drops
+everything the step produced for the gradients ([Note: the gradient lifecycle]), reshards and
+returns every state and handle to IDLE, while the sharded gradients of earlier backwards and
+``no_sync``'s kept sums stay. It runs from the root post-forward (``always_call``: an ``Exception``
+in forward), from a registered forward method (any ``BaseException``), and, for what neither sees (a
+``BaseException`` in forward, anything in backward, where autograd skips the final callback), from
+the next entry point that finds the step unfinished ([Note: the root context]).
 """
 
 from __future__ import annotations
@@ -191,6 +192,9 @@ class RootContext:
         for s in self.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         self.exec_order.start_forward()
+        for group in self.collective_groups():  # the root's own group was opened by the order check
+            if group is not self.exec_order.group:
+                _rank_agreement.start_step(group)  # else a step left there stays left: later ones refused
         event, self.post_optim_event = self.post_optim_event, None
         if event is not None and self.unshard_stream is not None:  # the user's: [Note: reduction controls]
             self.unshard_stream.wait_event(event)
@@ -224,14 +228,23 @@ class RootContext:
         self.reset_counters()
         self.exec_order.next_iter()
 
+    def collective_groups(self) -> list[Any]:
+        """Every process group the step's collectives use (shard, replicate and post-forward groups),
+        once each: a step opens and is left on all of them ([Note: collective headers])."""
+        groups = (g for h in self.handles for g in (h.process_group, h.replicate_group, h.post_forward_group))
+        return list({id(g): g for g in groups if g is not None}.values())
+
     def abort_step(self) -> None:
         """Close a step that stopped midway; see [Note: a step that stops midway]."""
         # tell the peers first: one still inside a collective of this step raises instead of waiting
-        _rank_agreement.leave_step(g for h in self.handles for g in (h.process_group, h.replicate_group))
+        _rank_agreement.leave_step(self.collective_groups())
         error: Optional[BaseException] = None
         reductions = self.pending_reductions + self.finished_reductions
         self.pending_reductions, self.finished_reductions = [], []
         for reduction in reductions:
+            # wait for what is posted, start nothing: HYBRID_SHARD's all-reduce across replicas not
+            # issued yet would wait for replicas that are elsewhere (a hang), and the user's hook is moot
+            reduction.replicate_group, reduction.hook = None, None
             try:
                 reduction.finish()  # its buffers must outlive the collective; its result is dropped
             except Exception as e:  # a peer died: still reset everything, then report it
