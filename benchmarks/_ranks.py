@@ -64,6 +64,12 @@ def _rank_main(
         result = {"status": "ok", "value": fn(rank, world, *args)}
     except Exception as e:
         result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+    leave_rank(out_dir, rank, result)
+
+
+def leave_rank(out_dir: str, rank: int, result: dict[str, Any]) -> None:
+    """Write a rank's ``result`` (with its peak RSS) to ``out_dir`` and leave the process group: cleanly
+    after success, at once after a failure (peers may be stuck in a collective)."""
     result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -71,7 +77,7 @@ def _rank_main(
         if result["status"] == "ok":
             dist.destroy_process_group()
         else:
-            os._exit(0)  # peers may be stuck in a collective
+            os._exit(0)
 
 
 def run_ranks(

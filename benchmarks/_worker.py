@@ -14,7 +14,6 @@ import datetime
 import gc
 import json
 import os
-import resource
 import statistics
 import tempfile
 import time
@@ -30,7 +29,7 @@ from benchmarks._impls import Built, build
 from benchmarks._mem_tracker import LiveBytesTracker
 from benchmarks._model import ModelConfig, count_params, gpt_loss, make_batch
 from benchmarks._profile import profile_call
-from benchmarks._ranks import free_port, join_ranks
+from benchmarks._ranks import free_port, join_ranks, leave_rank
 
 __all__ = ["run_impl"]
 
@@ -203,14 +202,7 @@ def _rank_main(rank: int, spec: dict[str, Any], out_dir: str) -> None:
         result = {"status": "failed", "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
     finally:
         counter.uninstall()
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
-        json.dump(result, f)
-    if dist.is_initialized():
-        if result["status"] == "ok":
-            dist.destroy_process_group()
-        else:
-            os._exit(0)  # peers may be stuck in a collective: leave without a clean shutdown
+    leave_rank(out_dir, rank, result)
 
 
 def _combine(spec: dict[str, Any], ranks: list[dict[str, Any]]) -> dict[str, Any]:
