@@ -2,7 +2,9 @@
 
 ``ours`` is ``fsdp_composable.fully_shard(model, ModuleWrapPolicy({Block}))``; ``torch-fsdp2`` is
 torch's ``fully_shard`` on each block then the root over a 1-D DeviceMesh; ``ddp`` is
-``DistributedDataParallel``; ``local`` is the unsharded model alone with the per-rank batch.
+``DistributedDataParallel``; ``local`` is the unsharded model alone with the per-rank batch;
+``local-ranks`` is that unsharded model in every rank's process at once (no communication), so the
+ranks share the machine's cores and memory as the distributed impls' ranks do.
 Every impl starts from the same seed, so all of them start from the same weights.
 Everything that binds a collective is imported here, at import time, so that `CommCounter.install`
 (called after this module is imported) finds and wraps those bindings.
@@ -26,7 +28,7 @@ from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, 
 
 __all__ = ["IMPLS", "Built", "build"]
 
-IMPLS = ("ours", "torch-fsdp2", "ddp", "local")
+IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks")
 
 
 @dataclass
@@ -52,7 +54,7 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.device) -> Built:
+def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.device, forward_prefetch: bool) -> Built:
     mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     fully_shard(
         model,
@@ -60,6 +62,7 @@ def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.devic
         strategy=ShardingStrategy[strategy],
         mixed_precision=mp,
         device_id=device if device.type == "cuda" else None,
+        forward_prefetch=forward_prefetch,
     )
     handles = list(fully_shard.state(model).handles)
 
@@ -68,7 +71,8 @@ def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.devic
             yield h.flat_param
             yield h.flat_param.grad
 
-    notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}) -> {len(handles)} units"]
+    prefetch = ", forward_prefetch=True" if forward_prefetch else ""
+    notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}{prefetch}) -> {len(handles)} units"]
     return Built(model, _optimizer(model), notes, flat_tensors)
 
 
@@ -90,18 +94,30 @@ def _build_ddp(model: nn.Module, device: torch.device) -> Built:
     return Built(ddp, _optimizer(ddp), notes)
 
 
-def build(impl: str, cfg: ModelConfig, *, strategy: str, bf16: bool, device: torch.device, world_size: int) -> Built:
-    """The model (seeded identically for every impl) prepared for ``impl``, with its AdamW."""
+def build(
+    impl: str,
+    cfg: ModelConfig,
+    *,
+    strategy: str,
+    bf16: bool,
+    device: torch.device,
+    world_size: int,
+    forward_prefetch: bool = False,
+) -> Built:
+    """The model (seeded identically for every impl) prepared for ``impl``, with its AdamW;
+    ``forward_prefetch`` applies to ours."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
     torch.manual_seed(0)
     model = BenchGPT(cfg).to(device)
     if impl == "local":
         return Built(model, _optimizer(model), ["unsharded model, one process, per-rank batch"])
+    if impl == "local-ranks":  # no collective: the process group only lines the ranks' steps up
+        return Built(model, _optimizer(model), ["unsharded model in every rank's process, no communication"])
     if not dist.is_initialized():
         raise RuntimeError(f"impl={impl!r} needs an initialised process group")
     if impl == "ours":
-        return _build_ours(model, strategy, bf16, device)
+        return _build_ours(model, strategy, bf16, device, forward_prefetch)
     if impl == "torch-fsdp2":
         return _build_fsdp2(model, bf16, device, world_size)
     return _build_ddp(model, device)

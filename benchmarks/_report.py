@@ -37,7 +37,7 @@ def theory_bytes(impl: str, strategy: str, world_size: int, psi: int, param_dtyp
     n = world_size
     share = (n - 1) / n if n > 1 else 0.0
     ag = rs = 2 if param_dtype == "bf16" else 4
-    if impl == "local":
+    if impl in ("local", "local-ranks"):
         return {"bytes": 0.0, "formula": "0 (no communication)"}
     if impl == "ddp" or (impl == "ours" and strategy == "NO_SHARD"):
         return {"bytes": 2 * share * psi * rs, "formula": f"2(N-1)/N*Psi*{rs}"}
@@ -54,11 +54,22 @@ def _label(r: dict[str, Any]) -> str:
     return f"{r['impl']} ({r['variant']})" if r.get("variant") else r["impl"]
 
 
+def _ok(results: list[dict[str, Any]], impl: str) -> Optional[dict[str, Any]]:
+    return next((r for r in results if r["impl"] == impl and r["status"] == "ok"), None)
+
+
+def _times(r: dict[str, Any], base: Optional[dict[str, Any]]) -> str:
+    return f"{r['median_step_time_s'] / base['median_step_time_s']:.2f}" if base else "-"
+
+
 def format_table(results: list[dict[str, Any]]) -> str:
-    """A markdown table of one run: one row per impl, memory and bytes in MiB (per rank; comm per step)."""
-    local = next((r for r in results if r["impl"] == "local" and r["status"] == "ok"), None)
+    """A markdown table of one run: one row per impl, memory and bytes in MiB (per rank; comm per step).
+    ``x local``: over the unsharded model alone on the machine; ``x local-ranks``: over the unsharded
+    model run in every rank's process at once, which shares the cores as the ranks do."""
+    local, local_ranks = _ok(results, "local"), _ok(results, "local-ranks")
     header = (
-        "| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) "
+        "| impl | step (s, median) | step (s, min) | x local | x local-ranks | peak live/rank (MiB) "
+        "| peak RSS/rank (MiB) "
         "| comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) "
         "| all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) "
         "| point-to-point sent (MiB) | last loss |"
@@ -67,16 +78,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         if r["status"] != "ok":
             err = str(r.get("error", "")).splitlines()[0][:100].replace("|", "/")
-            lines.append(f"| {_label(r)} | FAILED: {err} |" + " |" * 12)
+            lines.append(f"| {_label(r)} | FAILED: {err} |" + " |" * 13)
             continue
         py, c10d = r["comm_py_api_per_step"], r["comm_dispatcher_tracked_step"]
         kinds = c10d["payload_bytes_by_kind"]
-        ratio = f"{r['median_step_time_s'] / local['median_step_time_s']:.2f}" if local else "-"
         cells = [
             _label(r),
             f"{r['median_step_time_s']:.3f}",
             f"{r['min_step_time_s']:.3f}",
-            ratio,
+            _times(r, local),
+            _times(r, local_ranks),
             _mib(r["peak_live_bytes"]),
             _mib(r["peak_rss_bytes"]),
             _mib(py["wire_bytes"]),
@@ -98,11 +109,15 @@ def format_cpu_table(results: list[dict[str, Any]]) -> str:
     and that CPU time over the step's wall time (below 1: the rank waited; the cores were shared)."""
     import statistics
 
-    local = next((r for r in results if r["impl"] == "local" and r["status"] == "ok"), None)
-    local_cpu = statistics.median(local["cpu_times_s"]) if local and local.get("cpu_times_s") else None
+    def median_cpu(impl: str) -> Optional[float]:
+        r = _ok(results, impl)
+        return statistics.median(r["cpu_times_s"]) if r and r.get("cpu_times_s") else None
+
+    local_cpu, ranks_cpu = median_cpu("local"), median_cpu("local-ranks")
     lines = [
-        "| impl | step (s, median) | CPU/step/rank (s) | comm threads CPU/step (s) | CPU / step time | CPU x local |",
-        "|---|---|---|---|---|---|",
+        "| impl | step (s, median) | CPU/step/rank (s) | comm threads CPU/step (s) | CPU / step time | CPU x local "
+        "| CPU x local-ranks |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in results:
         if r["status"] != "ok" or not r.get("cpu_times_s"):
@@ -116,6 +131,7 @@ def format_cpu_table(results: list[dict[str, Any]]) -> str:
             f"{statistics.median(comm):.3f}" if comm else "-",
             f"{cpu / r['median_step_time_s']:.2f}",
             f"{cpu / local_cpu:.2f}" if local_cpu else "-",
+            f"{cpu / ranks_cpu:.2f}" if ranks_cpu else "-",
         ]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)

@@ -44,13 +44,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     which = p.add_mutually_exclusive_group()
     which.add_argument("--impl", choices=IMPLS, help="one implementation (default: ours)")
     which.add_argument("--impls", help=f"comma-separated implementations run one after another, from {','.join(IMPLS)}")
-    p.add_argument("--world-size", type=int, default=2, help="ranks for ours/torch-fsdp2/ddp (local always uses 1)")
+    p.add_argument("--world-size", type=int, default=2, help="ranks of every impl but local (which uses 1)")
     p.add_argument("--steps", type=int, default=6, help="measured steps (after --warmup steps)")
     p.add_argument("--warmup", type=int, default=2, help="warm-up steps, not measured")
     p.add_argument(
         "--rounds", type=int, default=1, help="run every impl this many times, interleaved (order rotated per round)"
     )
     p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy of ours")
+    p.add_argument("--forward-prefetch", action="store_true", help="ours with forward_prefetch=True")
     p.add_argument(
         "--param-dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: mixed precision (sharded impls)"
     )
@@ -94,6 +95,8 @@ def _impl_list(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
 
 def _variant(impl: str, args: argparse.Namespace) -> str:
     parts = [args.strategy] if impl == "ours" else []
+    if impl == "ours" and args.forward_prefetch:
+        parts.append("forward_prefetch")
     if impl in SHARDED and args.param_dtype == "bf16":
         parts.append("bf16")
     return ", ".join(parts)
@@ -158,6 +161,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "warmup": args.warmup,
             "rounds": args.rounds,
             "strategy": args.strategy,
+            "forward_prefetch": args.forward_prefetch,
             "param_dtype": args.param_dtype,
             "threads_per_process": args.threads,
             "optimizer": "AdamW(lr=1e-3)",
@@ -174,6 +178,7 @@ def _run_one(impl: str, args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
         "steps": args.steps,
         "warmup": args.warmup,
         "strategy": args.strategy,
+        "forward_prefetch": args.forward_prefetch,
         "param_dtype": args.param_dtype if impl in SHARDED else "fp32",
         "device": args.device,
         "threads": args.threads,

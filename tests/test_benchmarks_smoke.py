@@ -27,10 +27,10 @@ from benchmarks.bench_step import parse_args  # noqa: E402
 def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
     out = os.path.join(str(tmp_path), "small.json")
     cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")]
-    cmd += ["--small", "--impls", "ours,local", "--steps", "2", "--world-size", "2", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    cmd += ["--small", "--impls", "ours,local,local-ranks", "--steps", "2", "--world-size", "2", "--out", out]
+    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert "| ours (FULL_SHARD) |" in proc.stdout and "| local |" in proc.stdout
+    assert "| ours (FULL_SHARD) |" in proc.stdout and "| local |" in proc.stdout and "| local-ranks |" in proc.stdout
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:
         report = json.load(f)
@@ -38,8 +38,11 @@ def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
     model = BenchGPT(SMALL)
     psi = count_params(model)
     assert report["config"]["param_count"] == psi
-    ours, local = report["results"]
-    for r in (ours, local):
+    ours, local, local_ranks = report["results"]
+    # local-ranks: the unsharded model in both ranks' processes, each on its own batch, no collective
+    assert local_ranks["procs"] == 2 and local_ranks["comm_py_api_per_step"]["payload_bytes"] == 0
+    assert local_ranks["losses_rank0"] == local["losses_rank0"]
+    for r in (ours, local, local_ranks):
         assert r["status"] == "ok", r.get("error")
         assert len(r["step_times_s"]) == 2 and r["median_step_time_s"] > 0
         assert r["peak_rss_bytes"] > 0
@@ -206,6 +209,7 @@ def test_format_table() -> None:
     table = format_table(
         [
             _fake_result("local", 0.5, 512, 0),
+            _fake_result("local-ranks", 0.8, 512, 0),
             _fake_result("ours", 1.0, 300, 48),
             _fake_result("torch-fsdp2", 0, 0, 0, True),
         ]
@@ -213,11 +217,12 @@ def test_format_table() -> None:
     expecttest.TestCase().assertExpectedInline(
         table,
         """\
-| impl | step (s, median) | step (s, min) | x local | peak live/rank (MiB) | peak RSS/rank (MiB) | comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) | all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | point-to-point sent (MiB) | last loss |
-|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-| local | 0.500 | 0.450 | 1.00 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
-| ours (FULL_SHARD) | 1.000 | 0.900 | 2.00 | 300.0 | 400.0 | 48.0 | 48.0 | 48.0 | 96.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
-| torch-fsdp2 | FAILED: RuntimeError: gloo says no | | | | | | | | | | | | |""",  # noqa: E501
+| impl | step (s, median) | step (s, min) | x local | x local-ranks | peak live/rank (MiB) | peak RSS/rank (MiB) | comm wire/step, py API (MiB) | comm wire/step, c10d ops (MiB) | theory (MiB) | all-gather payload (MiB) | reduce-scatter payload (MiB) | all-reduce payload (MiB) | point-to-point sent (MiB) | last loss |
+|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
+| local | 0.500 | 0.450 | 1.00 | 0.62 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| local-ranks | 0.800 | 0.720 | 1.60 | 1.00 | 512.0 | 400.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| ours (FULL_SHARD) | 1.000 | 0.900 | 2.00 | 1.25 | 300.0 | 400.0 | 48.0 | 48.0 | 48.0 | 96.0 | 0.0 | 0.0 | 0.0 | 9.0000 |
+| torch-fsdp2 | FAILED: RuntimeError: gloo says no | | | | | | | | | | | | | |""",  # noqa: E501
     )
 
 
@@ -230,7 +235,7 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     expecttest.TestCase().assertExpectedInline(
         errors,
         """\
-bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local
+bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local,local-ranks
 bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; drop ddp""",
     )
     args = parse_args(["--impls", "local,ddp,torch-fsdp2,ours"])
