@@ -40,6 +40,8 @@ class TrainingState(enum.Enum):
     FORWARD_BACKWARD = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
 
+    __hash__ = object.__hash__  # members are singletons: see `_state_machine`
+
 
 _TRAINING_TRANSITIONS: Transitions = {
     TrainingState.IDLE: frozenset({TrainingState.FORWARD_BACKWARD, TrainingState.SUMMON_FULL_PARAMS}),

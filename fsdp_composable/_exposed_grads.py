@@ -98,7 +98,7 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     views = handle.sharded_views_of(flat_grad)
     for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
         if param.requires_grad and view.numel() > 0 and i not in grads.missing:
-            grad = as_param_grad(info.tp, view)
+            grad = view if info.tp is None else as_param_grad(info.tp, view)
             assign_grad(param, grad)
             exposed.append(grad)
         else:

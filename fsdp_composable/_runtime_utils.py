@@ -156,7 +156,7 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         return None
     if not ctx.leave_forward(failed=False):
         return output  # nested in a registered method: its own post-forward closes the forward
-    for s, h in ctx.units():  # a unit of several modules some of which did not run
+    for s, h in ctx.grouped_units():  # a unit of several modules some of which did not run
         if ctx.steps[h].group_left:
             ctx.steps[h].group_left.clear()
             _finish_forward(s, h)
