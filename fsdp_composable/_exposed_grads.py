@@ -57,8 +57,9 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                     missing.discard(i)
         handle.flat_param.grad = flat_grad
         grads.missing = frozenset(missing)
-    for param in handle.params:
-        param.grad = None
+    for param, grad in zip(handle.params, current):
+        if grad is not None:
+            param.grad = None
     grads.exposed = []
 
 

@@ -189,20 +189,16 @@ def _learn(group: dist.ProcessGroup, record: _GroupRecord) -> None:
     record.gloo = dist.get_backend(group) == "gloo"
 
 
-def _checked_record(group: Optional[dist.ProcessGroup]) -> Optional[_GroupRecord]:
-    """``group``'s record where collectives on it exchange headers (see `checks`), else None."""
+def checks(group: Optional[dist.ProcessGroup]) -> bool:
+    """Whether collectives on ``group`` exchange headers first: gloo groups of more than one rank
+    (unless a benchmark switched the headers off, [Note: safety switches]). The one switch every
+    header path asks (tests replace it)."""
     if group is None:
-        return None
+        return False
     record = _record(group)
     if record.gloo is None:
         _learn(group, record)
-    return record if record.gloo and record.several and _safety.current().headers else None
-
-
-def checks(group: Optional[dist.ProcessGroup]) -> bool:
-    """Whether collectives on ``group`` exchange headers first: gloo groups of more than one rank
-    (unless a benchmark switched the headers off, [Note: safety switches])."""
-    return _checked_record(group) is not None
+    return bool(record.gloo and record.several) and _safety.current().headers
 
 
 def is_gloo(group: dist.ProcessGroup) -> bool:
@@ -261,8 +257,9 @@ def _purpose() -> int:
 
 def start_step(group: Optional[dist.ProcessGroup]) -> None:
     """A root forward begins: count it (ranks compare counts) and forget that a step was left."""
-    record = _checked_record(group)
-    if record is not None:
+    if checks(group):
+        assert group is not None
+        record = _record(group)
         record.step += 1
         record.generation += 1
         record.left = False
@@ -302,15 +299,13 @@ def saw_mismatch(group: Optional[dist.ProcessGroup], reason: str) -> None:
 
 
 def generation(group: dist.ProcessGroup) -> int:
-    record = _checked_record(group)
-    return record.generation if record is not None else 0
+    return _record(group).generation if checks(group) else 0
 
 
 def settled(group: dist.ProcessGroup, created: int) -> bool:
     """Whether the step in which a collective was refused (``created``: `generation` then) is over on
     this rank: its recovery ran or the next step began. Waiting for it then only discards it."""
-    record = _checked_record(group)
-    return record is not None and record.generation != created
+    return checks(group) and _record(group).generation != created
 
 
 def _dtype_code(dtype: Optional[torch.dtype]) -> int:
@@ -419,9 +414,9 @@ def begin(
     """Send this rank's header for a collective to every peer without waiting for theirs (None where
     `checks` is false); `settle` checks it. Raises at once if the group is unusable or the step was
     already abandoned. See [Note: agreement without a round trip]."""
-    record = _checked_record(group)
-    if record is None:
+    if not checks(group):
         return None
+    record = _record(group)
     if record.broken is not None:
         raise RankMismatchError(
             f"this process group can no longer be used: {record.broken}. Restart the job (from a checkpoint)"

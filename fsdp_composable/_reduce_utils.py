@@ -385,13 +385,14 @@ def start_reduce(
         else:  # the flat gradient as it is, then the flags by a small all-reduce on the same stream
             assert len(send) == 1
             out = torch.empty(numel + len(got), dtype=rdtype, device=handle.device)
-            _grad_presence.write_flags(got, out[numel:])
+            reduced, flags = out[:numel], out[numel:]
+            _grad_presence.write_flags(got, flags)
             grad = send[0]
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.in_order(
-                    lambda: _collectives.reduce_scatter(out[:numel], grad, group, async_op),
-                    lambda: _collectives.all_reduce(out[numel:], group, dist.ReduceOp.SUM, async_op),
+                    lambda: _collectives.reduce_scatter(reduced, grad, group, async_op),
+                    lambda: _collectives.all_reduce(flags, group, dist.ReduceOp.SUM, async_op),
                 )
 
         pending.out = out
@@ -563,7 +564,9 @@ class PendingReduce:
         if self.partial_added:
             grads.partial = None
         reduced = self.host if self.host is not None else self.out
-        present = _grad_presence.present(self.got, None if self.own_flags else reduced[self.numel :])
+        got = self.got  # every parameter got a gradient here: the reduced flags are not read (nor sliced)
+        flags = None if self.own_flags or got is None or all(got) else reduced[self.numel :]
+        present = _grad_presence.present(got, flags)
         _accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
