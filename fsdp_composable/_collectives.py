@@ -173,7 +173,7 @@ def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See
     [Note: gloo collectives as point-to-point exchanges]; CUDA tensors on gloo keep gloo's own
     collectives, which stage them through the host."""
-    return device.type == "cpu" and _rank_agreement.is_gloo(group)
+    return _rank_agreement.is_gloo(group) and device.type == "cpu"  # the backend first: asking a type costs more
 
 
 def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
@@ -224,6 +224,8 @@ def _checked(
 ) -> Optional[Waitable]:
     """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
     disagreement or a failure is raised at ``wait``, where the caller names the unit."""
+    if not _rank_agreement.checks(group):  # no headers (NCCL, one rank): nothing to agree on
+        return post()  # type: ignore[no-any-return]
     try:
         agree(group, op, numel, output.dtype, origin)
     except RuntimeError as e:

@@ -234,8 +234,9 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
 
 
 def _finish_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    _ctx(state).steps[handle].forward_depth = 0
-    _ctx(state).exec_order.record_post_forward(handle)
+    ctx = _ctx(state)
+    ctx.steps[handle].forward_depth = 0
+    ctx.exec_order.record_post_forward(handle)
     if _reshard_after_forward(state, handle):
         if handle.post_forward_group is not None and torch.is_grad_enabled() and handle.is_unsharded:
             handle.reshard_to_post_forward_group()  # see [Note: resharding to a smaller group]
