@@ -108,6 +108,25 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     grads.exposed = exposed
 
 
+def accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
+    """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
+
+    The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
+    offload on CUDA, ``reduced`` is already the host copy ([Note: offloaded gradients reach the
+    host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
+    device, dtype = handle.shard_device, handle.config.grad_dtype(handle.dtype)
+    grad = reduced if reduced.dtype == dtype and reduced.device == device else reduced.to(device=device, dtype=dtype)
+    flat_grad = handle.flat_param.grad
+    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
+    if flat_grad is None or flat_grad.dtype != grad.dtype:
+        assign_grad(handle.flat_param, grad)
+        handle.grads.missing = absent
+    else:
+        flat_grad.add_(grad)
+        handle.grads.missing = handle.grads.missing & absent
+    expose_sharded_grads(handle)
+
+
 def assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:
     """Set ``param.grad``, also when ``grad``'s dtype differs (``keep_low_precision_grads``).
 

@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
-from fsdp_composable._exposed_grads import assign_grad, expose_sharded_grads, stash_sharded_grads
+from fsdp_composable._common_utils import NoGrad
+from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad
@@ -123,28 +124,13 @@ class UnitGrads:
     staged_got: Optional[list[bool]] = None  # STAGED: this micro-batch's flags
     kept_got: Optional[list[bool]] = None  # KEPT_FOR_NO_SYNC: the kept micro-batches' flags
     touched: list[bool] = field(default_factory=list)  # FLAT: set by the accumulation hooks
-    # FLAT: ``buffer`` and its views that pre-backward made the parameters' ``.grad``, until
-    # post-backward takes them (so it makes no views of its own) or `abort` drops them
+    # FLAT: (``buffer``, its views pre-backward set as ``.grad``), until post-backward takes them or `abort`
     views: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
     hooks: list[Any] = field(default_factory=list)  # the accumulation hooks' handles
 
     def in_backward(self) -> bool:
         """The unit's backward is running: ``.grad`` holds unsharded gradients, not views to expose."""
         return self.state in _IN_BACKWARD
-
-
-class _NoGrad:
-    """``torch.no_grad()`` on the per-unit path: the same switch, without the ``set_grad_enabled``
-    object torch's context builds at every entry (microseconds, twice per unit and step)."""
-
-    __slots__ = ("prev",)
-
-    def __enter__(self) -> None:
-        self.prev = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
-
-    def __exit__(self, *exc: object) -> None:
-        torch._C._set_grad_enabled(self.prev)
 
 
 def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
@@ -235,7 +221,7 @@ def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.T
         made = grads.views
         views = made[1] if made is not None and made[0] is grads.buffer else handle.views_of(grads.buffer)
     grads.views = None
-    with _NoGrad():
+    with NoGrad():
         for i, param in enumerate(handle.params):
             grad, param.grad = param.grad, None
             if grad is not None:
@@ -276,7 +262,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
     dtype, numel, room = handle.compute_dtype, handle.layout.padded_numel, _flag_room(handle)
     pieces: list[torch.Tensor] = []
     at = 0
-    with _NoGrad():
+    with NoGrad():
         for info, grad in zip(handle.layout.infos, parts):
             if info.offset > at:
                 pieces.append(_zeros(handle, info.offset - at, dtype))
@@ -337,7 +323,7 @@ def start_reduce(
         hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
         return PendingReduce(handle, hooked, result, keep, numel=result.numel())
     group, rdtype = handle.process_group, handle.reduce_dtype
-    with _NoGrad():
+    with NoGrad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
             send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
             padding = handle.layout.padded_numel - handle.layout.unpadded_numel
@@ -567,26 +553,7 @@ class PendingReduce:
         got = self.got  # every parameter got a gradient here: the reduced flags are not read (nor sliced)
         flags = None if self.own_flags or got is None or all(got) else reduced[self.numel :]
         present = _grad_presence.present(got, flags)
-        _accumulate_sharded_grad(handle, reduced[: self.numel], present)
-
-
-def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
-    """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
-
-    The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
-    offload on CUDA, ``reduced`` is already the host copy ([Note: offloaded gradients reach the
-    host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
-    device, dtype = handle.shard_device, handle.config.grad_dtype(handle.dtype)
-    grad = reduced if reduced.dtype == dtype and reduced.device == device else reduced.to(device=device, dtype=dtype)
-    flat_grad = handle.flat_param.grad
-    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
-    if flat_grad is None or flat_grad.dtype != grad.dtype:
-        assign_grad(handle.flat_param, grad)
-        handle.grads.missing = absent
-    else:
-        flat_grad.add_(grad)
-        handle.grads.missing = handle.grads.missing & absent
-    expose_sharded_grads(handle)
+        accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
 def commit_staged(handle: FlatParamHandle) -> None:
