@@ -173,12 +173,12 @@ def point_to_point(group: dist.ProcessGroup, device: torch.device) -> bool:
     ``device`` (gloo, CPU), so a reduce-scatter sends parts without concatenating them first. See
     [Note: gloo collectives as point-to-point exchanges]; CUDA tensors on gloo keep gloo's own
     collectives, which stage them through the host."""
-    return device.type == "cpu" and _rank_agreement.is_gloo(group)
+    return _rank_agreement.is_gloo(group) and device.type == "cpu"  # the backend first: asking a type costs more
 
 
 def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
     """(group size, my group rank, [(destination, source)] as group ranks for k = 1..N-1)."""
-    size, me = dist.get_world_size(group), dist.get_rank(group)
+    size, me, _ = _rank_agreement.group_ranks(group)
     return size, me, [((me + k) % size, (me - k) % size) for k in range(1, size)]
 
 
@@ -205,8 +205,9 @@ def _start(
         op = Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER
         agreement = _rank_agreement.begin(group, op, numel, dtype, origin)
         payload_tag = _rank_agreement.payload_tag(agreement, tag)
+        _, _, global_ranks = _rank_agreement.group_ranks(group)
         for post, tensor, peer in messages:
-            requests.append(post(tensor, dist.get_global_rank(group, peer), group=group, tag=payload_tag))
+            requests.append(post(tensor, global_ranks[peer], group=group, tag=payload_tag))
     except RuntimeError as e:  # the step was abandoned, or gloo noticed a dead peer while posting
         _rank_agreement.keep_unmatched(group, requests)  # posted ones stay referenced, never waited
         return Exchange((), error=e, output=output, group=group, generation=generation, unmatched=bool(requests))
@@ -223,6 +224,8 @@ def _checked(
 ) -> Optional[Waitable]:
     """A native collective, after the ranks agreed on it (see [Note: collective headers]); a
     disagreement or a failure is raised at ``wait``, where the caller names the unit."""
+    if not _rank_agreement.checks(group):  # no headers (NCCL, one rank): nothing to agree on
+        return post()  # type: ignore[no-any-return]
     try:
         agree(group, op, numel, output.dtype, origin)
     except RuntimeError as e:
@@ -318,7 +321,10 @@ def reduce_scatter(
     ``full`` may be given as 1-D parts whose concatenation it is (a unit's gradients, one per
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
     concatenated first (the gradient reductions give parts to the point-to-point exchange only)."""
-    parts = [full.view(-1)] if isinstance(full, torch.Tensor) else list(full)
+    if isinstance(full, torch.Tensor):
+        parts = [full if full.dim() == 1 else full.view(-1)]  # 1-D already (a unit's buffer): as it is
+    else:
+        parts = list(full)
     with _trace.span("reduce_scatter", None, output):
         if point_to_point(group, output.device):
             return _reduce_scatter_exchange(output, parts, group)

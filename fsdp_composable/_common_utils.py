@@ -33,12 +33,28 @@ API_NAME = "fully_shard"
 FLAT_MODE = "_fsdp_flat_mode"
 
 
+class NoGrad:
+    """``torch.no_grad()`` for the per-unit path (the gradient reductions): the same switch, without the
+    ``set_grad_enabled`` object torch's context builds at every entry (microseconds, twice per unit and step)."""
+
+    __slots__ = ("prev",)
+
+    def __enter__(self) -> None:
+        self.prev = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: object) -> None:
+        torch._C._set_grad_enabled(self.prev)
+
+
 class TrainingState(enum.Enum):
     """What a `fully_shard` call's modules are doing: idle, in a step, or inside `unshard_params`."""
 
     IDLE = enum.auto()
     FORWARD_BACKWARD = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
+
+    __hash__ = object.__hash__  # members are singletons: see `_state_machine`
 
 
 _TRAINING_TRANSITIONS: Transitions = {

@@ -6,6 +6,7 @@ it at the next forward)."""
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._tensor_parallel import local_of, point_at
@@ -44,7 +45,8 @@ def same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
     parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
     ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
     forward while the others raise, and the ranks' collectives no longer match."""
-    data = local_of(param)
+    # a plain parameter's own pointers are its ``.data``'s, without making that tensor (every step)
+    data = param if type(param) is nn.Parameter else local_of(param)
     if data.data_ptr() != view.data_ptr():
         return False
     return view.numel() > 0 or data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()

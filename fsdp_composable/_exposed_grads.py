@@ -57,8 +57,9 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                     missing.discard(i)
         handle.flat_param.grad = flat_grad
         grads.missing = frozenset(missing)
-    for param in handle.params:
-        param.grad = None
+    for param, grad in zip(handle.params, current):
+        if grad is not None:
+            param.grad = None
     grads.exposed = []
 
 
@@ -98,13 +99,32 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     views = handle.sharded_views_of(flat_grad)
     for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
         if param.requires_grad and view.numel() > 0 and i not in grads.missing:
-            grad = as_param_grad(info.tp, view)
+            grad = view if info.tp is None else as_param_grad(info.tp, view)
             assign_grad(param, grad)
             exposed.append(grad)
         else:
             param.grad = None
             exposed.append(None)
     grads.exposed = exposed
+
+
+def accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
+    """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
+
+    The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
+    offload on CUDA, ``reduced`` is already the host copy ([Note: offloaded gradients reach the
+    host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
+    device, dtype = handle.shard_device, handle.config.grad_dtype(handle.dtype)
+    grad = reduced if reduced.dtype == dtype and reduced.device == device else reduced.to(device=device, dtype=dtype)
+    flat_grad = handle.flat_param.grad
+    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
+    if flat_grad is None or flat_grad.dtype != grad.dtype:
+        assign_grad(handle.flat_param, grad)
+        handle.grads.missing = absent
+    else:
+        flat_grad.add_(grad)
+        handle.grads.missing = handle.grads.missing & absent
+    expose_sharded_grads(handle)
 
 
 def assign_grad(param: nn.Parameter, grad: torch.Tensor) -> None:

@@ -58,6 +58,8 @@ class HandleTrainingState(enum.Enum):
     BACKWARD_POST = enum.auto()
     SUMMON_FULL_PARAMS = enum.auto()
 
+    __hash__ = object.__hash__  # members are singletons: see `_state_machine`
+
 
 _H = HandleTrainingState
 _HANDLE_TRANSITIONS: Transitions = {
@@ -105,6 +107,15 @@ class FlatLayout:
         start = min(max(info.offset - lo, 0), self.shard_numel)
         end = min(max(info.offset + info.numel - lo, 0), self.shard_numel)
         return start, max(start, end)
+
+
+def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class FlatParameter(nn.Parameter):
@@ -172,7 +183,14 @@ class FlatParamHandle:
         self.switches = UnitSwitches()  # what the per-module controls flip: [Note: per-unit switches]
         sharded = config.sharded
         rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
+        # the groups never change: their sizes are asked of torch once (each ask costs microseconds)
+        self._group_size = dist.get_world_size(process_group)
+        self._replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.layout = _build_layout(params, holders, rank, world)
+        # derived from the layout, which never changes, so that the views made every step cost one call
+        # per parameter: [Note: views made every step]
+        self._view_specs = [(i.shape, _contiguous_strides(i.shape), i.offset) for i in self.layout.infos]
+        self._shard_ranges = [self.layout.shard_range(i) for i in self.layout.infos]
         self.dtype = params[0].dtype if params else torch.float32
         self.compute_dtype = config.compute_dtype(self.dtype)
         self.reduce_dtype = config.reduce_dtype(self.dtype)
@@ -246,18 +264,23 @@ class FlatParamHandle:
             self._unsharded_views = list(self._sharded_views)
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        """Each original parameter's view, in its shape, of a padded unsharded flat tensor."""
+        """Each original parameter's view, in its shape, of a padded unsharded flat tensor.
+
+        [Note: views made every step]
+        A gradient buffer's views are made at every unit's pre-backward: one ``as_strided`` per
+        parameter gives the same view (storage, offset, shape, strides) as a slice then ``view``, at
+        about a third of the dispatcher calls' cost (``view`` parses its shape). Only for a contiguous
+        1-D ``flat`` (every buffer we make); any other takes the slices."""
+        if flat.dim() == 1 and flat.is_contiguous():
+            base = flat.storage_offset()
+            return [flat.as_strided(shape, stride, base + offset) for shape, stride, offset in self._view_specs]
         return [flat[i.offset : i.offset + i.numel].view(i.shape) for i in self.layout.infos]
 
     def sharded_views_of(self, flat_shard: torch.Tensor) -> list[torch.Tensor]:
         """Each original parameter's slice of a local-shard-sized tensor (1-D unless one rank)."""
-        keep_shape = self.layout.world_size == 1
-        out = []
-        for info in self.layout.infos:
-            start, end = self.layout.shard_range(info)
-            view = flat_shard[start:end]
-            out.append(view.view(info.shape) if keep_shape else view)
-        return out
+        if self.layout.world_size != 1:
+            return [flat_shard[start:end] for start, end in self._shard_ranges]
+        return [flat_shard[start:end].view(i.shape) for (start, end), i in zip(self._shard_ranges, self.layout.infos)]
 
     def change_dtype(self, dtype: torch.dtype, values: Optional[list[torch.Tensor]] = None) -> None:
         """Rebuild the shard, its views and the unsharded buffer in ``dtype`` after the model was cast
@@ -289,7 +312,12 @@ class FlatParamHandle:
 
     @property
     def replicas(self) -> int:
-        return dist.get_world_size(self.replicate_group) if self.replicate_group is not None else 1
+        return self._replicas
+
+    @property
+    def group_size(self) -> int:
+        """The size of ``process_group`` (NO_SHARD's layout says 1 whatever it is)."""
+        return self._group_size
 
     # ---------------------------------------------------------------- state machine
     def set_training_state(self, new: HandleTrainingState) -> None:
@@ -307,8 +335,12 @@ class FlatParamHandle:
 
     # ---------------------------------------------------------------- views
     def _point_params_at(self, views: list[torch.Tensor]) -> None:
-        for param, view in zip(self.params, views):
-            point_at(param, view)
+        if self.tensor_parallel:
+            for param, view in zip(self.params, views):
+                point_at(param, view)
+            return
+        for param, view in zip(self.params, views):  # plain parameters: `point_at` without its check
+            param.data = view
 
     def use_sharded_views(self) -> None:
         self._point_params_at(self._sharded_views)

@@ -83,7 +83,7 @@ def union(a: Optional[list[bool]], b: Optional[list[bool]]) -> Optional[list[boo
 def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """The flags as a tensor made on ``device`` without copying host data (no synchronisation)."""
     if device.type == "cpu":
-        return torch.tensor(got, dtype=dtype)
+        return torch.tensor(got, dtype=dtype) if not all(got) else torch.ones(len(got), dtype=dtype)
     out = torch.empty(len(got), dtype=dtype, device=device)
     write_flags(got, out)
     return out
@@ -92,10 +92,10 @@ def flags(got: Sequence[bool], dtype: torch.dtype, device: torch.device) -> torc
 def write_flags(got: Sequence[bool], into: torch.Tensor) -> None:
     """Write the flags into ``into`` (the tail of a reduction's buffer), on its device, without
     copying host data to a device (no synchronisation)."""
-    if into.device.type == "cpu":
+    if into.device.type == "cpu" and not all(got):
         into.copy_(torch.tensor(got, dtype=into.dtype))
         return
-    into.fill_(1)
+    into.fill_(1)  # every parameter got one (the common step): no host tensor to build and copy
     for i, present in enumerate(got):
         if not present:
             into[i] = 0

@@ -52,6 +52,11 @@ class _AllGatherLimiter:
         self._resharded: list[Unit] = []  # dropped from _live since the last `release_resharded`
 
     def _prune(self) -> None:
+        for entry in self._live:  # usually every unit is still alive: no new list then
+            if not _alive(entry[0]):
+                break
+        else:
+            return
         keep: list[tuple[Unit, bool]] = []
         for entry in self._live:
             if _alive(entry[0]):

@@ -74,15 +74,25 @@ def check_model_unchanged(root: _FSDPState) -> None:
 
 def check_data_writes(states: list[_FSDPState]) -> None:
     """Keep the ``p.data = t`` writes that can be kept, undo and refuse the others (also at the entry
-    of `unshard_params`, which would otherwise gather the shard without them)."""
-    _keep_same_shape_writes(states)
-    _restore_views(states)
+    of `unshard_params`, which would otherwise gather the shard without them). A unit whose every
+    parameter still is its view has nothing to keep or undo: one comparison per parameter finds it."""
+    edited = [h for state in states for h in state.handles if not _views_intact(h)]
+    if edited:
+        _keep_same_shape_writes(edited)
+        _restore_views(edited)
 
 
-def _keep_same_shape_writes(states: list[_FSDPState]) -> None:
-    for state in states:
-        for handle in state.handles:
-            keep_data_writes(handle)
+def _views_intact(handle: FlatParamHandle) -> bool:
+    views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+    for param, view in zip(handle.params, views):
+        if not same_data(param, view):
+            return False
+    return True
+
+
+def _keep_same_shape_writes(handles: list[FlatParamHandle]) -> None:
+    for handle in handles:
+        keep_data_writes(handle)
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -101,24 +111,23 @@ def _check_handle(handle: FlatParamHandle) -> None:
                 _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
 
 
-def _restore_views(states: list[_FSDPState]) -> None:
+def _restore_views(handles: list[FlatParamHandle]) -> None:
     """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
     first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
-    for state in states:
-        for handle in state.handles:
-            views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-            if all(same_data(p, v) for p, v in zip(handle.params, views)):
+    for handle in handles:
+        views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+        if all(same_data(p, v) for p, v in zip(handle.params, views)):
+            continue
+        changed = False
+        for param, info, view in zip(handle.params, handle.layout.infos, views):
+            data = local_of(param)
+            if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
                 continue
-            changed = False
-            for param, info, view in zip(handle.params, handle.layout.infos, views):
-                data = local_of(param)
-                if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
-                    continue
-                changed = True
-                if first is None:
-                    first = (handle, _fqn(handle, info.fqn), data)
-            if changed:
-                handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+            changed = True
+            if first is None:
+                first = (handle, _fqn(handle, info.fqn), data)
+        if changed:
+            handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
         _raise_cast(*first, "parameter", restored=True)
 

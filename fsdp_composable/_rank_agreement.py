@@ -57,6 +57,7 @@ from __future__ import annotations
 import collections
 import contextlib
 import enum
+import operator
 import struct
 import zlib
 from contextvars import ContextVar
@@ -141,6 +142,8 @@ _DTYPES = (
 # ``origin``: an all-gather's shard dtype before a mixed-precision cast (see [Note: casts after sharding])
 _FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin", "seq")
 _COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin")
+_SAME = operator.itemgetter(*_COMPARED, "epoch")  # what every peer's header must share with this rank's
+_PACK = struct.Struct(f"{len(_FIELDS)}q")  # a header's bytes (native int64s, as the tensor holds them)
 
 
 @dataclass
@@ -163,6 +166,11 @@ class _GroupRecord:
     unmatched: list[Any] = field(default_factory=list)  # payload requests of refused exchanges
     gloo: Optional[bool] = None  # the group's backend is gloo (None: not asked yet)
     several: bool = False  # the group has more than one rank
+    # a group's size and ranks never change: asked of torch once (`_learn`), not at every collective
+    size: int = 0
+    rank: int = 0
+    global_ranks: tuple[int, ...] = ()  # by group rank (filled by `group_ranks` when first needed)
+    peers: tuple[int, ...] = ()  # the other ranks' group ranks
 
 
 # the entry points running now, innermost last (a context variable: no shared mutable container)
@@ -173,15 +181,23 @@ def _record(group: dist.ProcessGroup) -> _GroupRecord:
     return group_record(group, _GroupRecord)
 
 
+def _learn(group: dist.ProcessGroup, record: _GroupRecord) -> None:
+    """A group's backend, size and this rank's place in it never change: asked of torch once."""
+    record.size, record.rank = dist.get_world_size(group), dist.get_rank(group)
+    record.peers = tuple(p for p in range(record.size) if p != record.rank)
+    record.several = record.size > 1
+    record.gloo = dist.get_backend(group) == "gloo"
+
+
 def checks(group: Optional[dist.ProcessGroup]) -> bool:
     """Whether collectives on ``group`` exchange headers first: gloo groups of more than one rank
-    (unless a benchmark switched the headers off, [Note: safety switches])."""
+    (unless a benchmark switched the headers off, [Note: safety switches]). The one switch every
+    header path asks (tests replace it)."""
     if group is None:
         return False
     record = _record(group)
-    if record.gloo is None:  # a group's backend and size never change: asked once
-        record.gloo = dist.get_backend(group) == "gloo"
-        record.several = dist.get_world_size(group) > 1
+    if record.gloo is None:
+        _learn(group, record)
     return bool(record.gloo and record.several) and _safety.current().headers
 
 
@@ -189,8 +205,18 @@ def is_gloo(group: dist.ProcessGroup) -> bool:
     """Whether ``group``'s backend is gloo (asked of torch once per group)."""
     record = _record(group)
     if record.gloo is None:
-        checks(group)
+        _learn(group, record)
     return bool(record.gloo)
+
+
+def group_ranks(group: dist.ProcessGroup) -> tuple[int, int, tuple[int, ...]]:
+    """``group``'s size, this rank's group rank and every group rank's global rank (asked once)."""
+    record = _record(group)
+    if record.gloo is None:
+        _learn(group, record)
+    if not record.global_ranks:
+        record.global_ranks = tuple(dist.get_global_rank(group, r) for r in range(record.size))
+    return record.size, record.rank, record.global_ranks
 
 
 @contextlib.contextmanager
@@ -248,12 +274,11 @@ def leave_step(groups: Iterable[Optional[dist.ProcessGroup]]) -> None:
         record.generation += 1
         if record.left or record.broken is not None:
             continue
-        header = _header(group, record, Op.LEFT, 0, None)
-        me = dist.get_rank(group)
+        header = _tensor(_header(record, Op.LEFT, 0, None))
         try:
-            for peer in range(dist.get_world_size(group)):
-                if peer != me:
-                    record.pending.append(dist.isend(header, dist.get_global_rank(group, peer), group, _HEADER_TAG))
+            _, _, global_ranks = group_ranks(group)
+            for peer in record.peers:
+                record.pending.append(dist.isend(header, global_ranks[peer], group, _HEADER_TAG))
         except RuntimeError as e:  # a peer is gone: nothing to tell it
             record.broken = f"a peer could not be told that this rank left step {record.step} ({e})"
         _new_epoch(record)
@@ -297,15 +322,15 @@ def _new_epoch(record: _GroupRecord) -> None:
 
 
 def _header(
-    group: dist.ProcessGroup,
     record: _GroupRecord,
     op: Op,
     numel: int,
     dtype: Optional[torch.dtype],
     origin: Optional[torch.dtype] = None,
     seq: int = -1,
-) -> torch.Tensor:
-    values = (
+) -> tuple[int, ...]:
+    """This rank's header, in the order of `_FIELDS`."""
+    return (
         _MAGIC,
         int(op),
         _purpose(),
@@ -313,11 +338,15 @@ def _header(
         record.step,
         numel,
         _dtype_code(dtype),
-        dist.get_world_size(group),
+        record.size,
         _dtype_code(origin if origin != dtype else None),
         seq,
     )
-    return torch.tensor(values, dtype=torch.int64)
+
+
+def _tensor(header: tuple[int, ...]) -> torch.Tensor:
+    """A header as the int64 tensor sent, made from its bytes (half the cost of ``torch.tensor``)."""
+    return torch.frombuffer(bytearray(_PACK.pack(*header)), dtype=torch.int64)
 
 
 def _describe(h: dict[str, int]) -> str:
@@ -396,21 +425,22 @@ def begin(
         raise RankMismatchError(f"not run: this step was already abandoned ({record.abandoned})")
     record.pending = [w for w in record.pending if not w.is_completed()]
     record.unmatched = [w for w in record.unmatched if not w.is_completed()]
-    mine = _header(group, record, op, numel, dtype, origin, record.seq)
+    header = _header(record, op, numel, dtype, origin, record.seq)
+    mine = _tensor(header)
     record.seq += 1
-    me, size = dist.get_rank(group), dist.get_world_size(group)
-    peers = [p for p in range(size) if p != me]
+    peers = list(record.peers)
     try:
+        _, _, global_ranks = group_ranks(group)
         for peer in peers:  # first: [Note: receives before sends]
             record.posted.setdefault(peer, collections.deque()).append(_post_recv(group, peer))
-        sends = [dist.isend(mine, dist.get_global_rank(group, p), group, _HEADER_TAG) for p in peers]
+        sends = [dist.isend(mine, global_ranks[p], group, _HEADER_TAG) for p in peers]
     except RuntimeError as e:
         record.broken = f"a collective did not complete ({e})"
         raise RuntimeError(f"{e}. While sending this rank's collective header{_entry_hint({_purpose()})}") from e
     # held until done even if the exchange is refused unread: gloo must never see a request destroyed
     # while it is still posted (it would write into freed memory)
     record.pending.extend(sends)
-    return Agreement(group, dict(zip(_FIELDS, mine.tolist())), peers, sends)
+    return Agreement(group, dict(zip(_FIELDS, header)), peers, sends)
 
 
 def payload_tag(agreement: Optional[Agreement], tag: int) -> int:
@@ -479,7 +509,7 @@ def _header_of(group: dist.ProcessGroup, record: _GroupRecord, peer: int, seq: i
 
 def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
     buffer = torch.empty(len(_FIELDS), dtype=torch.int64)
-    return buffer, dist.irecv(buffer, dist.get_global_rank(group, peer), group, _HEADER_TAG)
+    return buffer, dist.irecv(buffer, group_ranks(group)[2][peer], group, _HEADER_TAG)
 
 
 def _entry_hint(purposes: set[int]) -> str:
@@ -493,8 +523,7 @@ def _entry_hint(purposes: set[int]) -> str:
 def _verdict(
     group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int], theirs: dict[int, dict[str, int]]
 ) -> None:
-    me = dist.get_rank(group)
-    everyone = {**theirs, me: mine}
+    everyone = {**theirs, record.rank: mine}
     ahead = sorted(r for r, h in theirs.items() if h["op"] != Op.LEFT and h["epoch"] > mine["epoch"])
     if ahead:  # a peer refused this step at an exchange this rank had not settled yet: so does this one
         _new_epoch(record)
@@ -508,9 +537,8 @@ def _verdict(
             "it. Every rank must run the same modules, steps and collective calls in the same order"
         )
     left = sorted(r for r, h in theirs.items() if h["op"] == Op.LEFT)
-    if not left and all(
-        all(h[k] == mine[k] for k in _COMPARED) and h["epoch"] == mine["epoch"] for h in theirs.values()
-    ):
+    same = _SAME(mine)
+    if not left and all(_SAME(h) == same for h in theirs.values()):
         return
     detail = "; ".join(f"rank {r}: {_describe(everyone[r])}" for r in sorted(everyone))
     if left:

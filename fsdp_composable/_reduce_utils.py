@@ -55,7 +55,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
-from fsdp_composable._exposed_grads import assign_grad, expose_sharded_grads, stash_sharded_grads
+from fsdp_composable._common_utils import NoGrad
+from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad
@@ -72,6 +73,8 @@ class GradState(enum.Enum):
     STAGED = enum.auto()
     KEPT_FOR_NO_SYNC = enum.auto()
     REDUCING = enum.auto()
+
+    __hash__ = object.__hash__  # members are singletons: see `_state_machine`
 
 
 _G = GradState
@@ -121,6 +124,8 @@ class UnitGrads:
     staged_got: Optional[list[bool]] = None  # STAGED: this micro-batch's flags
     kept_got: Optional[list[bool]] = None  # KEPT_FOR_NO_SYNC: the kept micro-batches' flags
     touched: list[bool] = field(default_factory=list)  # FLAT: set by the accumulation hooks
+    # FLAT: (``buffer``, its views pre-backward set as ``.grad``), until post-backward takes them or `abort`
+    views: Optional[tuple[torch.Tensor, list[torch.Tensor]]] = None
     hooks: list[Any] = field(default_factory=list)  # the accumulation hooks' handles
 
     def in_backward(self) -> bool:
@@ -174,7 +179,9 @@ def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
     _set_state(handle, GradState.FLAT)
     _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
     grads.buffer = _grad_buffer(handle, handle.compute_dtype)
-    for param, view in zip(handle.params, handle.views_of(grads.buffer)):
+    views = handle.views_of(grads.buffer)
+    grads.views = (grads.buffer, views)
+    for param, view in zip(handle.params, views):
         if param.requires_grad:
             param.grad = view
 
@@ -187,7 +194,7 @@ def _flag_room(handle: FlatParamHandle) -> int:
     """Elements a NO_SHARD unit's gradient buffer keeps after the padded gradient for the flags, which
     its all-reduce sends with it (0: sharded, or no rank to agree with); see [Note: which parameters
     got a gradient]."""
-    alone = dist.get_world_size(handle.process_group) == 1 and handle.replicate_group is None
+    alone = handle.group_size == 1 and handle.replicate_group is None
     if handle.layout.world_size > 1 or alone:
         return 0
     return len(handle.params)
@@ -209,14 +216,19 @@ def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.T
     grads = handle.grads
     out: list[Optional[torch.Tensor]] = []
     got: list[bool] = []
-    views = handle.views_of(grads.buffer) if grads.buffer is not None else None
-    with torch.no_grad():
+    views: Optional[list[torch.Tensor]] = None
+    if grads.buffer is not None:
+        made = grads.views
+        views = made[1] if made is not None and made[0] is grads.buffer else handle.views_of(grads.buffer)
+    grads.views = None
+    with NoGrad():
         for i, param in enumerate(handle.params):
             grad, param.grad = param.grad, None
             if grad is not None:
                 grad = as_local_grad(param, grad)
             if views is not None:
-                replaced = grad is not None and not _same_memory(grad, views[i])
+                # the view pre-backward set, accumulated into: the same object (else compare memory)
+                replaced = grad is not None and grad is not views[i] and not _same_memory(grad, views[i])
                 if grad is not None and replaced:
                     views[i].copy_(grad)
                 out.append(views[i])
@@ -229,8 +241,8 @@ def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.T
 
 
 def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether ``a`` is ``b``'s memory (autograd accumulated into the view we gave it): `views_of`
-    makes new view objects each call, so object identity says nothing."""
+    """Whether ``a`` is ``b``'s memory (autograd accumulated into the view we gave it), for a ``.grad``
+    that is not the view object itself (e.g. ``views_of`` was called again)."""
     return (
         a.untyped_storage()._cdata == b.untyped_storage()._cdata
         and a.storage_offset() == b.storage_offset()
@@ -250,7 +262,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
     dtype, numel, room = handle.compute_dtype, handle.layout.padded_numel, _flag_room(handle)
     pieces: list[torch.Tensor] = []
     at = 0
-    with torch.no_grad():
+    with NoGrad():
         for info, grad in zip(handle.layout.infos, parts):
             if info.offset > at:
                 pieces.append(_zeros(handle, info.offset - at, dtype))
@@ -289,7 +301,7 @@ def start_reduce(
 
     The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
     grads = handle.grads
-    world = dist.get_world_size(handle.process_group) * handle.replicas
+    world = handle.group_size * handle.replicas
     pre, post = divide_factors(world, handle.reduce_dtype, grads.controls.divide_factor)
     hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
@@ -311,7 +323,7 @@ def start_reduce(
         hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
         return PendingReduce(handle, hooked, result, keep, numel=result.numel())
     group, rdtype = handle.process_group, handle.reduce_dtype
-    with torch.no_grad():
+    with NoGrad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
             send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
             padding = handle.layout.padded_numel - handle.layout.unpadded_numel
@@ -342,7 +354,7 @@ def start_reduce(
             if room:  # the flags ride after the gradient, in the same all-reduce
                 _grad_presence.write_flags(got, out[numel:])
             pending.own_flags = not room  # no other rank: this rank's flags are the answer
-            shard_world = dist.get_world_size(group)
+            shard_world = handle.group_size
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.all_reduce(whole, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
@@ -359,13 +371,14 @@ def start_reduce(
         else:  # the flat gradient as it is, then the flags by a small all-reduce on the same stream
             assert len(send) == 1
             out = torch.empty(numel + len(got), dtype=rdtype, device=handle.device)
-            _grad_presence.write_flags(got, out[numel:])
+            reduced, flags = out[:numel], out[numel:]
+            _grad_presence.write_flags(got, flags)
             grad = send[0]
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.in_order(
-                    lambda: _collectives.reduce_scatter(out[:numel], grad, group, async_op),
-                    lambda: _collectives.all_reduce(out[numel:], group, dist.ReduceOp.SUM, async_op),
+                    lambda: _collectives.reduce_scatter(reduced, grad, group, async_op),
+                    lambda: _collectives.all_reduce(flags, group, dist.ReduceOp.SUM, async_op),
                 )
 
         pending.out = out
@@ -537,26 +550,10 @@ class PendingReduce:
         if self.partial_added:
             grads.partial = None
         reduced = self.host if self.host is not None else self.out
-        present = _grad_presence.present(self.got, None if self.own_flags else reduced[self.numel :])
-        _accumulate_sharded_grad(handle, reduced[: self.numel], present)
-
-
-def _accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:
-    """Add a reduced shard gradient to ``flat_param.grad`` and expose views of it.
-
-    The gradient is cast back to the parameter dtype unless ``keep_low_precision_grads``. With CPU
-    offload on CUDA, ``reduced`` is already the host copy ([Note: offloaded gradients reach the
-    host]); otherwise it is moved here (a CPU compute device: nothing to wait for)."""
-    grad = reduced.to(device=handle.shard_device, dtype=handle.config.grad_dtype(handle.dtype))
-    flat_grad = handle.flat_param.grad
-    absent = frozenset(i for i, p in enumerate(present or ()) if not p)
-    if flat_grad is None or flat_grad.dtype != grad.dtype:
-        assign_grad(handle.flat_param, grad)
-        handle.grads.missing = absent
-    else:
-        flat_grad.add_(grad)
-        handle.grads.missing = handle.grads.missing & absent
-    expose_sharded_grads(handle)
+        got = self.got  # every parameter got a gradient here: the reduced flags are not read (nor sliced)
+        flags = None if self.own_flags or got is None or all(got) else reduced[self.numel :]
+        present = _grad_presence.present(got, flags)
+        accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
 def commit_staged(handle: FlatParamHandle) -> None:
@@ -580,6 +577,7 @@ def abort(handle: FlatParamHandle) -> None:
         for param in handle.params:
             param.grad = None
     grads.buffer = None
+    grads.views = None
     grads.staged_got = None
     grads.touched[:] = []
     if grads.kept is None:

@@ -112,19 +112,27 @@ class RootContext:
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
 
-    # derived from the states once (their handles are fixed once the context exists), so the hooks
-    # do no work per unit of the model to find them: see [Note: the limiter counts units]
+    # derived from the states once (their handles are fixed once the context exists, and a handle's
+    # process groups from its construction on), so the hooks do no work per unit of the model to find
+    # them: see [Note: the limiter counts units]
     _handles: list["FlatParamHandle"] = field(init=False, repr=False)
+    _units: list[tuple["_FSDPState", "FlatParamHandle"]] = field(init=False, repr=False)
+    _grouped: list[tuple["_FSDPState", "FlatParamHandle"]] = field(init=False, repr=False)  # several modules
     _unit_of: dict["FlatParamHandle", tuple["FlatParamHandle", ...]] = field(init=False, repr=False)
+    _groups: list[Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.state_dict_type, self.state_dict_config = self.root.state_dict_type, self.root.state_dict_config
-        self._handles = [h for s in self.states for h in s.handles]
+        self._units = [(s, h) for s in self.states for h in s.handles]
+        self._handles = [h for _, h in self._units]
+        self._grouped = [(s, h) for s, h in self._units if len(h.members) > 1]
         by_module: dict[int, list["FlatParamHandle"]] = {}
         for h in self._handles:
             by_module.setdefault(id(h.module), []).append(h)
         units = {key: tuple(group) for key, group in by_module.items()}
         self._unit_of = {h: units[id(h.module)] for h in self._handles}
+        groups = (g for h in self._handles for g in (h.process_group, h.replicate_group, h.post_forward_group))
+        self._groups = list({id(g): g for g in groups if g is not None}.values())
 
     @property
     def handles(self) -> list["FlatParamHandle"]:
@@ -145,9 +153,11 @@ class RootContext:
 
     def units(self) -> Iterator[tuple["_FSDPState", "FlatParamHandle"]]:
         """Every (state, handle) pair, in the order of `handles`."""
-        for s in self.states:
-            for h in s.handles:
-                yield s, h
+        return iter(self._units)
+
+    def grouped_units(self) -> list[tuple["_FSDPState", "FlatParamHandle"]]:
+        """The (state, handle) pairs of units of several modules (the only ones with ``group_left``)."""
+        return self._grouped
 
     def reset_counters(self) -> None:
         """The one place per-step bookkeeping is cleared (by `end_step` and `abort_step`)."""
@@ -192,7 +202,7 @@ class RootContext:
         for s in self.states:
             _set_training_state(s, TrainingState.FORWARD_BACKWARD)
         self.exec_order.start_forward()
-        for group in self.collective_groups():  # the root's own group was opened by the order check
+        for group in self._groups:  # the root's own group was opened by the order check
             if group is not self.exec_order.group:
                 _rank_agreement.start_step(group)  # else a step left there stays left: later ones refused
         event, self.post_optim_event = self.post_optim_event, None
@@ -230,9 +240,9 @@ class RootContext:
 
     def collective_groups(self) -> list[Any]:
         """Every process group the step's collectives use (shard, replicate and post-forward groups),
-        once each: a step opens and is left on all of them ([Note: collective headers])."""
-        groups = (g for h in self.handles for g in (h.process_group, h.replicate_group, h.post_forward_group))
-        return list({id(g): g for g in groups if g is not None}.values())
+        once each: a step opens and is left on all of them ([Note: collective headers]). Derived with
+        `handles`, from the same fixed handles; callers only read it."""
+        return self._groups
 
     def abort_step(self) -> None:
         """Close a step that stopped midway; see [Note: a step that stops midway]."""

@@ -156,7 +156,7 @@ def _fsdp_root_post_forward(state: _FSDPState, module: nn.Module, args: Any, out
         return None
     if not ctx.leave_forward(failed=False):
         return output  # nested in a registered method: its own post-forward closes the forward
-    for s, h in ctx.units():  # a unit of several modules some of which did not run
+    for s, h in ctx.grouped_units():  # a unit of several modules some of which did not run
         if ctx.steps[h].group_left:
             ctx.steps[h].group_left.clear()
             _finish_forward(s, h)
@@ -234,8 +234,9 @@ def _post_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module,
 
 
 def _finish_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
-    _ctx(state).steps[handle].forward_depth = 0
-    _ctx(state).exec_order.record_post_forward(handle)
+    ctx = _ctx(state)
+    ctx.steps[handle].forward_depth = 0
+    ctx.exec_order.record_post_forward(handle)
     if _reshard_after_forward(state, handle):
         if handle.post_forward_group is not None and torch.is_grad_enabled() and handle.is_unsharded:
             handle.reshard_to_post_forward_group()  # see [Note: resharding to a smaller group]

@@ -1,5 +1,9 @@
 """Checked transitions, shared by the three lifecycles: `TrainingState` (a call's state),
-`HandleTrainingState` (a unit's parameters) and `GradState` (a unit's gradients)."""
+`HandleTrainingState` (a unit's parameters) and `GradState` (a unit's gradients).
+
+Every unit makes several checked transitions per step, each two hashed look-ups of its enum; the
+three enums hash by identity (``__hash__ = object.__hash__``, in C) instead of `enum.Enum`'s hash of
+the member's name (a Python call). Members are singletons compared by identity, so nothing else changes."""
 
 from __future__ import annotations
 

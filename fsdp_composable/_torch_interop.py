@@ -163,7 +163,9 @@ def _install_process_changes() -> None:
 
 
 def _count_ours(optim: torch.optim.Optimizer) -> int:
-    return sum(1 for p in _optimizer_params(optim) if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter)
+    # every step, per parameter: a list comprehension, not a generator resumed per parameter
+    params = _optimizer_params(optim)
+    return len([p for p in params if getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter])
 
 
 def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:

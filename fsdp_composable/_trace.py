@@ -55,11 +55,6 @@ def _configure_from_env() -> None:
 _configure_from_env()
 
 
-def _profiling() -> bool:
-    # the flag torch's profilers set on entry and clear on exit (kineto's torch.profiler included)
-    return bool(_autograd_profiler._is_profiler_enabled)
-
-
 def span(
     what: str, unit: Optional[str], tensor: Optional[torch.Tensor] = None, done: bool = True
 ) -> ContextManager[Any]:
@@ -68,7 +63,8 @@ def span(
     ``unit``: the unit's FQN, or None for the unit of the innermost enclosing span (a collective
     issued by a unit's method or hook). ``tensor``: the buffer the operation moves, for the byte
     count in the log. ``done``: also log when the operation finishes (hooks log only their start)."""
-    profiling = _profiling()
+    # the flag torch's profilers set on entry and clear on exit (kineto's torch.profiler included)
+    profiling = bool(_autograd_profiler._is_profiler_enabled)
     if not profiling and not logger.isEnabledFor(logging.DEBUG):
         return _NULL
     return _Span(what, unit, tensor, done, profiling)
