@@ -11,8 +11,9 @@ Three parts (``--parts``, default all), each with torch FSDP2 beside ours in the
   the next (both alive at once would double the memory of the largest size); the impls' order
   alternates from size to size. A step's time is the slowest rank's.
 - ``units``: one process as rank 0 of ``--fake-world-size`` ranks on torch's fake process group
-  (collectives return at once), ``bench_overhead.py``'s residual MLP blocks at ``--units`` units: the
-  runtime's own CPU time per step beyond the unsharded model, and per unit.
+  (collectives return at once), ``bench_overhead.py``'s residual MLP blocks at ``--units`` units, the
+  three impls built at once and timed in ``--rounds`` interleaved rounds of ``--unit-steps`` steps: the
+  runtime's own CPU time per step beyond the unsharded model (medians), and per unit.
 - ``ws1``: one gloo rank, the default GPT, ``local`` (the unsharded model), ``ours`` and
   ``torch-fsdp2``, all built at once and run in ``--rounds`` interleaved rounds of ``--steps`` steps:
   each sharded impl's speed relative to the unsharded model (world size 1 makes ours NO_SHARD).
@@ -133,10 +134,20 @@ def run_units(args: argparse.Namespace, units: list[int]) -> list[dict[str, Any]
         for n in units:
             ns = argparse.Namespace(units=n, d=64, batch=8, steps=args.unit_steps, warmup=args.warmup + 1)
             row: dict[str, Any] = {"units": n}
-            for impl in bench_overhead.IMPLS:  # local, ours, torch-fsdp2
-                model = bench_overhead._shard(impl, bench_overhead._model(ns, _CPU), args.fake_world_size, _CPU)
-                row[impl] = statistics.median(bench_overhead._time_steps(model, ns, _CPU))
-                del model
+            # every impl built at once and timed in interleaved rounds (order rotated), so a slow spell
+            # of the machine falls on all three alike
+            models = {
+                impl: bench_overhead._shard(impl, bench_overhead._model(ns, _CPU), args.fake_world_size, _CPU)
+                for impl in bench_overhead.IMPLS  # local, ours, torch-fsdp2
+            }
+            times: dict[str, list[float]] = {impl: [] for impl in models}
+            for r in range(args.rounds):
+                order = list(models)[r % len(models) :] + list(models)[: r % len(models)]
+                for impl in order:
+                    times[impl] += bench_overhead._time_steps(models[impl], ns, _CPU)
+            del models
+            for impl, samples in times.items():
+                row[impl] = statistics.median(samples)
             for impl in SHARDED:
                 row[f"{impl}_overhead_s"] = row[impl] - row["local"]
                 row[f"{impl}_per_unit_s"] = row[f"{impl}_overhead_s"] / n
@@ -257,7 +268,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=3, help="timed steps per impl (per round for ws1)")
     p.add_argument("--unit-steps", type=int, default=20, help="timed steps per impl in the units part")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per impl first")
-    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the ws1 part")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved rounds of the ws1 and units parts")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per process")
     p.add_argument("--quick", action="store_true", help="tiny models, 2 and 4 units, one step: a smoke test")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "scaling.json"), help="JSON path")
