@@ -44,7 +44,11 @@ class Stack(nn.Module):
         self.heads = nn.ModuleList([nn.Linear(9, 3), nn.Linear(9, 1)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.body(self.inp(x).unsqueeze(1)).squeeze(1)
+        h = self.inp(x)
+        # two different tokens: over one, attention's softmax is constant, so the query and key weights
+        # get only rounding noise as gradient, which AdamW turns into full steps of a sign that depends
+        # on the summation order (the sharded and unsharded runs then differ by lr per step)
+        h = self.body(torch.stack([h, h.flip(-1)], dim=1)).mean(1)
         return self.heads[0](h).sum(-1, keepdim=True) + self.heads[1](h)
 
 
