@@ -182,9 +182,9 @@ class FlatParamHandle:
         self.training_state = HandleTrainingState.IDLE
         self.switches = UnitSwitches()  # what the per-module controls flip: [Note: per-unit switches]
         sharded = config.sharded
-        rank, world = (dist.get_rank(process_group), dist.get_world_size(process_group)) if sharded else (0, 1)
         # the groups never change: their sizes are asked of torch once (each ask costs microseconds)
         self._group_size = dist.get_world_size(process_group)
+        rank, world = (dist.get_rank(process_group), self._group_size) if sharded else (0, 1)
         self._replicas = dist.get_world_size(replicate_group) if replicate_group is not None else 1
         self.layout = _build_layout(params, holders, rank, world)
         # derived from the layout, which never changes, so that the views made every step cost one call
@@ -249,13 +249,7 @@ class FlatParamHandle:
 
     def _init_views(self) -> None:
         layout = self.layout
-        shard = self.flat_param.data
-        keep_shape = layout.world_size == 1
-        self._sharded_views = []
-        for info in layout.infos:
-            start, end = layout.shard_range(info)
-            view = shard[start:end]
-            self._sharded_views.append(view.view(info.shape) if keep_shape else view)
+        self._sharded_views = self.sharded_views_of(self.flat_param.data)
         if self._needs_buffer:
             self._unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_views = self.views_of(self._unsharded)
