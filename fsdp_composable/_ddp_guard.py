@@ -10,6 +10,14 @@ before any collective; torch's global module-registration hook sees that assignm
 and raises here when the module is, holds or sits inside a sharded unit. The hook runs for every
 submodule registration in the process, so it returns after one ``isinstance`` for anything but DDP.
 `_torch_interop` installs it with the first `fully_shard` call (a DDP wrap comes after sharding).
+
+[Note: fully_shard inside an existing DDP]
+The other order, ``ddp = DDP(model)`` and then ``fully_shard(model.block)``, gives no registration
+to see: DDP was built first, over the full parameters, and its reducer would all-reduce the shards
+our reduce-scatter leaves in ``.grad`` (one gradient came out silently wrong). DDP marks the module
+whose forward it runs (torch's ``DistributedDataParallel._active_ddp_module``, set around its
+module's call), so the root's pre-forward asks for it, one attribute read per forward, and raises
+on every rank before the first all-gather when the sharded module runs inside that DDP's module.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel
 from fsdp_composable._common_utils import _get_fsdp_states, _is_inside_unit
 from fsdp_composable.api import ShardedModelWrappedError
 
-__all__ = ["ShardedModelWrappedError", "refuse_ddp_of_sharded"]
+__all__ = ["ShardedModelWrappedError", "refuse_ddp_of_sharded", "refuse_inside_ddp"]
 
 
 def _sharded_part(module: nn.Module) -> Optional[str]:
@@ -54,3 +62,26 @@ def refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) ->
             "fsdp_composable.lightning's strategies instead of the DDP strategy"
         )
 
+
+
+def refuse_inside_ddp(module: nn.Module) -> None:
+    """Raise when a DDP built before fully_shard runs ``module`` (a root's pre-forward): see
+    [Note: fully_shard inside an existing DDP]."""
+    ddp = getattr(DistributedDataParallel, "_active_ddp_module", None)
+    if ddp is None:
+        return
+    fqn = next((name for name, m in ddp.module.named_modules() if m is module), None)
+    if fqn is None:
+        return
+    what = (
+        f"'{fqn}' ({type(module).__name__}) after DistributedDataParallel wrapped the {type(ddp.module).__name__} "
+        "that holds it"
+        if fqn
+        else f"the {type(module).__name__} that DistributedDataParallel had wrapped before"
+    )
+    raise ShardedModelWrappedError(
+        f"fully_shard was applied to {what}: DDP all-reduces the gradients of the full parameters it was built "
+        "with, which are now this rank's shards, so the gradients would mix two reductions. Apply "
+        "fully_shard to the model instead of DistributedDataParallel (it reduce-scatters the gradients "
+        "across the ranks itself), or build DDP only over modules that fully_shard does not manage"
+    )

@@ -38,6 +38,7 @@ from fsdp_composable import _exposed_grads, _trace
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._cast_inputs import cast_floating, to_device
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
+from fsdp_composable._ddp_guard import refuse_inside_ddp
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
@@ -121,6 +122,7 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 
 # ---------------------------------------------------------------------------- forward
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
+    refuse_inside_ddp(module)  # see [Note: fully_shard inside an existing DDP]
     _lazy_init(state, module)
     if not state.is_root or _in_backward():
         return None

@@ -7,9 +7,10 @@ from __future__ import annotations
 import copy
 from typing import Any
 
-import pytest
+import expecttest
 import torch
 import torch.distributed as dist
+from harness import error_of
 from models import OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
 from torch import nn
@@ -103,35 +104,32 @@ def test_no_sync_on_parent_of_two_roots(dist_run) -> None:
         assert dist_run(2, no_sync_on_parent_of_two_roots, warm) == [{"reduced_inside": [], "parity": True}] * 2
 
 
-def shard_after_ddp() -> dict[str, float]:
-    """DDP built first, fully_shard on a child afterwards: the guard sees only DDP's construction, and
-    the backward mixes both reductions (one gradient comes out wrong, silently)."""
+def shard_after_ddp(which: str) -> list[str]:
+    """DDP built first, fully_shard on a child afterwards: DDP's reducer would all-reduce the shards
+    (one gradient came out wrong, silently). The first forward through DDP raises instead, before
+    any collective of ours, and so does the next one."""
     from torch.nn.parallel import DistributedDataParallel
 
     torch.manual_seed(0)
     model = OddMLP()
-    ref = copy.deepcopy(model)
     ddp = DistributedDataParallel(model)
-    error = ""
-    try:
-        fully_shard(model.l2)
-    except Exception as e:  # noqa: BLE001 - what a fix would raise, on every rank
-        error = f"{type(e).__name__}: {e}"
-    if error:
-        return {"refused": 1.0}
+    fully_shard(model.get_submodule(which))
     rank, world = dist.get_rank(), dist.get_world_size()
-    batch = mlp_batch(0, 2 * world)
-    mlp_loss(ddp, local_slice(batch, rank, world)).backward()
-    mlp_loss(ref, batch).backward()
-    with unshard_params(model.l2, with_grads=True, writeback=False):
-        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-    return {"max_diff": max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())}
+    batch = local_slice(mlp_batch(0, 2 * world), rank, world)
+    return [error_of(lambda: mlp_loss(ddp, batch).backward()) for _ in range(2)]
 
 
-@pytest.mark.xfail(strict=True, reason="not fixed: fully_shard inside an existing DDP is neither refused nor correct")
 def test_fully_shard_inside_existing_ddp(dist_run) -> None:
-    for r in dist_run(2, shard_after_ddp):
-        assert r == {"refused": 1.0} or r["max_diff"] < 1e-6, r
+    errors = []
+    for which in ("l2", ""):  # a child, the model DDP wraps itself
+        results = dist_run(2, shard_after_ddp, which)
+        assert results[0] == results[1], results  # every rank
+        first, again = results[0]
+        assert first == again
+        errors.append(first)
+    expecttest.TestCase().assertExpectedInline("\n".join(errors), """\
+ShardedModelWrappedError: fully_shard was applied to 'l2' (Sequential) after DistributedDataParallel wrapped the OddMLP that holds it: DDP all-reduces the gradients of the full parameters it was built with, which are now this rank's shards, so the gradients would mix two reductions. Apply fully_shard to the model instead of DistributedDataParallel (it reduce-scatters the gradients across the ranks itself), or build DDP only over modules that fully_shard does not manage
+ShardedModelWrappedError: fully_shard was applied to the OddMLP that DistributedDataParallel had wrapped before: DDP all-reduces the gradients of the full parameters it was built with, which are now this rank's shards, so the gradients would mix two reductions. Apply fully_shard to the model instead of DistributedDataParallel (it reduce-scatters the gradients across the ranks itself), or build DDP only over modules that fully_shard does not manage""")  # noqa: E501
 
 
 def comm_hook_on_unit_before_first_forward() -> dict[str, Any]:
