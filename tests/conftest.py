@@ -22,6 +22,8 @@ def get_pool(world_size: int) -> DistPool:
 @pytest.fixture(scope="session", autouse=True)
 def _close_pools() -> Iterator[None]:
     yield
+    for pool in _pools.values():  # every pool's ranks shut down at once, then each is waited for
+        pool.ask_to_stop()
     for pool in _pools.values():
         pool.close()
     _pools.clear()

@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
 import sys
+from concurrent.futures import Future
+from typing import Iterator
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
+from concurrent_runs import selected_tests, started_together
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -22,13 +26,49 @@ from benchmarks._model import SMALL, BenchGPT, Block, count_params  # noqa: E402
 from benchmarks._report import format_table, theory_bytes  # noqa: E402
 from benchmarks.bench_step import parse_args  # noqa: E402
 
-
 # ---------------------------------------------------------------------------- end to end
-def test_bench_step_small_runs_and_writes_fields(tmp_path: str) -> None:
-    out = os.path.join(str(tmp_path), "small.json")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_step.py")]
-    cmd += ["--small", "--impls", "ours,local,local-ranks", "--steps", "2", "--world-size", "2", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+# Each end-to-end test's benchmark command (after the script, before ``--out``) and timeout; the
+# selected ones run two at a time from the first one's test on (`concurrent_runs`).
+RUNS: dict[str, tuple[list[str], float]] = {
+    "test_bench_step_small_runs_and_writes_fields": (
+        ["bench_step.py", "--small", "--impls", "ours,local,local-ranks", "--steps", "2", "--world-size", "2"],
+        180,
+    ),
+    "test_bench_collectives_small_runs": (
+        ["bench_collectives.py", "--numel", "1001", "--reps", "2", "--warmup", "1"],
+        120,
+    ),
+    "test_bench_overhead_small_runs": (
+        ["bench_overhead.py", "--units", "3", "--d", "8", "--steps", "2", "--warmup", "1"],
+        120,
+    ),
+    "test_bench_scaling_quick_runs": (["bench_scaling.py", "--quick"], 180),
+    "test_bench_safety_small_runs": (
+        ["bench_safety.py", "--small", "--rounds", "1", "--steps", "1", "--warmup", "1"],
+        120,
+    ),
+}
+
+
+def _run_benchmark(args: list[str], timeout: float, out: str) -> tuple[subprocess.CompletedProcess[str], str]:
+    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", args[0]), *args[1:], "--out", out]
+    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout), out
+
+
+@pytest.fixture(scope="module")
+def bench_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    selected = selected_tests(request)
+    jobs = {
+        name: functools.partial(_run_benchmark, args, timeout, str(tmp_path_factory.mktemp("bench") / "out.json"))
+        for name, (args, timeout) in RUNS.items()
+        if name in selected
+    }
+    with started_together(jobs) as runs:
+        yield runs
+
+
+def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_step_small_runs_and_writes_fields"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| ours (FULL_SHARD) |" in proc.stdout and "| local |" in proc.stdout and "| local-ranks |" in proc.stdout
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
@@ -242,11 +282,8 @@ bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; d
     assert args.impl_list == ["local", "ddp", "torch-fsdp2", "ours"] and args.world_size == 2 and args.steps == 6
 
 
-def test_bench_collectives_small_runs(tmp_path: str) -> None:
-    out = os.path.join(str(tmp_path), "coll.json")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_collectives.py")]
-    cmd += ["--numel", "1001", "--reps", "2", "--warmup", "1", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+def test_bench_collectives_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_collectives_small_runs"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:
@@ -256,11 +293,8 @@ def test_bench_collectives_small_runs(tmp_path: str) -> None:
     assert rows[0]["wire_bytes"] == 0.5 * 1002 * 4  # padded to 1002, each rank sends the other half
 
 
-def test_bench_overhead_small_runs(tmp_path: str) -> None:
-    out = os.path.join(str(tmp_path), "overhead.json")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_overhead.py")]
-    cmd += ["--units", "3", "--d", "8", "--steps", "2", "--warmup", "1", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+def test_bench_overhead_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_overhead_small_runs"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:
@@ -269,10 +303,8 @@ def test_bench_overhead_small_runs(tmp_path: str) -> None:
     assert rows[0]["overhead_s"] == 0 and all(r["median_s"] > 0 for r in rows)
 
 
-def test_bench_scaling_quick_runs(tmp_path: str) -> None:
-    out = os.path.join(str(tmp_path), "scaling.json")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_scaling.py"), "--quick", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=180)
+def test_bench_scaling_quick_runs(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_scaling_quick_runs"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:
@@ -286,11 +318,8 @@ def test_bench_scaling_quick_runs(tmp_path: str) -> None:
     assert "| world size 1 |" in proc.stdout and "| units |" in proc.stdout
 
 
-def test_bench_safety_small_runs(tmp_path: str) -> None:
-    out = os.path.join(str(tmp_path), "safety.json")
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", "bench_safety.py"), "--small"]
-    cmd += ["--rounds", "1", "--steps", "1", "--warmup", "1", "--out", out]
-    proc = subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+def test_bench_safety_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_safety_small_runs"].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:

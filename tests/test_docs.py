@@ -5,18 +5,26 @@ on a `FileStore` in a temporary directory) and destroys it. Fragments that canno
 (``torchrun`` commands, signatures, excerpts) are fenced ```bash or ```text and are not collected.
 Each block is written to its own file and run as ``python block.py``, so a block may start ranks
 with ``torch.multiprocessing.spawn`` under ``if __name__ == "__main__":``.
+
+The selected blocks run two at a time from the first block's test on (`concurrent_runs`); each
+block's test reports its own block's result. Every block has its own directory and store, and picks
+a free port if it needs one.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import Future
 from pathlib import Path
+from typing import Iterator, Optional
 
 import pytest
+from concurrent_runs import selected_tests, started_together
 
 import fsdp_composable
 
@@ -48,20 +56,41 @@ def _python_blocks() -> list[tuple[str, str]]:
 PYTHON_BLOCKS = _python_blocks()
 
 
-@pytest.mark.parametrize("body", [b for _, b in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
-def test_python_block_runs(body: str, tmp_path: Path) -> None:
-    for extra in sorted(set(OPTIONAL.findall(body))):
-        if importlib.util.find_spec(extra) is None:
-            pytest.skip(f"{extra} is not installed: pip install -e '.[{extra}]'")
-    script = tmp_path / "block.py"
+def _missing_extra(body: str) -> Optional[str]:
+    return next((e for e in sorted(set(OPTIONAL.findall(body))) if importlib.util.find_spec(e) is None), None)
+
+
+def _run_block(body: str, directory: Path) -> subprocess.CompletedProcess[str]:
+    script = directory / "block.py"
     script.write_text(body, encoding="utf-8")
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["TMPDIR"] = str(tmp_path)  # the examples' mkdtemp() stores land where pytest cleans up
-    proc = subprocess.run(
-        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120
+    env["TMPDIR"] = str(directory)  # the examples' mkdtemp() stores land where pytest cleans up
+    return subprocess.run(
+        [sys.executable, str(script)], cwd=directory, env=env, capture_output=True, text=True, timeout=120
     )
+
+
+@pytest.fixture(scope="module")
+def block_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
+    selected = selected_tests(request)
+    jobs = {
+        name: functools.partial(_run_block, body, tmp_path_factory.mktemp("block"))
+        for name, body in PYTHON_BLOCKS
+        if f"test_python_block_runs[{name}]" in selected and _missing_extra(body) is None
+    }
+    with started_together(jobs) as runs:
+        yield runs
+
+
+@pytest.mark.parametrize("name", [name for name, _ in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
+def test_python_block_runs(name: str, block_runs: dict[str, Future]) -> None:
+    body = dict(PYTHON_BLOCKS)[name]
+    extra = _missing_extra(body)
+    if extra is not None:
+        pytest.skip(f"{extra} is not installed: pip install -e '.[{extra}]'")
+    proc = block_runs[name].result()
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout}\nstderr:\n{proc.stderr[-6000:]}"
 
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -198,11 +199,15 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     the same global batch): steps 4 and 5 match a run that never stopped. Each save has its own
     directory and `latest` moves only once a save is complete. The job also prints describe()'s
     table and can checkpoint activations; its time line counts the saves apart from training."""
-    straight, _ = _run_job(["--steps", "5", *SMALL], cwd=tmp_path)
-    assert "ShardingPlan: 3 units, world size 2, rank 0" in straight, straight
+    # Two jobs at a time (the run that never stops beside the first part; then both resumes): each
+    # spends most of its start importing torch on one core.
+    jobs = ThreadPoolExecutor(max_workers=2)
+    straight_job = jobs.submit(_run_job, ["--steps", "5", *SMALL], cwd=tmp_path)
     ckpt = tmp_path / "ckpt"
     args = ["--steps", "3", "--checkpoint-dir", "ckpt", "--checkpoint-every", "2", "--activation-checkpointing"]
     first, _ = _run_job([*args, *SMALL], cwd=tmp_path)
+    straight, _ = straight_job.result()
+    assert "ShardingPlan: 3 units, world size 2, rank 0" in straight, straight
     assert re.search(r"^saved checkpoint at step 2 to ckpt/step_2 in \d+\.\d\ds$", first, re.M), first
     assert re.search(r"^saved checkpoint at step 3 to ckpt/step_3 in \d+\.\d\ds$", first, re.M), first
     pattern = r"^time: (\d+\.\d)s in all: (\d+\.\d)s starting up, (\d+\.\d\d)s training, (\d+\.\d\d)s for 2 checkpoint"
@@ -212,6 +217,8 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     assert sum(parts) <= total + 0.2, times.group(0)  # disjoint spans of one run (printed rounded)
     assert (ckpt / "latest").read_text() == "step_3\n"
     shutil.copytree(ckpt, tmp_path / "ckpt4")
+    args = ["--steps", "4", "--checkpoint-dir", "ckpt4", "--resume", "--world-size", "4", *SMALL]
+    four_job = jobs.submit(_run_job, args, cwd=tmp_path)
     resumed, _ = _run_job(["--steps", "5", "--checkpoint-dir", "ckpt", "--resume", *SMALL], cwd=tmp_path)
     assert "resumed from ckpt/step_3 at step 3 (saved by 2 ranks, now 2)" in resumed
     assert (ckpt / "latest").read_text() == "step_5\n"
@@ -221,8 +228,8 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     assert sorted(got) == [4, 5], resumed
     for step in (4, 5):
         assert abs(got[step] - expected[step]) < 1e-4, (step, got[step], expected[step])
-    args = ["--steps", "4", "--checkpoint-dir", "ckpt4", "--resume", "--world-size", "4", *SMALL]
-    four, _ = _run_job(args, cwd=tmp_path)
+    four, _ = four_job.result()
+    jobs.shutdown()
     assert "(saved by 2 ranks, now 4)" in four
     assert abs(_step_losses(four)[4] - expected[4]) < 1e-4, four
 
