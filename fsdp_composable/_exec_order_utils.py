@@ -115,8 +115,10 @@ class _ExecOrderData:
         step = len(self.pre_forward_order)
         if bool((everyone != everyone[0]).any()):
             _rank_agreement.saw_mismatch(group, "the ranks ran different units")
+        global_ranks = dist.get_process_group_ranks(group)  # messages name global ranks, also on a subgroup
         if bool((everyone[:, 0] != everyone[0, 0]).any()):
-            detail = "; ".join(f"rank {r}: {self._name(int(i))}" for r, i in enumerate(everyone[:, 0].tolist()))
+            units = everyone[:, 0].tolist()
+            detail = "; ".join(f"rank {global_ranks[r]}: {self._name(int(i))}" for r, i in enumerate(units))
             raise ExecutionOrderError(
                 f"fully_shard: ranks disagree on the unit to run at position {step} of the forward in "
                 f"iteration {self.iteration} ({detail}). Every rank must run the same modules in the same "
@@ -126,10 +128,11 @@ class _ExecOrderData:
             # every rank is here: one more collective gathers what each would send, for the message
             described: list[Any] = [None] * dist.get_world_size(group)
             dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
-            ranks = [r for r in range(len(described)) if described[r] != described[0]]
+            ranks = [global_ranks[r] for r in range(len(described)) if described[r] != described[0]]
             raise ExecutionOrderError(
                 f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "
-                f"in iteration {self.iteration}; rank(s) {ranks} differ from rank 0): {_first_difference(described)}. "
+                f"in iteration {self.iteration}; rank(s) {ranks} differ from rank {global_ranks[0]}): "
+                f"{_first_difference(described, global_ranks)}. "
                 "Every rank must build the same model and apply the same policy (same units, same parameter "
                 "shapes and dtypes)"
             )
@@ -234,8 +237,9 @@ def _describe(name: str, handles: "list[FlatParamHandle]") -> tuple[str, int, li
     return name, numel, _param_list(name, handles)
 
 
-def _first_difference(described: list[Any]) -> str:
-    """Each rank's unit name, padded numel and the first parameter where the ranks differ."""
+def _first_difference(described: list[Any], global_ranks: list[int]) -> str:
+    """Each rank's unit name, padded numel and the first parameter where the ranks differ
+    (``described`` in group-rank order, named by ``global_ranks``)."""
     lists = [d[2] for d in described]
     position = next(
         (i for i in range(max(map(len, lists))) if len({repr(p[i]) if i < len(p) else "-" for p in lists}) > 1),
@@ -244,7 +248,7 @@ def _first_difference(described: list[Any]) -> str:
 
     def one(rank: int) -> str:
         name, numel, params = described[rank]
-        text = f"rank {rank}: unit {name} of {numel:,} elements"
+        text = f"rank {global_ranks[rank]}: unit {name} of {numel:,} elements"
         if position is not None:
             text += f", parameter {position}: " + (
                 f"{params[position][0]} {list(params[position][1])} {params[position][2]}"

@@ -524,36 +524,39 @@ def _verdict(
     group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int], theirs: dict[int, dict[str, int]]
 ) -> None:
     everyone = {**theirs, record.rank: mine}
+    global_rank = group_ranks(group)[2]  # messages name the ranks users know: global ones, also on a subgroup
     ahead = sorted(r for r, h in theirs.items() if h["op"] != Op.LEFT and h["epoch"] > mine["epoch"])
     if ahead:  # a peer refused this step at an exchange this rank had not settled yet: so does this one
         _new_epoch(record)
         record.left = True
-        record.abandoned = f"rank(s) {ahead} abandoned it"
+        named = [global_rank[r] for r in ahead]
+        record.abandoned = f"rank(s) {named} abandoned it"
         for r in ahead:  # the first header of its next step: keep it for that step
             if theirs[r]["epoch"] == record.epoch:
                 record.inbox.setdefault(r, {})[theirs[r]["seq"]] = theirs[r]
         raise RankMismatchError(
-            f"rank(s) {ahead} found that the ranks reached different collectives in this step and abandoned "
+            f"rank(s) {named} found that the ranks reached different collectives in this step and abandoned "
             "it. Every rank must run the same modules, steps and collective calls in the same order"
         )
     left = sorted(r for r, h in theirs.items() if h["op"] == Op.LEFT)
     same = _SAME(mine)
     if not left and all(_SAME(h) == same for h in theirs.values()):
         return
-    detail = "; ".join(f"rank {r}: {_describe(everyone[r])}" for r in sorted(everyone))
+    detail = "; ".join(f"rank {global_rank[r]}: {_describe(everyone[r])}" for r in sorted(everyone))
     if left:
         steps = {theirs[r]["step"] for r in left}
+        named = [global_rank[r] for r in left]
         if steps != {record.step}:  # it left a step this rank already finished
-            record.broken = f"rank {left[0]} left step {min(steps)} after this rank finished it"
+            record.broken = f"rank {named[0]} left step {min(steps)} after this rank finished it"
             raise RankMismatchError(
-                f"rank(s) {left} raised in step {min(steps)} after this rank had completed that step ({detail}). "
+                f"rank(s) {named} raised in step {min(steps)} after this rank had completed that step ({detail}). "
                 "The ranks may now hold different parameters: restart from a checkpoint"
             )
         _new_epoch(record)
         record.left = True
-        record.abandoned = f"rank(s) {left} left it"
+        record.abandoned = f"rank(s) {named} left it"
         raise RankMismatchError(
-            f"rank(s) {left} raised an exception in this step and left it ({detail}). Every rank abandons "
+            f"rank(s) {named} raised an exception in this step and left it ({detail}). Every rank abandons "
             "the step; the next one can run. See the failing rank's log for its exception"
         )
     _new_epoch(record)  # on every rank: what was posted in this step must not match later
