@@ -17,7 +17,8 @@ to see: DDP was built first, over the full parameters, and its reducer would all
 our reduce-scatter leaves in ``.grad`` (one gradient came out silently wrong). DDP marks the module
 whose forward it runs (torch's ``DistributedDataParallel._active_ddp_module``, set around its
 module's call), so the root's pre-forward asks for it, one attribute read per forward, and raises
-on every rank before the first all-gather when the sharded module runs inside that DDP's module.
+on every rank before the first all-gather when the sharded module runs inside that DDP's module and
+DDP reduces some of its parameters (a DDP told to ignore them, over the rest of the model, is fine).
 """
 
 from __future__ import annotations
@@ -72,6 +73,10 @@ def refuse_inside_ddp(module: nn.Module) -> None:
         return
     fqn = next((name for name, m in ddp.module.named_modules() if m is module), None)
     if fqn is None:
+        return
+    # DDP built over the rest of the model only (its ignored parameters) reduces none of ours
+    reduced = {id(p) for p in getattr(ddp, "_module_parameters", ddp.module.parameters())}
+    if not any(id(p) in reduced for s in _get_fsdp_states(module) for h in s.handles for p in h.params):
         return
     what = (
         f"'{fqn}' ({type(module).__name__}) after DistributedDataParallel wrapped the {type(ddp.module).__name__} "

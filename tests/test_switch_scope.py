@@ -119,6 +119,31 @@ def shard_after_ddp(which: str) -> list[str]:
     return [error_of(lambda: mlp_loss(ddp, batch).backward()) for _ in range(2)]
 
 
+def shard_what_ddp_ignores() -> float:
+    """DDP told to ignore l2's parameters, fully_shard on l2: each reduces its own parameters, and
+    every gradient matches the unsharded model's on the global batch (not refused)."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    torch.manual_seed(0)
+    model = OddMLP()
+    ref = copy.deepcopy(model)
+    ignored = [f"l2.{name}" for name, _ in model.l2.named_parameters()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, ignored)
+    ddp = DistributedDataParallel(model)
+    fully_shard(model.l2)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    batch = mlp_batch(0, 2 * world)
+    mlp_loss(ddp, local_slice(batch, rank, world)).backward()
+    mlp_loss(ref, batch).backward()
+    with unshard_params(model.l2, with_grads=True, writeback=False):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return max((grads[n] - p.grad).abs().max().item() for n, p in ref.named_parameters())
+
+
+def test_fully_shard_of_what_ddp_ignores(dist_run) -> None:
+    assert all(diff < 1e-6 for diff in dist_run(2, shard_what_ddp_ignores))
+
+
 def test_fully_shard_inside_existing_ddp(dist_run) -> None:
     errors = []
     for which in ("l2", ""):  # a child, the model DDP wraps itself
