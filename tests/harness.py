@@ -127,6 +127,26 @@ class DistPool:
                 p.join()
 
 
+_shared: dict[tuple[int, float], DistPool] = {}
+
+
+def shared_pool(world_size: int, pg_timeout_s: float = 60.0) -> DistPool:
+    """The session's pool of ``world_size`` ranks whose groups time out after ``pg_timeout_s``:
+    modules that need the same short timeout share one (each pool start imports torch per rank)."""
+    key = (world_size, pg_timeout_s)
+    if key not in _shared:
+        _shared[key] = DistPool(world_size, pg_timeout_s)
+    return _shared[key]
+
+
+def close_shared_pools() -> None:
+    for pool in _shared.values():  # every pool's ranks shut down at once, then each is waited for
+        pool.ask_to_stop()
+    for pool in _shared.values():
+        pool.close()
+    _shared.clear()
+
+
 def error_of(fn: Callable[[], Any]) -> str:
     """``"Type: message"`` of what ``fn()`` raises on this rank, or "" if it returns."""
     try:

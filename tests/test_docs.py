@@ -1,10 +1,12 @@
-"""Every ```python block in README.md and docs/*.md runs, as written, in a fresh interpreter.
+"""Every ```python block in README.md and docs/*.md runs, as written, as a script.
 
 Blocks fenced ```python are meant to run: each starts its own process group (usually one gloo rank
 on a `FileStore` in a temporary directory) and destroys it. Fragments that cannot run on their own
 (``torchrun`` commands, signatures, excerpts) are fenced ```bash or ```text and are not collected.
-Each block is written to its own file and run as ``python block.py``, so a block may start ranks
-with ``torch.multiprocessing.spawn`` under ``if __name__ == "__main__":``.
+Each block is written to its own file and run as ``python block.py`` would run it (in a child
+forked from an interpreter that has imported torch and the package already: [Note: docs examples in
+forked interpreters]), so a block may start ranks with ``torch.multiprocessing.spawn`` under
+``if __name__ == "__main__":``.
 
 The selected blocks run two at a time from the first block's test on (`concurrent_runs`); each
 block's test reports its own block's result. Every block has its own directory and store, and picks
@@ -16,15 +18,15 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
+import queue
 import re
-import subprocess
-import sys
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Iterator, Optional
 
 import pytest
-from concurrent_runs import selected_tests, started_together
+from concurrent_runs import AT_ONCE, selected_tests, started_together
+from forked_scripts import Finished, Preloaded
 
 import fsdp_composable
 
@@ -60,28 +62,45 @@ def _missing_extra(body: str) -> Optional[str]:
     return next((e for e in sorted(set(OPTIONAL.findall(body))) if importlib.util.find_spec(e) is None), None)
 
 
-def _run_block(body: str, directory: Path) -> subprocess.CompletedProcess[str]:
-    script = directory / "block.py"
-    script.write_text(body, encoding="utf-8")
+def _block_env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
     env.setdefault("OMP_NUM_THREADS", "1")
-    env["TMPDIR"] = str(directory)  # the examples' mkdtemp() stores land where pytest cleans up
-    return subprocess.run(
-        [sys.executable, str(script)], cwd=directory, env=env, capture_output=True, text=True, timeout=120
-    )
+    return env
+
+
+def _run_block(servers: queue.Queue[Preloaded], body: str, directory: Path) -> Finished:
+    script = directory / "block.py"
+    script.write_text(body, encoding="utf-8")
+    # the examples' mkdtemp() stores land where pytest cleans up
+    env = {**_block_env(), "TMPDIR": str(directory)}
+    server = servers.get()
+    try:
+        return server.run(script, env, timeout=120)
+    finally:
+        servers.put(server)
 
 
 @pytest.fixture(scope="module")
 def block_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     selected = selected_tests(request)
-    jobs = {
-        name: functools.partial(_run_block, body, tmp_path_factory.mktemp("block"))
+    blocks = [
+        (name, body)
         for name, body in PYTHON_BLOCKS
         if f"test_python_block_runs[{name}]" in selected and _missing_extra(body) is None
+    ]
+    servers: queue.Queue[Preloaded] = queue.Queue()
+    for _ in range(min(AT_ONCE, len(blocks))):  # see [Note: docs examples in forked interpreters]
+        servers.put(Preloaded(_block_env()))
+    jobs = {
+        name: functools.partial(_run_block, servers, body, tmp_path_factory.mktemp("block")) for name, body in blocks
     }
-    with started_together(jobs) as runs:
-        yield runs
+    try:
+        with started_together(jobs) as runs:
+            yield runs
+    finally:
+        while not servers.empty():
+            servers.get().close()
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])

@@ -7,12 +7,12 @@ from __future__ import annotations
 import importlib
 import inspect
 import pkgutil
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool
+from harness import DistPool, shared_pool
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
@@ -75,10 +75,8 @@ def test_every_error_is_public_and_an_fsdp_error() -> None:
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[DistPool]:
-    p = DistPool(2, pg_timeout_s=4.0)
-    yield p
-    p.close()
+def pool() -> DistPool:
+    return shared_pool(2, pg_timeout_s=4.0)
 
 
 def _raised(fn: Any) -> tuple[str, bool, str]:

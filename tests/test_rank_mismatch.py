@@ -11,13 +11,13 @@ from __future__ import annotations
 import os
 import re
 import time
-from typing import Any, Iterator
+from typing import Any
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool, error_of
+from harness import DistPool, error_of, shared_pool
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
@@ -36,10 +36,8 @@ PG_TIMEOUT_S = 4.0
 
 
 @pytest.fixture(scope="module")
-def pool() -> Iterator[DistPool]:
-    p = DistPool(2, pg_timeout_s=PG_TIMEOUT_S)
-    yield p
-    p.close()
+def pool() -> DistPool:
+    return shared_pool(2, pg_timeout_s=PG_TIMEOUT_S)
 
 
 def _train_step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:

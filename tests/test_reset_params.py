@@ -12,13 +12,13 @@ test/distributed/_composable/fsdp/test_fully_shard_init.py::TestFullyShardMetaDe
 from __future__ import annotations
 
 import copy
-from typing import Any, Iterator
+from typing import Any
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool, error_of
+from harness import DistPool, error_of, shared_pool
 from models import OddMLP, mlp_batch, mlp_loss
 from parity import local_slice, mlp_sgd_diff, same_values
 from torch import nn
@@ -241,10 +241,8 @@ def test_reset_parameters_nested_inside_unshard_params_anderror_of(dist_run) -> 
 
 # ---------------------------------------------------------------------------- a reset on one rank only
 @pytest.fixture(scope="module")
-def pool() -> Iterator[DistPool]:
-    p = DistPool(2, pg_timeout_s=PG_TIMEOUT_S)
-    yield p
-    p.close()
+def pool() -> DistPool:
+    return shared_pool(2, pg_timeout_s=PG_TIMEOUT_S)
 
 
 def reset_on_rank0_only(strategy: str) -> dict[str, Any]:
