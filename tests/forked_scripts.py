@@ -1,5 +1,5 @@
 """Run scripts as ``python script.py`` would, in children forked from an interpreter that has
-already imported torch and the package.
+already imported torch and the package (the docs' examples, the benchmarks' smoke runs).
 
 [Note: docs examples in forked interpreters]
 Every docs example used to start a fresh interpreter, and about 4 s of each one's CPU went to
@@ -22,7 +22,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 _SERVER = r"""
 import json, os, sys
@@ -30,17 +30,17 @@ import torch, torch._dynamo, torch.distributed.checkpoint, fsdp_composable  # wh
 
 def _child(request):
     os.setpgrp()
-    os.chdir(request["dir"])
+    os.chdir(request["cwd"])
     os.environ.clear()
     os.environ.update(request["env"])
     import tempfile
     tempfile.tempdir = None  # read TMPDIR again
-    out = os.open("stdout.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
-    err = os.open("stderr.txt", os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    out = os.open(os.path.join(request["out"], "stdout.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    err = os.open(os.path.join(request["out"], "stderr.txt"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     os.dup2(out, 1)
     os.dup2(err, 2)
     os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    sys.argv = [request["script"]]
+    sys.argv = [request["script"], *request["args"]]
     sys.path[0] = os.path.dirname(os.path.abspath(request["script"]))
     code = 0
     try:
@@ -87,9 +87,20 @@ class Preloaded:
         )
         self._env = env
 
-    def run(self, script: Path, env: dict[str, str], timeout: float) -> Finished:
+    def run(
+        self,
+        script: Path,
+        env: dict[str, str],
+        timeout: float,
+        args: Sequence[str] = (),
+        cwd: Optional[Path] = None,
+        out: Optional[Path] = None,
+    ) -> Finished:
+        """``python script *args`` in ``cwd`` (default: the script's directory); its stdout and stderr
+        go through files in ``out`` (default: the script's directory)."""
         assert self._proc.stdin is not None and self._proc.stdout is not None
-        request = {"dir": str(script.parent), "script": str(script), "env": env}
+        cwd, out = cwd or script.parent, out or script.parent
+        request = {"script": str(script), "args": list(args), "env": env, "cwd": str(cwd), "out": str(out)}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
         pid = int(self._proc.stdout.readline())
@@ -101,7 +112,7 @@ class Preloaded:
         if not line:
             raise RuntimeError(f"the preloaded interpreter died running {script}")
         code = int(line)
-        stdout, stderr = ((script.parent / name).read_text(errors="replace") for name in ("stdout.txt", "stderr.txt"))
+        stdout, stderr = ((out / name).read_text(errors="replace") for name in ("stdout.txt", "stderr.txt"))
         if timer.fired:
             raise subprocess.TimeoutExpired([str(script)], timeout, stdout, stderr)
         return Finished(code, stdout, stderr)

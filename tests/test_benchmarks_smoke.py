@@ -5,16 +5,18 @@ from __future__ import annotations
 import functools
 import json
 import os
-import subprocess
+import queue
 import sys
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Iterator
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from concurrent_runs import selected_tests, started_together
+from concurrent_runs import AT_ONCE, selected_tests, started_together
+from forked_scripts import Finished, Preloaded
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -50,21 +52,34 @@ RUNS: dict[str, tuple[list[str], float]] = {
 }
 
 
-def _run_benchmark(args: list[str], timeout: float, out: str) -> tuple[subprocess.CompletedProcess[str], str]:
-    cmd = [sys.executable, os.path.join(REPO_ROOT, "benchmarks", args[0]), *args[1:], "--out", out]
-    return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=timeout), out
+def _run_benchmark(servers: queue.Queue[Preloaded], args: list[str], timeout: float, out: Path) -> tuple[Finished, str]:
+    script = Path(REPO_ROOT, "benchmarks", args[0])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH", "")]))}
+    server = servers.get()
+    try:  # its ranks are forked from it: see [Note: docs examples in forked interpreters]
+        done = server.run(script, env, timeout, [*args[1:], "--out", str(out)], cwd=Path(REPO_ROOT), out=out.parent)
+    finally:
+        servers.put(server)
+    return done, str(out)
 
 
 @pytest.fixture(scope="module")
 def bench_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     selected = selected_tests(request)
+    runs = {name: run for name, run in RUNS.items() if name in selected}
+    servers: queue.Queue[Preloaded] = queue.Queue()
+    for _ in range(min(AT_ONCE, len(runs))):
+        servers.put(Preloaded({**os.environ, "PYTHONPATH": REPO_ROOT}))
     jobs = {
-        name: functools.partial(_run_benchmark, args, timeout, str(tmp_path_factory.mktemp("bench") / "out.json"))
-        for name, (args, timeout) in RUNS.items()
-        if name in selected
+        name: functools.partial(_run_benchmark, servers, args, timeout, tmp_path_factory.mktemp("bench") / "out.json")
+        for name, (args, timeout) in runs.items()
     }
-    with started_together(jobs) as runs:
-        yield runs
+    try:
+        with started_together(jobs) as started:
+            yield started
+    finally:
+        while not servers.empty():
+            servers.get().close()
 
 
 def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) -> None:
