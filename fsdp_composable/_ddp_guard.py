@@ -64,7 +64,6 @@ def refuse_ddp_of_sharded(parent: nn.Module, name: str, submodule: nn.Module) ->
         )
 
 
-
 def refuse_inside_ddp(module: nn.Module) -> None:
     """Raise when a DDP built before fully_shard runs ``module`` (a root's pre-forward): see
     [Note: fully_shard inside an existing DDP]."""

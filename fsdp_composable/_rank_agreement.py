@@ -520,16 +520,20 @@ def _entry_hint(purposes: set[int]) -> str:
     return f"; {' and '.join(entries)} {verb}: it must be called on every rank"
 
 
+def _global(group: dist.ProcessGroup, ranks: list[int]) -> list[int]:
+    """The global ranks of ``group``'s ``ranks``: messages name the ranks users know, also on a subgroup."""
+    return [group_ranks(group)[2][r] for r in ranks]
+
+
 def _verdict(
     group: dist.ProcessGroup, record: _GroupRecord, mine: dict[str, int], theirs: dict[int, dict[str, int]]
 ) -> None:
     everyone = {**theirs, record.rank: mine}
-    global_rank = group_ranks(group)[2]  # messages name the ranks users know: global ones, also on a subgroup
     ahead = sorted(r for r, h in theirs.items() if h["op"] != Op.LEFT and h["epoch"] > mine["epoch"])
     if ahead:  # a peer refused this step at an exchange this rank had not settled yet: so does this one
         _new_epoch(record)
         record.left = True
-        named = [global_rank[r] for r in ahead]
+        named = _global(group, ahead)
         record.abandoned = f"rank(s) {named} abandoned it"
         for r in ahead:  # the first header of its next step: keep it for that step
             if theirs[r]["epoch"] == record.epoch:
@@ -542,10 +546,11 @@ def _verdict(
     same = _SAME(mine)
     if not left and all(_SAME(h) == same for h in theirs.values()):
         return
-    detail = "; ".join(f"rank {global_rank[r]}: {_describe(everyone[r])}" for r in sorted(everyone))
+    ranks = sorted(everyone)
+    detail = "; ".join(f"rank {g}: {_describe(everyone[r])}" for r, g in zip(ranks, _global(group, ranks)))
     if left:
         steps = {theirs[r]["step"] for r in left}
-        named = [global_rank[r] for r in left]
+        named = _global(group, left)
         if steps != {record.step}:  # it left a step this rank already finished
             record.broken = f"rank {named[0]} left step {min(steps)} after this rank finished it"
             raise RankMismatchError(
