@@ -17,12 +17,13 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
 _SERVER = r"""
 import json, os, sys
@@ -125,6 +126,30 @@ class Preloaded:
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+class PreloadedPool:
+    """``size`` servers for as many concurrent runs; `run` borrows one for the length of a run."""
+
+    def __init__(self, env: dict[str, str], size: int) -> None:
+        self._free: queue.Queue[Preloaded] = queue.Queue()
+        for _ in range(size):
+            self._free.put(Preloaded(env))
+
+    def run(self, *args: Any, **kwargs: Any) -> Finished:
+        """`Preloaded.run` on a free server."""
+        server = self._free.get()
+        try:
+            return server.run(*args, **kwargs)
+        finally:
+            self._free.put(server)
+
+    def __enter__(self) -> "PreloadedPool":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        while not self._free.empty():
+            self._free.get().close()
 
 
 class _Killer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import queue
 import sys
 from concurrent.futures import Future
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from concurrent_runs import AT_ONCE, selected_tests, started_together
-from forked_scripts import Finished, Preloaded
+from forked_scripts import Finished, PreloadedPool
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
@@ -52,14 +51,11 @@ RUNS: dict[str, tuple[list[str], float]] = {
 }
 
 
-def _run_benchmark(servers: queue.Queue[Preloaded], args: list[str], timeout: float, out: Path) -> tuple[Finished, str]:
+def _run_benchmark(servers: PreloadedPool, args: list[str], timeout: float, out: Path) -> tuple[Finished, str]:
     script = Path(REPO_ROOT, "benchmarks", args[0])
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [REPO_ROOT, os.environ.get("PYTHONPATH", "")]))}
-    server = servers.get()
-    try:  # its ranks are forked from it: see [Note: docs examples in forked interpreters]
-        done = server.run(script, env, timeout, [*args[1:], "--out", str(out)], cwd=Path(REPO_ROOT), out=out.parent)
-    finally:
-        servers.put(server)
+    # its ranks are forked from it: see [Note: docs examples in forked interpreters]
+    done = servers.run(script, env, timeout, [*args[1:], "--out", str(out)], cwd=Path(REPO_ROOT), out=out.parent)
     return done, str(out)
 
 
@@ -67,19 +63,13 @@ def _run_benchmark(servers: queue.Queue[Preloaded], args: list[str], timeout: fl
 def bench_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Future]]:
     selected = selected_tests(request)
     runs = {name: run for name, run in RUNS.items() if name in selected}
-    servers: queue.Queue[Preloaded] = queue.Queue()
-    for _ in range(min(AT_ONCE, len(runs))):
-        servers.put(Preloaded({**os.environ, "PYTHONPATH": REPO_ROOT}))
-    jobs = {
-        name: functools.partial(_run_benchmark, servers, args, timeout, tmp_path_factory.mktemp("bench") / "out.json")
-        for name, (args, timeout) in runs.items()
-    }
-    try:
+    with PreloadedPool({**os.environ, "PYTHONPATH": REPO_ROOT}, min(AT_ONCE, len(runs))) as servers:
+        jobs = {
+            name: functools.partial(_run_benchmark, servers, args, limit, tmp_path_factory.mktemp("bench") / "out.json")
+            for name, (args, limit) in runs.items()
+        }
         with started_together(jobs) as started:
             yield started
-    finally:
-        while not servers.empty():
-            servers.get().close()
 
 
 def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import functools
 import importlib.util
 import os
-import queue
 import re
 from concurrent.futures import Future
 from pathlib import Path
@@ -26,7 +25,7 @@ from typing import Iterator, Optional
 
 import pytest
 from concurrent_runs import AT_ONCE, selected_tests, started_together
-from forked_scripts import Finished, Preloaded
+from forked_scripts import Finished, PreloadedPool
 
 import fsdp_composable
 
@@ -69,16 +68,11 @@ def _block_env() -> dict[str, str]:
     return env
 
 
-def _run_block(servers: queue.Queue[Preloaded], body: str, directory: Path) -> Finished:
+def _run_block(servers: PreloadedPool, body: str, directory: Path) -> Finished:
     script = directory / "block.py"
     script.write_text(body, encoding="utf-8")
     # the examples' mkdtemp() stores land where pytest cleans up
-    env = {**_block_env(), "TMPDIR": str(directory)}
-    server = servers.get()
-    try:
-        return server.run(script, env, timeout=120)
-    finally:
-        servers.put(server)
+    return servers.run(script, {**_block_env(), "TMPDIR": str(directory)}, timeout=120)
 
 
 @pytest.fixture(scope="module")
@@ -89,18 +83,14 @@ def block_runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPath
         for name, body in PYTHON_BLOCKS
         if f"test_python_block_runs[{name}]" in selected and _missing_extra(body) is None
     ]
-    servers: queue.Queue[Preloaded] = queue.Queue()
-    for _ in range(min(AT_ONCE, len(blocks))):  # see [Note: docs examples in forked interpreters]
-        servers.put(Preloaded(_block_env()))
-    jobs = {
-        name: functools.partial(_run_block, servers, body, tmp_path_factory.mktemp("block")) for name, body in blocks
-    }
-    try:
+    # see [Note: docs examples in forked interpreters]
+    with PreloadedPool(_block_env(), min(AT_ONCE, len(blocks))) as servers:
+        jobs = {
+            name: functools.partial(_run_block, servers, body, tmp_path_factory.mktemp("block"))
+            for name, body in blocks
+        }
         with started_together(jobs) as runs:
             yield runs
-    finally:
-        while not servers.empty():
-            servers.get().close()
 
 
 @pytest.mark.parametrize("name", [name for name, _ in PYTHON_BLOCKS], ids=[name for name, _ in PYTHON_BLOCKS])
