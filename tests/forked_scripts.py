@@ -21,6 +21,7 @@ import queue
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Sequence
@@ -86,7 +87,6 @@ class Preloaded:
         self._proc = subprocess.Popen(
             [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True
         )
-        self._env = env
 
     def run(
         self,
@@ -104,8 +104,10 @@ class Preloaded:
         request = {"script": str(script), "args": list(args), "env": env, "cwd": str(cwd), "out": str(out)}
         self._proc.stdin.write(json.dumps(request) + "\n")
         self._proc.stdin.flush()
-        pid = int(self._proc.stdout.readline())
-        timer = _Killer(pid, timeout)
+        started = self._proc.stdout.readline()
+        if not started:
+            raise RuntimeError(f"the preloaded interpreter died before running {script}")
+        timer = _Killer(int(started), timeout)
         try:
             line = self._proc.stdout.readline()
         finally:
@@ -156,11 +158,9 @@ class _Killer:
     """Kill ``pid``'s process group (the script and the ranks it started) after ``timeout`` seconds."""
 
     def __init__(self, pid: int, timeout: float) -> None:
-        import threading
-
         self.fired = False
         self._pid = pid
-        self._timer: Optional[threading.Timer] = threading.Timer(timeout, self._fire)
+        self._timer = threading.Timer(timeout, self._fire)
         self._timer.daemon = True
         self._timer.start()
 
@@ -172,5 +172,4 @@ class _Killer:
             pass
 
     def cancel(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
+        self._timer.cancel()
