@@ -10,7 +10,9 @@ tensor computed. For each script it forks a child that becomes what ``python scr
 after its imports: the script's directory first on ``sys.path``, the script's environment, its own
 stdout and stderr files, ``__main__`` running the file (so ``torch.multiprocessing.spawn`` under
 ``if __name__ == "__main__":`` starts fresh rank interpreters as usual). The child leads its own
-process group, so a timeout kills it with every rank it started.
+process group, so a timeout kills it with every rank it started. What a fork cannot give: an
+environment variable a script sets for torch's import itself (the examples set only what
+``init_process_group`` reads later); the README's first command still runs in a fresh virtualenv in CI.
 """
 
 from __future__ import annotations
