@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import warnings
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -113,9 +113,10 @@ class _ExecOrderData:
         _collectives.wait(work, "the execution-order check")
         everyone = _collectives.host_values(gathered)  # first iteration only: a host read is fine
         step = len(self.pre_forward_order)
-        if bool((everyone != everyone[0]).any()):
-            _rank_agreement.saw_mismatch(group, "the ranks ran different units")
-        global_ranks = dist.get_process_group_ranks(group)  # messages name global ranks, also on a subgroup
+        if not bool((everyone != everyone[0]).any()):
+            return
+        _rank_agreement.saw_mismatch(group, "the ranks ran different units")
+        global_ranks = _rank_agreement.group_ranks(group)[2]  # messages name global ranks, also on a subgroup
         if bool((everyone[:, 0] != everyone[0, 0]).any()):
             units = everyone[:, 0].tolist()
             detail = "; ".join(f"rank {global_ranks[r]}: {self._name(int(i))}" for r, i in enumerate(units))
@@ -124,18 +125,17 @@ class _ExecOrderData:
                 f"iteration {self.iteration} ({detail}). Every rank must run the same modules in the same "
                 "order; look for data-dependent branches or modules skipped on some ranks"
             )
-        if bool((everyone != everyone[0]).any()):
-            # every rank is here: one more collective gathers what each would send, for the message
-            described: list[Any] = [None] * dist.get_world_size(group)
-            dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
-            ranks = [global_ranks[r] for r in range(len(described)) if described[r] != described[0]]
-            raise ExecutionOrderError(
-                f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "
-                f"in iteration {self.iteration}; rank(s) {ranks} differ from rank {global_ranks[0]}): "
-                f"{_first_difference(described, global_ranks)}. "
-                "Every rank must build the same model and apply the same policy (same units, same parameter "
-                "shapes and dtypes)"
-            )
+        # every rank is here: one more collective gathers what each would send, for the message
+        described: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
+        ranks = [global_ranks[r] for r in range(len(described)) if described[r] != described[0]]
+        raise ExecutionOrderError(
+            f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "
+            f"in iteration {self.iteration}; rank(s) {ranks} differ from rank {global_ranks[0]}): "
+            f"{_first_difference(described, global_ranks)}. "
+            "Every rank must build the same model and apply the same policy (same units, same parameter "
+            "shapes and dtypes)"
+        )
 
     def _warn_if_order_changed(self, handle: "FlatParamHandle") -> None:
         position = len(self._current_forward)
@@ -237,7 +237,7 @@ def _describe(name: str, handles: "list[FlatParamHandle]") -> tuple[str, int, li
     return name, numel, _param_list(name, handles)
 
 
-def _first_difference(described: list[Any], global_ranks: list[int]) -> str:
+def _first_difference(described: list[Any], global_ranks: Sequence[int]) -> str:
     """Each rank's unit name, padded numel and the first parameter where the ranks differ
     (``described`` in group-rank order, named by ``global_ranks``)."""
     lists = [d[2] for d in described]
