@@ -54,7 +54,9 @@ def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
-def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.device, forward_prefetch: bool) -> Built:
+def _build_ours(
+    model: nn.Module, strategy: str, bf16: bool, device: torch.device, forward_prefetch: Optional[bool]
+) -> Built:
     mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
     fully_shard(
         model,
@@ -71,7 +73,7 @@ def _build_ours(model: nn.Module, strategy: str, bf16: bool, device: torch.devic
             yield h.flat_param
             yield h.flat_param.grad
 
-    prefetch = ", forward_prefetch=True" if forward_prefetch else ""
+    prefetch = "" if forward_prefetch is None else f", forward_prefetch={forward_prefetch}"
     notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}{prefetch}) -> {len(handles)} units"]
     return Built(model, _optimizer(model), notes, flat_tensors)
 
@@ -102,10 +104,10 @@ def build(
     bf16: bool,
     device: torch.device,
     world_size: int,
-    forward_prefetch: bool = False,
+    forward_prefetch: Optional[bool] = None,
 ) -> Built:
     """The model (seeded identically for every impl) prepared for ``impl``, with its AdamW;
-    ``forward_prefetch`` applies to ours."""
+    ``forward_prefetch`` applies to ours (None: the library's default)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
     torch.manual_seed(0)

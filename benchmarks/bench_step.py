@@ -51,7 +51,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         "--rounds", type=int, default=1, help="run every impl this many times, interleaved (order rotated per round)"
     )
     p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy of ours")
-    p.add_argument("--forward-prefetch", action="store_true", help="ours with forward_prefetch=True")
+    p.add_argument(
+        "--forward-prefetch", action="store_true", help="ours with forward_prefetch=True (default None: on with gloo)"
+    )
     p.add_argument(
         "--param-dtype", choices=("fp32", "bf16"), default="fp32", help="bf16: mixed precision (sharded impls)"
     )

@@ -119,7 +119,7 @@ class ShardConfig:
     device_id: Union[int, torch.device, None] = None
     param_init_fn: Optional[Callable[[nn.Module], None]] = None
     sync_module_states: bool = False
-    forward_prefetch: bool = False
+    forward_prefetch: Optional[bool] = None  # None: see [Note: forward prefetch by default]
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE
     limit_all_gathers: bool = True
     use_orig_params: bool = True
@@ -138,7 +138,8 @@ class ShardConfig:
     @property
     def units_in_flight(self) -> int:
         """How many non-root FULL_SHARD/HYBRID_SHARD units are unsharded at once at the peak: with
-        BACKWARD_PRE or forward prefetch, the current one and the prefetched one (the limiter allows
+        BACKWARD_PRE or forward prefetch (None counts as on: it is, wherever it is not already the
+        device's own overlap), the current one and the prefetched one (the limiter allows
         `MAX_UNSHARDED_UNITS`); otherwise one."""
-        prefetch = self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE or self.forward_prefetch
+        prefetch = self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE or self.forward_prefetch is not False
         return MAX_UNSHARDED_UNITS if prefetch else 1

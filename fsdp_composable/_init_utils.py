@@ -20,6 +20,7 @@ from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_composable._group_units import unit_subtrees
 from fsdp_composable._ignored_checks import check_no_param_tied_to_ignored, check_ranks_ignore_alike
+from fsdp_composable._prefetch import default_forward_prefetch
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._wrap_utils import (
     ModuleWrapPolicy,
@@ -67,8 +68,9 @@ def _validate_args(args: ShardConfig) -> Optional[Policy]:
     _check_type(
         api, "backward_prefetch", backward_prefetch, (BackwardPrefetch, type(None)), "a BackwardPrefetch or None"
     )
+    if forward_prefetch is not None:
+        _check_type(api, "forward_prefetch", forward_prefetch, bool, "True, False or None")
     for name, value in (
-        ("forward_prefetch", forward_prefetch),
         ("limit_all_gathers", limit_all_gathers),
         ("sync_module_states", sync_module_states),
     ):
@@ -264,7 +266,7 @@ def _init_core_state(
         device=device,
         config=args.unit_config(world_size),
         backward_prefetch=args.backward_prefetch,
-        forward_prefetch=args.forward_prefetch,
+        forward_prefetch=default_forward_prefetch(args.forward_prefetch, process_group, device),
         limit_all_gathers=args.limit_all_gathers,
         use_orig_params=args.use_orig_params,
         replicate_group=replicate_group,

@@ -39,7 +39,7 @@ def fully_shard(
     device_id: Union[int, torch.device, None] = None,
     param_init_fn: Optional[Callable[[nn.Module], None]] = None,
     sync_module_states: bool = False,
-    forward_prefetch: bool = False,
+    forward_prefetch: Optional[bool] = None,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     limit_all_gathers: bool = True,
     mesh: Any = None,

@@ -98,7 +98,7 @@ def estimate_memory(
     optimizer: str = "adam",
     batch_example: Any = None,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
-    forward_prefetch: bool = False,
+    forward_prefetch: Optional[bool] = None,
 ) -> MemoryEstimate:
     """Predict per-rank bytes of training ``module`` under ``fully_shard(module, policy, ...)``.
 
@@ -200,7 +200,9 @@ def _check_estimate_args(
             "estimate_memory argument 'backward_prefetch' must be a BackwardPrefetch or None, "
             f"got {backward_prefetch!r}"
         )
-    if not isinstance(forward_prefetch, bool):
-        raise TypeError(f"estimate_memory argument 'forward_prefetch' must be True or False, got {forward_prefetch!r}")
+    if forward_prefetch is not None and not isinstance(forward_prefetch, bool):
+        raise TypeError(
+            f"estimate_memory argument 'forward_prefetch' must be True, False or None, got {forward_prefetch!r}"
+        )
     if batch_example is not None:
         _call_args(batch_example)

@@ -90,7 +90,7 @@ class FullyShardedDataParallel(nn.Module):
         param_init_fn: Optional[Callable[[nn.Module], None]] = None,
         device_id: Union[int, torch.device, None] = None,
         sync_module_states: bool = False,
-        forward_prefetch: bool = False,
+        forward_prefetch: Optional[bool] = None,
         limit_all_gathers: bool = True,
         use_orig_params: bool = False,
         ignored_states: Optional[Iterable[Union[nn.Parameter, nn.Module]]] = None,

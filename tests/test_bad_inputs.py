@@ -230,7 +230,7 @@ rank 1: ValueError: fully_shard argument 'process_group' does not contain this r
     )
     expect(
         "fully_shard/forward_prefetch_int",
-        """TypeError: fully_shard argument 'forward_prefetch' must be True or False, got int: 1""",
+        """TypeError: fully_shard argument 'forward_prefetch' must be True, False or None, got int: 1""",
     )
     expect(
         "fully_shard/limit_all_gathers_none",
@@ -309,7 +309,7 @@ def test_wrapper_arguments(dist_run: Any) -> None:
     )
     expect(
         "wrapper/forward_prefetch_int",
-        """TypeError: FullyShardedDataParallel argument 'forward_prefetch' must be True or False, got int: 0""",
+        """TypeError: FullyShardedDataParallel argument 'forward_prefetch' must be True, False or None, got int: 0""",
     )
     expect(
         "wrapper/limit_all_gathers_none",

@@ -48,6 +48,10 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_safety.py", "--small", "--rounds", "1", "--steps", "1", "--warmup", "1"],
         120,
     ),
+    "test_bench_paired_small_runs": (
+        ["bench_paired.py", "--small", "--impls", "ours,ours-no-forward-prefetch,local-ranks", "--rounds", "3"],
+        120,
+    ),
 }
 
 
@@ -339,8 +343,20 @@ def test_bench_safety_small_runs(bench_runs: dict[str, Future]) -> None:
     assert rows[0]["cost_s"] == 0 and all(r["median_s"] > 0 for r in rows)
 
 
+def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, out = bench_runs["test_bench_paired_small_runs"].result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
+    with open(out) as f:
+        rows = json.load(f)["results"]
+    assert [r["impl"] for r in rows] == ["ours", "ours-no-forward-prefetch", "local-ranks"]
+    assert all(len(r["step_times_s"]) == 3 and r["median_s"] > 0 for r in rows)
+    assert rows[0]["ratio_to_first"] == 1.0 and all(r["ratio_to_first"] > 0 for r in rows)
+    assert "| ours-no-forward-prefetch |" in proc.stdout
+
+
 def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import bench_collectives, bench_overhead, bench_safety, bench_scaling
+    from benchmarks import bench_collectives, bench_overhead, bench_paired, bench_safety, bench_scaling
 
     for parse, argv in (
         (bench_collectives.parse_args, ["--world-size", "1"]),
@@ -348,6 +364,8 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_overhead.parse_args, ["--world-size", "1"]),
         (bench_overhead.parse_args, ["--units", "0"]),
         (bench_safety.parse_args, ["--world-size", "1"]),
+        (bench_paired.parse_args, ["--impls", "ours,local"]),
+        (bench_paired.parse_args, ["--impls", "ours,ours"]),
         (bench_scaling.parse_args, ["--sizes", "1T"]),
         (bench_scaling.parse_args, ["--steps", "0"]),
     ):
@@ -360,5 +378,7 @@ bench_collectives.py: error: --numel and --reps must be positive and --warmup no
 bench_overhead.py: error: --world-size must be at least 2, got 1
 bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
+bench_paired.py: error: --impls: unknown ['local']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local-ranks
+bench_paired.py: error: --impls lists one more than once: ours,ours
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501

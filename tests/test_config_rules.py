@@ -78,7 +78,10 @@ def test_call_rules() -> None:
     assert args.unit_config(1).with_overrides(full) == UnitConfig(ShardingStrategy.NO_SHARD, mp, True)
     # units unsharded at once: the limiter's bound with prefetching, one without
     assert ShardConfig().units_in_flight == MAX_UNSHARDED_UNITS == _AllGatherLimiter().max_units == 2
-    assert ShardConfig(backward_prefetch=BackwardPrefetch.BACKWARD_POST).units_in_flight == 1
+    post = BackwardPrefetch.BACKWARD_POST
+    assert ShardConfig(backward_prefetch=post, forward_prefetch=False).units_in_flight == 1
+    # forward_prefetch=None (the default) counts as on: the CPU prefetches, CUDA overlaps by itself
+    assert ShardConfig(backward_prefetch=post).units_in_flight == 2
     assert ShardConfig(backward_prefetch=None, forward_prefetch=True).units_in_flight == 2
     assert UnitConfig(ShardingStrategy.FULL_SHARD, mp, False).low_precision_compute
     assert not UnitConfig(ShardingStrategy.FULL_SHARD, MixedPrecision(reduce_dtype=BF16), False).low_precision_compute

@@ -264,8 +264,11 @@ def test_estimate_strategies_and_prefetch_by_hand() -> None:
     single = _estimate(world_size=1)
     assert single.plan.units == no_shard.plan.units and single.strategy is ShardingStrategy.NO_SHARD
     assert single.breakdown == no_shard.breakdown
-    post = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    post = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=False)
     assert post.breakdown["unsharded_params"] == (4 + 42) * 4  # root + one unit at a time
+    # forward prefetch on by default: two units at once even with BACKWARD_POST
+    default_forward = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
+    assert default_forward.breakdown["unsharded_params"] == (4 + 42 + 20) * 4
     assert _estimate(backward_prefetch=None, forward_prefetch=True).breakdown["unsharded_params"] == (4 + 42 + 20) * 4
 
 

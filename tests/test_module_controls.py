@@ -415,7 +415,7 @@ ValueError: set_modules_to_backward_prefetch (modules[1]): module 'l2' (Sequenti
 
 # ---------------------------------------------------------------------------- 3. explicit prefetch
 def explicit_prefetch(limit: bool) -> dict[str, Any]:
-    ref, model = _pair(warm_up=False, limit_all_gathers=limit, backward_prefetch=None)
+    ref, model = _pair(warm_up=False, limit_all_gathers=limit, backward_prefetch=None, forward_prefetch=False)
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     set_modules_to_forward_prefetch(model.l1, [model.l2[0], model.l2[2]])  # two ahead
     set_modules_to_backward_prefetch(model.l3, [model.l2[2], model.l2[0]])

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import Any, Optional
 
 import pytest
 import torch
@@ -14,12 +14,14 @@ from torch import nn
 
 from fsdp_composable import (
     BackwardPrefetch,
+    FullyShardedDataParallel,
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
     _collectives,
     fully_shard,
 )
+from fsdp_composable._prefetch import default_forward_prefetch
 
 
 class CommCounter:
@@ -112,7 +114,7 @@ class SkipsMiddle(nn.Module):
         return self.head(torch.tanh(self.blocks[2](x)))
 
 
-def prefetch_logs(prefetch: str, forward_prefetch: bool, skip_middle: bool) -> list:
+def prefetch_logs(prefetch: str, forward_prefetch: Optional[bool], skip_middle: bool) -> list:
     torch.manual_seed(0)
     model: nn.Module = SkipsMiddle() if skip_middle else TinyGPT(n_layers=3)
     policy = (lambda m: m in set(model.blocks)) if skip_middle else ModuleWrapPolicy({Block})
@@ -154,6 +156,37 @@ def test_forward_prefetch_order_and_limit(dist_run) -> None:
         ("backward", "blocks.0"),
     ]
     assert max(peaks) <= 2
+
+
+def forward_prefetch_defaults() -> dict:
+    group = dist.group.WORLD
+    model = TinyGPT(n_layers=2)
+    fully_shard(model, ModuleWrapPolicy({Block}))
+    wrapped = FullyShardedDataParallel(TinyGPT(n_layers=2), auto_wrap_policy=ModuleWrapPolicy({Block}))
+    return {
+        "fully_shard": fully_shard.state(model).forward_prefetch,
+        "wrapper": wrapped.forward_prefetch,
+        "cpu": default_forward_prefetch(None, group, torch.device("cpu")),
+        "cuda": default_forward_prefetch(None, group, torch.device("cuda", 0)),
+        "false_on_cpu": default_forward_prefetch(False, group, torch.device("cpu")),
+        "true_on_cuda": default_forward_prefetch(True, group, torch.device("cuda", 0)),
+    }
+
+
+def test_forward_prefetch_by_default_on_cpu(dist_run) -> None:
+    # see [Note: forward prefetch by default]: gloo on the CPU prefetches unless told not to; on CUDA
+    # the unshard stream overlaps the all-gathers by itself
+    assert dist_run(2, forward_prefetch_defaults)[0] == {
+        "fully_shard": True,
+        "wrapper": True,
+        "cpu": True,
+        "cuda": False,
+        "false_on_cpu": False,
+        "true_on_cuda": True,
+    }
+    default, _ = dist_run(2, prefetch_logs, "BACKWARD_PRE", None, False)[0]
+    explicit, _ = dist_run(2, prefetch_logs, "BACKWARD_PRE", True, False)[0]
+    assert default == explicit and ("forward", "blocks.1") in default[1]
 
 
 def test_prefetch_skips_unit_without_backward(dist_run) -> None:
