@@ -29,7 +29,7 @@ def default_forward_prefetch(given: Optional[bool], group: dist.ProcessGroup, de
     k+1's pre-forward is waited for at once, so each unit's exchange is a wait. There the default
     issues it in unit k's pre-forward instead, as ``forward_prefetch=True`` does: the same two units
     unsharded at once as on CUDA, within the limiter's bound (the measured peak did not change), and
-    the benchmark model's step on 2 ranks was about 4 % shorter (``benchmarks/bench_paired.py``, which
+    the benchmark model's step on 2 ranks was 1-4 % shorter (``benchmarks/bench_paired.py``, which
     interleaves the steps of both settings in the same ranks). ``False`` turns it off everywhere."""
     if given is not None:
         return given
