@@ -138,8 +138,8 @@ class ShardConfig:
     @property
     def units_in_flight(self) -> int:
         """How many non-root FULL_SHARD/HYBRID_SHARD units are unsharded at once at the peak: with
-        BACKWARD_PRE or forward prefetch (None counts as on: it is, wherever it is not already the
-        device's own overlap), the current one and the prefetched one (the limiter allows
-        `MAX_UNSHARDED_UNITS`); otherwise one."""
+        BACKWARD_PRE or forward prefetch (None counts as on: the CPU prefetches, and on CUDA the unshard
+        stream gathers the next unit while the current one computes), the current one and the prefetched
+        one (the limiter allows `MAX_UNSHARDED_UNITS`); otherwise one."""
         prefetch = self.backward_prefetch is BackwardPrefetch.BACKWARD_PRE or self.forward_prefetch is not False
         return MAX_UNSHARDED_UNITS if prefetch else 1

@@ -344,6 +344,7 @@ def test_estimate_bad_arguments() -> None:
         "mixed_precision": lambda: _estimate(mixed_precision=torch.bfloat16),
         "optimizer": lambda: _estimate(optimizer="lamb"),
         "backward_prefetch": lambda: _estimate(backward_prefetch="pre"),
+        "forward_prefetch": lambda: _estimate(forward_prefetch=1),
         "batch_example": lambda: _estimate(batch_example=3),
     }
     messages = {}
@@ -362,6 +363,7 @@ strategy: TypeError: estimate_memory argument 'strategy' must be a ShardingStrat
 mixed_precision: TypeError: estimate_memory argument 'mixed_precision' must be a MixedPrecision or None, got torch.bfloat16
 optimizer: ValueError: estimate_memory argument 'optimizer' must be one of ['adam', 'adamw', 'sgd', 'sgd-momentum'], got 'lamb'
 backward_prefetch: TypeError: estimate_memory argument 'backward_prefetch' must be a BackwardPrefetch or None, got 'pre'
+forward_prefetch: TypeError: estimate_memory argument 'forward_prefetch' must be True, False or None, got 1
 batch_example: TypeError: estimate_memory argument 'batch_example' must be a tensor, a tuple of positional arguments or a dict of keyword arguments for module.forward, got int""",  # noqa: E501
     )
     with pytest.raises(RuntimeError, match=r"could not run DataDependent.forward\(batch_example\) on fake tensors"):
