@@ -135,11 +135,11 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_paired.py", description=__doc__.splitlines()[0])
     p.add_argument(
         "--impls",
-        default="ours,ours-no-forward-prefetch,torch-fsdp2,local-ranks",
+        default="ours,torch-fsdp2,local,local-ranks,ours-no-forward-prefetch",
         help=f"comma-separated, from {','.join(CHOICES)}; ratios are to the first",
     )
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (forked)")
-    p.add_argument("--rounds", type=int, default=16, help="rounds; each runs one step of every impl")
+    p.add_argument("--rounds", type=int, default=20, help="rounds; each runs one step of every impl")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each impl first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for the whole run")

@@ -8,7 +8,7 @@ import os
 import sys
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 import expecttest
 import pytest
@@ -291,33 +291,30 @@ bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; d
     assert args.impl_list == ["local", "ddp", "torch-fsdp2", "ours"] and args.world_size == 2 and args.steps == 6
 
 
-def test_bench_collectives_small_runs(bench_runs: dict[str, Future]) -> None:
-    proc, out = bench_runs["test_bench_collectives_small_runs"].result()
+def _finished(bench_runs: dict[str, Future], name: str) -> tuple[Finished, list[Any]]:
+    """The run of test ``name``, checked to have succeeded and drawn its chart, and its JSON's results."""
+    proc, out = bench_runs[name].result()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert os.path.getsize(out[: -len(".json")] + ".png") > 0
     with open(out) as f:
-        rows = json.load(f)["results"]
+        return proc, json.load(f)["results"]
+
+
+def test_bench_collectives_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_collectives_small_runs")
     assert [r["kind"] for r in rows] == ["all_gather"] * 2 + ["reduce_scatter"] * 3 + ["all_reduce"]
     assert all(r["median_s"] > 0 for r in rows)
     assert rows[0]["wire_bytes"] == 0.5 * 1002 * 4  # padded to 1002, each rank sends the other half
 
 
 def test_bench_overhead_small_runs(bench_runs: dict[str, Future]) -> None:
-    proc, out = bench_runs["test_bench_overhead_small_runs"].result()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
-    with open(out) as f:
-        rows = json.load(f)["results"]
+    proc, rows = _finished(bench_runs, "test_bench_overhead_small_runs")
     assert [r["impl"] for r in rows] == ["local", "ours", "torch-fsdp2"]
     assert rows[0]["overhead_s"] == 0 and all(r["median_s"] > 0 for r in rows)
 
 
 def test_bench_scaling_quick_runs(bench_runs: dict[str, Future]) -> None:
-    proc, out = bench_runs["test_bench_scaling_quick_runs"].result()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
-    with open(out) as f:
-        (report,) = json.load(f)["results"]
+    proc, (report,) = _finished(bench_runs, "test_bench_scaling_quick_runs")
     assert [r["size"] for r in report["sizes"]] == ["small", "small-x2"]
     for row in report["sizes"]:
         for impl in ("ours", "torch-fsdp2"):
@@ -328,11 +325,7 @@ def test_bench_scaling_quick_runs(bench_runs: dict[str, Future]) -> None:
 
 
 def test_bench_safety_small_runs(bench_runs: dict[str, Future]) -> None:
-    proc, out = bench_runs["test_bench_safety_small_runs"].result()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
-    with open(out) as f:
-        rows = json.load(f)["results"]
+    proc, rows = _finished(bench_runs, "test_bench_safety_small_runs")
     assert [r["variant"] for r in rows] == [
         "every check on",
         "headers off",
@@ -344,11 +337,7 @@ def test_bench_safety_small_runs(bench_runs: dict[str, Future]) -> None:
 
 
 def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:
-    proc, out = bench_runs["test_bench_paired_small_runs"].result()
-    assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert os.path.getsize(out[: -len(".json")] + ".png") > 0
-    with open(out) as f:
-        rows = json.load(f)["results"]
+    proc, rows = _finished(bench_runs, "test_bench_paired_small_runs")
     assert [r["impl"] for r in rows] == ["ours", "ours-no-forward-prefetch", "local-ranks"]
     assert all(len(r["step_times_s"]) == 3 and r["median_s"] > 0 for r in rows)
     assert rows[0]["ratio_to_first"] == 1.0 and all(r["ratio_to_first"] > 0 for r in rows)
@@ -364,7 +353,7 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_overhead.parse_args, ["--world-size", "1"]),
         (bench_overhead.parse_args, ["--units", "0"]),
         (bench_safety.parse_args, ["--world-size", "1"]),
-        (bench_paired.parse_args, ["--impls", "ours,local"]),
+        (bench_paired.parse_args, ["--impls", "ours,fsdp1"]),
         (bench_paired.parse_args, ["--impls", "ours,ours"]),
         (bench_scaling.parse_args, ["--sizes", "1T"]),
         (bench_scaling.parse_args, ["--steps", "0"]),
@@ -378,7 +367,7 @@ bench_collectives.py: error: --numel and --reps must be positive and --warmup no
 bench_overhead.py: error: --world-size must be at least 2, got 1
 bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
-bench_paired.py: error: --impls: unknown ['local']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local-ranks
+bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local,local-ranks
 bench_paired.py: error: --impls lists one more than once: ours,ours
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501
