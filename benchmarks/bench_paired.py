@@ -58,8 +58,7 @@ def _step(built: Built, cfg: ModelConfig, step: int, rank: int) -> None:
 
 def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds: int, warmup: int) -> dict[str, Any]:
     cfg = ModelConfig(**model)
-    cpu = torch.device("cpu")
-    built = {}
+    built: dict[str, Built] = {}
     mine = [name for name in impls if name != ALONE or rank == 0]
     for name in mine:
         impl, forward_prefetch = CHOICES[name]
@@ -68,7 +67,7 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
             cfg,
             strategy="FULL_SHARD",
             bf16=False,
-            device=cpu,
+            device=torch.device("cpu"),
             world_size=world,
             forward_prefetch=forward_prefetch,
         )
@@ -76,7 +75,7 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
         for i in range(warmup):
             _step(built[name], cfg, i, rank)
     times: dict[str, list[float]] = {name: [] for name in impls}
-    cpu: dict[str, list[float]] = {name: [] for name in impls}  # this process's CPU seconds (all threads)
+    cpu_s: dict[str, list[float]] = {name: [] for name in impls}  # this process's CPU seconds (all threads)
     for r in range(rounds):
         for name in impls[r % len(impls) :] + impls[: r % len(impls)]:
             dist.barrier()
@@ -84,10 +83,10 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
             if name in built:
                 _step(built[name], cfg, warmup + r, rank)  # every impl sees the same batches
             times[name].append(time.perf_counter() - t0)
-            cpu[name].append(time.process_time() - c0)
+            cpu_s[name].append(time.process_time() - c0)
         if rank == 0 and (r + 1) % max(1, rounds // 10) == 0:
             print(f"[bench_paired] round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    return {"times": times, "cpu": cpu}
+    return {"times": times, "cpu": cpu_s}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
