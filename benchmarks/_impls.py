@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
-from benchmarks._model import BenchGPT, Block, ModelConfig
+from benchmarks._model import BenchGPT, Block, ModelConfig, gpt_loss, make_batch
 from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
 
 __all__ = ["IMPLS", "Built", "build"]
@@ -48,6 +48,12 @@ class Built:
             yield from (v for v in st.values() if isinstance(v, torch.Tensor))
         if self.extra_tensors is not None:
             yield from self.extra_tensors()
+
+    def train_step(self, cfg: ModelConfig, step: int, rank: int) -> None:
+        """One training step on ``rank``'s batch of step ``step`` (CPU), as every benchmark times it."""
+        self.optimizer.zero_grad(set_to_none=True)
+        gpt_loss(self.model, make_batch(cfg, step, rank)).backward()
+        self.optimizer.step()
 
 
 def _optimizer(model: nn.Module) -> torch.optim.Optimizer:

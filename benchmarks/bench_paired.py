@@ -34,7 +34,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import Built, build  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig, gpt_loss, make_batch  # noqa: E402
+from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import save_run, write_time_bars  # noqa: E402
 
@@ -49,11 +49,6 @@ CHOICES: dict[str, tuple[str, Optional[bool]]] = {
 }
 ALONE = "local"  # stepped by rank 0 only
 
-
-def _step(built: Built, cfg: ModelConfig, step: int, rank: int) -> None:
-    built.optimizer.zero_grad(set_to_none=True)
-    gpt_loss(built.model, make_batch(cfg, step, rank)).backward()
-    built.optimizer.step()
 
 
 def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds: int, warmup: int) -> dict[str, Any]:
@@ -73,7 +68,7 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
         )
     for name in mine:
         for i in range(warmup):
-            _step(built[name], cfg, i, rank)
+            built[name].train_step(cfg, i, rank)
     times: dict[str, list[float]] = {name: [] for name in impls}
     cpu_s: dict[str, list[float]] = {name: [] for name in impls}  # this process's CPU seconds (all threads)
     for r in range(rounds):
@@ -81,7 +76,7 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
             dist.barrier()
             c0, t0 = time.process_time(), time.perf_counter()
             if name in built:
-                _step(built[name], cfg, warmup + r, rank)  # every impl sees the same batches
+                built[name].train_step(cfg, warmup + r, rank)  # every impl sees the same batches
             times[name].append(time.perf_counter() - t0)
             cpu_s[name].append(time.process_time() - c0)
         if rank == 0 and (r + 1) % max(1, rounds // 10) == 0:

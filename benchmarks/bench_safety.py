@@ -30,7 +30,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig, gpt_loss, make_batch  # noqa: E402
+from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import save_run, write_time_bars  # noqa: E402
 from fsdp_composable import _safety  # noqa: E402
@@ -42,18 +42,13 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-def _step(built: Any, cfg: ModelConfig, step: int, rank: int) -> None:
-    built.optimizer.zero_grad(set_to_none=True)
-    gpt_loss(built.model, make_batch(cfg, step, rank)).backward()
-    built.optimizer.step()
-
 
 def _rank(rank: int, world: int, model: dict[str, int], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     cfg = ModelConfig(**model)
     built = build("ours", cfg, strategy="FULL_SHARD", bf16=False, device=torch.device("cpu"), world_size=world)
     step = 0
     for _ in range(warmup):
-        _step(built, cfg, step, rank)
+        built.train_step(cfg, step, rank)
         step += 1
     times: dict[str, list[float]] = {name: [] for name, _ in VARIANTS}
     for r in range(rounds):
@@ -63,7 +58,7 @@ def _rank(rank: int, world: int, model: dict[str, int], rounds: int, steps: int,
                 for _ in range(steps):
                     dist.barrier()
                     t0 = time.perf_counter()
-                    _step(built, cfg, step, rank)
+                    built.train_step(cfg, step, rank)
                     times[name].append(time.perf_counter() - t0)
                     step += 1
         if rank == 0:

@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks import bench_overhead  # noqa: E402
 from benchmarks._impls import Built, build  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig, count_params, gpt_loss, make_batch  # noqa: E402
+from benchmarks._model import DEFAULT, SMALL, ModelConfig, count_params  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import save_run  # noqa: E402
 
@@ -61,11 +61,6 @@ def _log(text: str) -> None:
     print(f"[bench_scaling] {text}", file=sys.stderr, flush=True)
 
 
-def _step(built: Built, cfg: ModelConfig, step: int, rank: int) -> None:
-    built.optimizer.zero_grad(set_to_none=True)
-    gpt_loss(built.model, make_batch(cfg, step, rank)).backward()
-    built.optimizer.step()
-
 
 def _timed(built: Built, cfg: ModelConfig, first: int, steps: int, rank: int, barrier: bool) -> list[float]:
     times = []
@@ -73,7 +68,7 @@ def _timed(built: Built, cfg: ModelConfig, first: int, steps: int, rank: int, ba
         if barrier:
             dist.barrier()
         t0 = time.perf_counter()
-        _step(built, cfg, i, rank)
+        built.train_step(cfg, i, rank)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -86,12 +81,12 @@ def _sizes_rank(rank: int, world: int, sizes: dict[str, dict[str, int]], steps: 
         for impl in SHARDED if n % 2 == 0 else SHARDED[::-1]:
             built = build(impl, cfg, strategy="FULL_SHARD", bf16=False, device=_CPU, world_size=world)
             for i in range(warmup):
-                _step(built, cfg, i, rank)
+                built.train_step(cfg, i, rank)
             times = _timed(built, cfg, warmup, steps, rank, barrier=True)
             dist.barrier()
             with LiveBytesTracker() as tracker:
                 tracker.add_existing(built.existing_tensors())
-                _step(built, cfg, warmup + steps, rank)
+                built.train_step(cfg, warmup + steps, rank)
             out[f"{name}/{impl}"] = {"times": times, "peak_live_bytes": tracker.peak_bytes}
             del built, tracker
             gc.collect()
@@ -167,7 +162,7 @@ def _ws1_rank(rank: int, world: int, model: dict[str, int], rounds: int, steps: 
     built = {impl: build(impl, cfg, strategy="FULL_SHARD", bf16=False, device=_CPU, world_size=1) for impl in impls}
     for b in built.values():
         for i in range(warmup):
-            _step(b, cfg, i, rank)
+            b.train_step(cfg, i, rank)
     times: dict[str, list[float]] = {impl: [] for impl in impls}
     for r in range(rounds):
         order = impls[r % len(impls) :] + impls[: r % len(impls)]
