@@ -26,6 +26,7 @@ __all__ = [
     "write_chart",
     "write_time_bars",
     "save_run",
+    "command_line",
     "MIB",
 ]
 
@@ -191,13 +192,31 @@ def write_chart(results: list[dict[str, Any]], path: str, title: str) -> None:
     plt.close(fig)
 
 
+# glibc malloc settings read at process start (see docs/performance.md, "the CPU allocator"): part of
+# how a run is reproduced, so the recorded command carries them
+_ALLOCATOR_ENV = (
+    "GLIBC_TUNABLES",
+    "MALLOC_ARENA_MAX",
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_MMAP_THRESHOLD_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "LD_PRELOAD",
+)
+
+
+def command_line(script: str) -> str:
+    """The command that ran ``script``, with the allocator environment it ran under first."""
+    env = [f"{name}={os.environ[name]}" for name in _ALLOCATOR_ENV if os.environ.get(name)]
+    return " ".join(env + ["python", os.path.relpath(script)] + sys.argv[1:])
+
+
 def save_run(script: str, config: dict[str, Any], results: list[dict[str, Any]], out: str) -> str:
     """Write a small benchmark's JSON (command, machine, config, results) to ``out``; return the
     path its chart goes to (``out`` with ``.png``)."""
     import torch
 
     report = {
-        "command": "python " + " ".join([os.path.relpath(script)] + sys.argv[1:]),
+        "command": command_line(script),
         "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
         "config": config,
         "results": results,

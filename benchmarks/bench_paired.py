@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import sys
 import time
@@ -71,17 +72,22 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
             built[name].train_step(cfg, i, rank)
     times: dict[str, list[float]] = {name: [] for name in impls}
     cpu_s: dict[str, list[float]] = {name: [] for name in impls}  # this process's CPU seconds (all threads)
+    # minor page faults of this process: fresh pages the kernel maps and zeroes (see docs/performance.md,
+    # "the CPU allocator")
+    faults: dict[str, list[int]] = {name: [] for name in impls}
     for r in range(rounds):
         for name in impls[r % len(impls) :] + impls[: r % len(impls)]:
             dist.barrier()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             c0, t0 = time.process_time(), time.perf_counter()
             if name in built:
                 built[name].train_step(cfg, warmup + r, rank)  # every impl sees the same batches
             times[name].append(time.perf_counter() - t0)
             cpu_s[name].append(time.process_time() - c0)
+            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
         if rank == 0 and (r + 1) % max(1, rounds // 10) == 0:
             print(f"[bench_paired] round {r + 1}/{rounds} done", file=sys.stderr, flush=True)
-    return {"times": times, "cpu": cpu_s}
+    return {"times": times, "cpu": cpu_s, "faults": faults}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -104,6 +110,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
             "ratio_to_first": statistics.median(s / f for s, f in zip(steps, first)),
             # CPU seconds per step (median) of each rank's process: for `local`, the waiting ranks' too
             "cpu_s_by_rank": [statistics.median(r["cpu"][name]) for r in ranks],
+            "minor_faults_by_rank": [statistics.median(r["faults"][name]) for r in ranks],
         }
         for name, steps in per_step.items()
     ]
@@ -113,14 +120,16 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     first = rows[0]["impl"]
     lines = [
         f"| impl | step (s, median) | step (s, min) | x {first} (median of rounds) | {first} / this "
-        "| CPU/step by rank (s) |",
-        "|---|---|---|---|---|---|",
+        "| CPU/step by rank (s) | page faults/step by rank |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         ratio = r["ratio_to_first"]
         cpu = ", ".join(f"{c:.3f}" for c in r["cpu_s_by_rank"])
+        faults = ", ".join(f"{f:.0f}" for f in r["minor_faults_by_rank"])
         lines.append(
-            f"| {r['impl']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {ratio:.3f} | {1 / ratio:.3f} | {cpu} |"
+            f"| {r['impl']} | {r['median_s']:.3f} | {r['min_s']:.3f} | {ratio:.3f} | {1 / ratio:.3f} | {cpu} "
+            f"| {faults} |"
         )
     return "\n".join(lines)
 

@@ -32,7 +32,14 @@ import torch  # noqa: E402
 
 from benchmarks._impls import IMPLS  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL  # noqa: E402
-from benchmarks._report import format_cpu_table, format_profile_table, format_table, theory_bytes, write_chart  # noqa: E402
+from benchmarks._report import (  # noqa: E402
+    command_line,
+    format_cpu_table,
+    format_profile_table,
+    format_table,
+    theory_bytes,
+    write_chart,
+)
 from benchmarks._worker import run_impl  # noqa: E402
 
 STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
@@ -152,7 +159,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 by_impl[impl] = {**r, "round_medians_s": kept["round_medians_s"]}
     results = [by_impl[impl] for impl in args.impl_list]
     return {
-        "command": "python " + " ".join([os.path.relpath(__file__)] + sys.argv[1:]),
+        "command": command_line(__file__),
         "machine": machine,
         "source": source,
         "config": {

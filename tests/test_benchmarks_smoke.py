@@ -24,7 +24,7 @@ if REPO_ROOT not in sys.path:
 from benchmarks._comm_counter import CommCounter, DispatchCommCounter  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 from benchmarks._model import SMALL, BenchGPT, Block, count_params  # noqa: E402
-from benchmarks._report import format_table, theory_bytes  # noqa: E402
+from benchmarks._report import command_line, format_table, theory_bytes  # noqa: E402
 from benchmarks.bench_step import parse_args  # noqa: E402
 
 # ---------------------------------------------------------------------------- end to end
@@ -341,7 +341,25 @@ def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:
     assert [r["impl"] for r in rows] == ["ours", "ours-no-forward-prefetch", "local-ranks"]
     assert all(len(r["step_times_s"]) == 3 and r["median_s"] > 0 for r in rows)
     assert rows[0]["ratio_to_first"] == 1.0 and all(r["ratio_to_first"] > 0 for r in rows)
-    assert "| ours-no-forward-prefetch |" in proc.stdout
+    assert all(len(r["minor_faults_by_rank"]) == 2 and min(r["minor_faults_by_rank"]) >= 0 for r in rows)
+    assert "| ours-no-forward-prefetch |" in proc.stdout and "| page faults/step by rank |" in proc.stdout
+
+
+def test_command_line_carries_the_allocator_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run under tuned malloc settings records them, so its command reproduces it."""
+    script = os.path.join(REPO_ROOT, "benchmarks", "bench_paired.py")
+    monkeypatch.chdir(REPO_ROOT)
+    monkeypatch.setattr(sys, "argv", ["bench_paired.py", "--rounds", "3"])
+    for name in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    assert command_line(script) == "python benchmarks/bench_paired.py --rounds 3"
+    monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1073741824")
+    monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
+    assert command_line(script) == (
+        "MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1073741824 python benchmarks/bench_paired.py --rounds 3"
+    )
 
 
 def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
