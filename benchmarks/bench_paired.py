@@ -13,8 +13,9 @@ hits them alike. ``local`` is the unsharded model stepped by rank 0 alone while 
 at the next barrier (blocked, using no CPU: the process alone on the machine, as `bench_step.py`'s
 ``local``); ``local-ranks`` is it stepped by every rank at once. A step's time is the slowest rank's
 (``local``: rank 0's); an implementation's time is the median over its steps, and each ratio is the
-median of the per-round ratios to the first implementation listed. Writes a JSON file, a PNG chart
-next to it, and prints a markdown table.
+median of the per-round ratios to the first implementation listed; each rank's CPU seconds and minor
+page faults per step (fresh pages from the kernel: docs/performance.md, "The CPU allocator") are
+medians too. Writes a JSON file, a PNG chart next to it, and prints a markdown table.
 """
 
 from __future__ import annotations

@@ -21,6 +21,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:
     sys.path.insert(0, REPO_ROOT)
 
+from benchmarks import _report  # noqa: E402
 from benchmarks._comm_counter import CommCounter, DispatchCommCounter  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 from benchmarks._model import SMALL, BenchGPT, Block, count_params  # noqa: E402
@@ -350,10 +351,8 @@ def test_command_line_carries_the_allocator_environment(monkeypatch: pytest.Monk
     script = os.path.join(REPO_ROOT, "benchmarks", "bench_paired.py")
     monkeypatch.chdir(REPO_ROOT)
     monkeypatch.setattr(sys, "argv", ["bench_paired.py", "--rounds", "3"])
-    for name in ("GLIBC_TUNABLES", "MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_"):
+    for name in _report._ALLOCATOR_ENV:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.delenv("MALLOC_TRIM_THRESHOLD_", raising=False)
-    monkeypatch.delenv("LD_PRELOAD", raising=False)
     assert command_line(script) == "python benchmarks/bench_paired.py --rounds 3"
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1073741824")
     monkeypatch.setenv("MALLOC_MMAP_MAX_", "0")
