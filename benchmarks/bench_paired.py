@@ -52,7 +52,6 @@ CHOICES: dict[str, tuple[str, Optional[bool]]] = {
 ALONE = "local"  # stepped by rank 0 only
 
 
-
 def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds: int, warmup: int) -> dict[str, Any]:
     cfg = ModelConfig(**model)
     built: dict[str, Built] = {}

@@ -42,7 +42,6 @@ VARIANTS: list[tuple[str, tuple[str, ...]]] = [
 ]
 
 
-
 def _rank(rank: int, world: int, model: dict[str, int], rounds: int, steps: int, warmup: int) -> dict[str, Any]:
     cfg = ModelConfig(**model)
     built = build("ours", cfg, strategy="FULL_SHARD", bf16=False, device=torch.device("cpu"), world_size=world)

@@ -61,7 +61,6 @@ def _log(text: str) -> None:
     print(f"[bench_scaling] {text}", file=sys.stderr, flush=True)
 
 
-
 def _timed(built: Built, cfg: ModelConfig, first: int, steps: int, rank: int, barrier: bool) -> list[float]:
     times = []
     for i in range(first, first + steps):
