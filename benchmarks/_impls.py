@@ -4,7 +4,8 @@
 torch's ``fully_shard`` on each block then the root over a 1-D DeviceMesh; ``ddp`` is
 ``DistributedDataParallel``; ``local`` is the unsharded model alone with the per-rank batch;
 ``local-ranks`` is that unsharded model in every rank's process at once (no communication), so the
-ranks share the machine's cores and memory as the distributed impls' ranks do.
+ranks share the machine's cores and memory as the distributed impls' ranks do; ``floor`` is
+``local-ranks`` plus a FULL_SHARD step's bytes moved by hand and AdamW over shards (`_floor.py`).
 Every impl starts from the same seed, so all of them start from the same weights.
 Everything that binds a collective is imported here, at import time, so that `CommCounter.install`
 (called after this module is imported) finds and wraps those bindings.
@@ -23,12 +24,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+from benchmarks._floor import build_floor
 from benchmarks._model import BenchGPT, Block, ModelConfig, gpt_loss, make_batch
 from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
 
 __all__ = ["IMPLS", "Built", "build"]
 
-IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks")
+IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
 
 
 @dataclass
@@ -126,6 +128,9 @@ def build(
         raise RuntimeError(f"impl={impl!r} needs an initialised process group")
     if impl == "ours":
         return _build_ours(model, strategy, bf16, device, forward_prefetch)
+    if impl == "floor":
+        optimizer = build_floor(model, Block, lambda shards: torch.optim.AdamW(shards, lr=1e-3))
+        return Built(model, optimizer, ["unsharded compute, a FULL_SHARD step's gloo messages, AdamW over shards"])
     if impl == "torch-fsdp2":
         return _build_fsdp2(model, bf16, device, world_size)
     return _build_ddp(model, device)

@@ -11,7 +11,9 @@ benchmark model (same seed) with its own AdamW, then run ``--rounds`` rounds; ea
 timed step of every implementation, in an order rotated by one each round, so the machine's drift
 hits them alike. ``local`` is the unsharded model stepped by rank 0 alone while the other ranks wait
 at the next barrier (blocked, using no CPU: the process alone on the machine, as `bench_step.py`'s
-``local``); ``local-ranks`` is it stepped by every rank at once. A step's time is the slowest rank's
+``local``); ``local-ranks`` is it stepped by every rank at once; ``floor`` is ``local-ranks`` plus a
+FULL_SHARD step's messages sent by hand and AdamW over shards (``benchmarks/_floor.py``): what the
+bytes alone cost, without a library's bookkeeping. A step's time is the slowest rank's
 (``local``: rank 0's); an implementation's time is the median over its steps, and each ratio is the
 median of the per-round ratios to the first implementation listed; each rank's CPU seconds and minor
 page faults per step (fresh pages from the kernel: docs/performance.md, "The CPU allocator") are
@@ -48,6 +50,7 @@ CHOICES: dict[str, tuple[str, Optional[bool]]] = {
     "ddp": ("ddp", None),
     "local": ("local", None),
     "local-ranks": ("local-ranks", None),
+    "floor": ("floor", None),
 }
 ALONE = "local"  # stepped by rank 0 only
 
@@ -138,7 +141,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_paired.py", description=__doc__.splitlines()[0])
     p.add_argument(
         "--impls",
-        default="ours,torch-fsdp2,local,local-ranks,ours-no-forward-prefetch",
+        default="ours,torch-fsdp2,local,local-ranks,floor",
         help=f"comma-separated, from {','.join(CHOICES)}; ratios are to the first",
     )
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (forked)")

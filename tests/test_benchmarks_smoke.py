@@ -33,7 +33,7 @@ from benchmarks.bench_step import parse_args  # noqa: E402
 # selected ones run two at a time from the first one's test on (`concurrent_runs`).
 RUNS: dict[str, tuple[list[str], float]] = {
     "test_bench_step_small_runs_and_writes_fields": (
-        ["bench_step.py", "--small", "--impls", "ours,local,local-ranks", "--steps", "2", "--world-size", "2"],
+        ["bench_step.py", "--small", "--impls", "ours,local,local-ranks,floor", "--steps", "2", "--world-size", "2"],
         180,
     ),
     "test_bench_collectives_small_runs": (
@@ -88,11 +88,11 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
     model = BenchGPT(SMALL)
     psi = count_params(model)
     assert report["config"]["param_count"] == psi
-    ours, local, local_ranks = report["results"]
+    ours, local, local_ranks, floor = report["results"]
     # local-ranks: the unsharded model in both ranks' processes, each on its own batch, no collective
     assert local_ranks["procs"] == 2 and local_ranks["comm_py_api_per_step"]["payload_bytes"] == 0
     assert local_ranks["losses_rank0"] == local["losses_rank0"]
-    for r in (ours, local, local_ranks):
+    for r in (ours, local, local_ranks, floor):
         assert r["status"] == "ok", r.get("error")
         assert len(r["step_times_s"]) == 2 and r["median_step_time_s"] > 0
         assert r["peak_rss_bytes"] > 0
@@ -121,6 +121,9 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
         assert 0 < headers < 0.01 * kinds["send"], counter
         assert ours[counter]["wire_bytes"] == kinds["send"] + headers, counter
     assert ours["theory"]["bytes"] == 0.5 * psi * 12
+    # floor moves a FULL_SHARD step's bytes by hand: ours' less the gradient flags
+    for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
+        assert floor[counter]["payload_bytes_by_kind"] == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
 
 
 # ---------------------------------------------------------------------------- comm counter
