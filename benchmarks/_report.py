@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import platform
 import sys
 from typing import Any, Optional
 
@@ -204,6 +205,19 @@ _ALLOCATOR_ENV = (
 )
 
 
+def cpu_model() -> str:
+    """The CPU's model name (Linux's /proc/cpuinfo; elsewhere what `platform` knows): the VM's host
+    can change between days, and step times with it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
 def command_line(script: str) -> str:
     """The command that ran ``script``, with the allocator environment it ran under first."""
     env = [f"{name}={os.environ[name]}" for name in _ALLOCATOR_ENV if os.environ.get(name)]
@@ -217,7 +231,12 @@ def save_run(script: str, config: dict[str, Any], results: list[dict[str, Any]],
 
     report = {
         "command": command_line(script),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "load_average_at_start": os.getloadavg()},
+        "machine": {
+            "cpu_model": cpu_model(),
+            "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
+            "load_average_at_start": os.getloadavg(),
+        },
         "config": config,
         "results": results,
     }

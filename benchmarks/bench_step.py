@@ -34,6 +34,7 @@ from benchmarks._impls import IMPLS  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL  # noqa: E402
 from benchmarks._report import (  # noqa: E402
     command_line,
+    cpu_model,
     format_cpu_table,
     format_profile_table,
     format_table,
@@ -114,6 +115,7 @@ def _variant(impl: str, args: argparse.Namespace) -> str:
 def machine_info() -> dict[str, Any]:
     return {
         "platform": platform.platform(),
+        "cpu_model": cpu_model(),
         "python": platform.python_version(),
         "torch": torch.__version__,
         "cpu_count": os.cpu_count(),

@@ -85,6 +85,7 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
     with open(out) as f:
         report = json.load(f)
     assert {"command", "machine", "source", "config", "results"} <= set(report)
+    assert report["machine"]["cpu_model"]  # the host's CPU, which step times depend on
     model = BenchGPT(SMALL)
     psi = count_params(model)
     assert report["config"]["param_count"] == psi
@@ -288,7 +289,7 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
     expecttest.TestCase().assertExpectedInline(
         errors,
         """\
-bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local,local-ranks
+bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local,local-ranks,floor
 bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; drop ddp""",
     )
     args = parse_args(["--impls", "local,ddp,torch-fsdp2,ours"])
@@ -387,7 +388,7 @@ bench_collectives.py: error: --numel and --reps must be positive and --warmup no
 bench_overhead.py: error: --world-size must be at least 2, got 1
 bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
-bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local,local-ranks
+bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local,local-ranks,floor
 bench_paired.py: error: --impls lists one more than once: ours,ours
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501
