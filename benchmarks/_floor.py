@@ -1,4 +1,4 @@
-"""``floor``: what any FULL_SHARD step has to cost, without a sharding library's bookkeeping.
+"""``floor``: what a FULL_SHARD step's bytes cost, without a sharding library's bookkeeping.
 
 Every rank computes the unsharded model's forward and backward on its batch (as ``local-ranks``)
 and moves, with plain gloo point-to-point messages posted receives first, exactly the bytes a
@@ -8,9 +8,11 @@ posted when a unit starts, a one-unit prefetch), each block's all-gather again b
 unit's reduce-scatter once its gradients exist, the gradients sent as per-parameter slices of each
 peer's chunk and the own slices added to what arrives. AdamW then steps one flat shard per unit
 (half the elements at 2 ranks) whose gradient is the reduced chunk. The model's weights never
-change (nothing is gathered into them), so its losses stay near the first step's; only the cost is
-representative. The gap from ``floor`` to ``ours`` is the library's own work; the gap from
-``local-ranks`` to ``floor`` is the transport's.
+change (nothing is gathered into them), so its losses stay near the first step's, and a block's
+gathered copy is dropped as soon as it arrived instead of living through the block's compute; the
+bytes, the messages and the optimizer's work are a sharded step's, the memory held is less. The gap
+from ``floor`` to ``ours`` is the library's own work; the gap from ``local-ranks`` to ``floor`` is
+the transport's.
 """
 
 from __future__ import annotations
@@ -107,8 +109,8 @@ def build_floor(model: nn.Module, block_type: type, make_optimizer: Callable[[li
     def before_forward(i: int) -> Callable[..., None]:
         def hook(*_: Any) -> None:
             gather(i, units)
-            if i > 0:
-                units[i].gathered = None  # resharded after forward (the wait already happened)
+            if i > 0:  # the model computes with its own weights: a block's gathered copy goes once it arrived
+                units[i].gathered = None
 
         return hook
 
@@ -121,7 +123,7 @@ def build_floor(model: nn.Module, block_type: type, make_optimizer: Callable[[li
 
     def reduce(unit: _Unit) -> Callable[[Any], None]:
         def hook(grads: Any) -> None:
-            reductions.append((unit, *unit.post_reduce_scatter([g for g in grads])))
+            reductions.append((unit, *unit.post_reduce_scatter(list(grads))))
 
         return hook
 

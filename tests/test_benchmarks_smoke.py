@@ -290,7 +290,7 @@ def test_cli_rejects_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
         errors,
         """\
 bench_step.py: error: --impls: unknown implementation(s) ['bogus']; choose from ours,torch-fsdp2,ddp,local,local-ranks,floor
-bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; drop ddp""",
+bench_step.py: error: --param-dtype bf16 applies to ours and torch-fsdp2 only; drop ddp""",  # noqa: E501
     )
     args = parse_args(["--impls", "local,ddp,torch-fsdp2,ours"])
     assert args.impl_list == ["local", "ddp", "torch-fsdp2", "ours"] and args.world_size == 2 and args.steps == 6
