@@ -118,6 +118,8 @@ def build(
     ``forward_prefetch`` applies to ours (None: the library's default)."""
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
+    if impl == "floor" and device.type != "cpu":  # its messages are CPU tensors: gloo's transport only
+        raise ValueError(f"impl='floor' measures gloo on the CPU; got device {device}")
     torch.manual_seed(0)
     model = BenchGPT(cfg).to(device)
     if impl == "local":

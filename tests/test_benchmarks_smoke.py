@@ -127,6 +127,13 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
         assert floor[counter]["payload_bytes_by_kind"] == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
 
 
+def test_floor_is_cpu_only() -> None:
+    from benchmarks._impls import build
+
+    with pytest.raises(ValueError, match="floor' measures gloo on the CPU; got device cuda"):
+        build("floor", SMALL, strategy="FULL_SHARD", bf16=False, device=torch.device("cuda"), world_size=2)
+
+
 # ---------------------------------------------------------------------------- comm counter
 def count_known_collectives() -> dict:
     """Runs on every rank of a world-size-2 gloo pool."""
