@@ -89,7 +89,9 @@ def _slices(flat: list[torch.Tensor], start: int, length: int) -> list[tuple[int
     return pieces
 
 
-def build_floor(model: nn.Module, block_type: type, make_optimizer: Callable[[list[nn.Parameter]], Any]) -> Any:
+def build_floor(
+    model: nn.Module, block_type: type, make_optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer]
+) -> torch.optim.Optimizer:
     """Attach the floor's hooks to ``model`` (blocks of ``block_type`` are units, the rest the root);
     returns ``make_optimizer`` over the units' shards, whose step waits for the reductions first."""
     rank, world = dist.get_rank(), dist.get_world_size()

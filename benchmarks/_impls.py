@@ -14,7 +14,7 @@ Everything that binds a collective is imported here, at import time, so that `Co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,8 +58,9 @@ class Built:
         self.optimizer.step()
 
 
-def _optimizer(model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.AdamW(model.parameters(), lr=1e-3)
+def _optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Every impl's optimizer (floor's over its shards)."""
+    return torch.optim.AdamW(params, lr=1e-3)
 
 
 def _build_ours(
@@ -83,7 +84,7 @@ def _build_ours(
 
     prefetch = "" if forward_prefetch is None else f", forward_prefetch={forward_prefetch}"
     notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}{prefetch}) -> {len(handles)} units"]
-    return Built(model, _optimizer(model), notes, flat_tensors)
+    return Built(model, _optimizer(model.parameters()), notes, flat_tensors)
 
 
 def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size: int) -> Built:
@@ -94,14 +95,14 @@ def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size:
         torch_fully_shard(block, mesh=mesh, mp_policy=mp)
     torch_fully_shard(model, mesh=mesh, mp_policy=mp)
     notes = [f"torch fully_shard on {len(blocks)} blocks + root, reshard_after_forward=True"]
-    return Built(model, _optimizer(model), notes)
+    return Built(model, _optimizer(model.parameters()), notes)
 
 
 def _build_ddp(model: nn.Module, device: torch.device) -> Built:
     ids = [device.index] if device.type == "cuda" else None
     ddp = DistributedDataParallel(model, device_ids=ids)
     notes = ["builtin C++ reducer (no comm hook): its all-reduce is visible only to the dispatcher counter"]
-    return Built(ddp, _optimizer(ddp), notes)
+    return Built(ddp, _optimizer(ddp.parameters()), notes)
 
 
 def build(
@@ -123,15 +124,16 @@ def build(
     torch.manual_seed(0)
     model = BenchGPT(cfg).to(device)
     if impl == "local":
-        return Built(model, _optimizer(model), ["unsharded model, one process, per-rank batch"])
+        return Built(model, _optimizer(model.parameters()), ["unsharded model, one process, per-rank batch"])
     if impl == "local-ranks":  # no collective: the process group only lines the ranks' steps up
-        return Built(model, _optimizer(model), ["unsharded model in every rank's process, no communication"])
+        notes = ["unsharded model in every rank's process, no communication"]
+        return Built(model, _optimizer(model.parameters()), notes)
     if not dist.is_initialized():
         raise RuntimeError(f"impl={impl!r} needs an initialised process group")
     if impl == "ours":
         return _build_ours(model, strategy, bf16, device, forward_prefetch)
     if impl == "floor":
-        optimizer = build_floor(model, Block, lambda shards: torch.optim.AdamW(shards, lr=1e-3))
+        optimizer = build_floor(model, Block, _optimizer)
         return Built(model, optimizer, ["unsharded compute, a FULL_SHARD step's gloo messages, AdamW over shards"])
     if impl == "torch-fsdp2":
         return _build_fsdp2(model, bf16, device, world_size)

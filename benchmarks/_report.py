@@ -28,6 +28,7 @@ __all__ = [
     "write_time_bars",
     "save_run",
     "command_line",
+    "machine_info",
     "MIB",
 ]
 
@@ -218,6 +219,21 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+def machine_info() -> dict[str, Any]:
+    """What every benchmark JSON records of the machine it ran on."""
+    import torch
+
+    return {
+        "platform": platform.platform(),
+        "cpu_model": cpu_model(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cpu_count": os.cpu_count(),
+        "cuda": torch.cuda.is_available(),
+        "load_average_at_start": os.getloadavg(),
+    }
+
+
 def command_line(script: str) -> str:
     """The command that ran ``script``, with the allocator environment it ran under first."""
     env = [f"{name}={os.environ[name]}" for name in _ALLOCATOR_ENV if os.environ.get(name)]
@@ -227,16 +243,9 @@ def command_line(script: str) -> str:
 def save_run(script: str, config: dict[str, Any], results: list[dict[str, Any]], out: str) -> str:
     """Write a small benchmark's JSON (command, machine, config, results) to ``out``; return the
     path its chart goes to (``out`` with ``.png``)."""
-    import torch
-
     report = {
         "command": command_line(script),
-        "machine": {
-            "cpu_model": cpu_model(),
-            "cpu_count": os.cpu_count(),
-            "torch": torch.__version__,
-            "load_average_at_start": os.getloadavg(),
-        },
+        "machine": machine_info(),
         "config": config,
         "results": results,
     }

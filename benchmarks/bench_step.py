@@ -17,7 +17,6 @@ import glob
 import hashlib
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -28,16 +27,14 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)  # so `benchmarks` and `fsdp_composable` import from a checkout
 
-import torch  # noqa: E402
-
 from benchmarks._impls import IMPLS  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL  # noqa: E402
 from benchmarks._report import (  # noqa: E402
     command_line,
-    cpu_model,
     format_cpu_table,
     format_profile_table,
     format_table,
+    machine_info,
     theory_bytes,
     write_chart,
 )
@@ -110,18 +107,6 @@ def _variant(impl: str, args: argparse.Namespace) -> str:
     if impl in SHARDED and args.param_dtype == "bf16":
         parts.append("bf16")
     return ", ".join(parts)
-
-
-def machine_info() -> dict[str, Any]:
-    return {
-        "platform": platform.platform(),
-        "cpu_model": cpu_model(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cpu_count": os.cpu_count(),
-        "cuda": torch.cuda.is_available(),
-        "load_average_at_start": os.getloadavg(),
-    }
 
 
 def source_info() -> dict[str, Any]:
