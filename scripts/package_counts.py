@@ -1,5 +1,6 @@
-"""Print the package's structural counts: files over 600 lines, module-level containers changed at run
-time, ``global`` statements, and function-level imports of the package.
+"""Print the package's structural counts: its size, files over 600 lines, import cycles, module-level
+containers changed at run time, ``global`` statements, function-level imports of the package, stack-frame
+reads, and patches (stores into torch, into another object's ``__dict__``, into a closure's cells).
 
     python scripts/package_counts.py [PACKAGE_DIR]      # default: fsdp_composable next to this script
 
@@ -18,6 +19,18 @@ Everything is read with `ast` (no imports, no regular expressions):
   import time is not counted.
 - a *function-level import of the package* is an ``import`` or ``from ... import`` inside a function
   whose module is the package, one of its submodules, or relative.
+- an *import cycle* is a set of two or more of the package's modules that import each other, directly or
+  through others (a strongly connected component of the import graph), or a module that imports itself.
+  Every ``import``/``from ... import`` of the package counts, wherever it stands, ``TYPE_CHECKING``
+  blocks and functions included; ``from pkg.a import b`` is an edge to ``pkg.a.b`` when that is a
+  module, else to ``pkg.a``. The parent packages Python initialises on the way are not edges.
+- a *stack-frame read* is a call of ``sys._getframe``, ``inspect.currentframe``/``stack``/
+  ``getouterframes``/``getframeinfo`` or ``traceback.extract_stack``/``walk_stack``, or a read of a
+  frame's ``f_back``, ``f_locals`` or ``f_globals``.
+- a *patch* is a store (or ``del``) into an attribute of a name imported from torch
+  (``torch.nn.utils.clip_grad_norm_ = f``) or a ``setattr`` on one; a store, ``del`` or mutating call
+  on the ``__dict__`` of anything but ``self`` (``module.__dict__["f"] = g``, ``vars(m)[k] = v``); or
+  a store into a closure cell (``cell.cell_contents = x``).
 """
 
 from __future__ import annotations
@@ -84,6 +97,9 @@ class FileCounts:
     containers: list[Container]
     globals_: list[tuple[int, str, str]]  # (line, names, function)
     imports: list[tuple[int, str, str]]  # (line, statement, function)
+    targets: set[str] = field(default_factory=set)  # the package's modules this file imports
+    frame_reads: list[tuple[int, str, str]] = field(default_factory=list)  # (line, expression, function)
+    patches: list[tuple[int, str, str]] = field(default_factory=list)  # (line, statement, function)
 
 
 def _container_kind(value: Optional[ast.expr]) -> Optional[str]:
@@ -196,6 +212,82 @@ def _is_package_import(node: Union[ast.Import, ast.ImportFrom], package: str) ->
     return any(alias.name.split(".")[0] == package for alias in node.names)
 
 
+FRAME_CALLS = {
+    ("sys", "_getframe"),
+    ("inspect", "currentframe"),
+    ("inspect", "stack"),
+    ("inspect", "getouterframes"),
+    ("inspect", "getframeinfo"),
+    ("traceback", "extract_stack"),
+    ("traceback", "walk_stack"),
+}
+FRAME_ATTRS = {"f_back", "f_locals", "f_globals"}
+
+
+def _import_targets(node: Union[ast.Import, ast.ImportFrom], package: str, modules: set[str]) -> set[str]:
+    """The modules of ``modules`` an import statement names, ``package`` being the dotted package the
+    statement's file is in (where its relative imports start)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names if alias.name in modules}
+    base = node.module or ""
+    if node.level:
+        parts = package.split(".")
+        parts = parts[: len(parts) - (node.level - 1)]
+        base = ".".join([*parts, base] if base else parts)
+    found = {f"{base}.{alias.name}" for alias in node.names if f"{base}.{alias.name}" in modules}
+    if len(found) < len(node.names) and base in modules:
+        found.add(base)
+    return found
+
+
+def _torch_names(tree: ast.Module) -> set[str]:
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {(a.asname or a.name).split(".")[0] for a in node.names if a.name.split(".")[0] == "torch"}
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] == "torch" and not node.level:
+            names |= {a.asname or a.name for a in node.names}
+    return names
+
+
+def _dotted(node: ast.expr) -> Optional[tuple[str, str]]:
+    if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name):
+        return node.value.id, node.attr
+    return None
+
+
+def _frame_read(node: ast.AST) -> bool:
+    if isinstance(node, ast.Call) and _dotted(node.func) in FRAME_CALLS:
+        return True
+    return isinstance(node, ast.Attribute) and node.attr in FRAME_ATTRS and isinstance(node.ctx, ast.Load)
+
+
+def _dict_of_other(node: ast.expr) -> bool:
+    """``x.__dict__`` for any ``x`` but ``self``, or ``vars(x)``."""
+    if isinstance(node, ast.Attribute) and node.attr == "__dict__":
+        return not (isinstance(node.value, ast.Name) and node.value.id == "self")
+    return isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "vars" and bool(node.args)
+
+
+def _patch(node: ast.AST, torch_names: set[str]) -> bool:
+    if isinstance(node, ast.Attribute) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return node.attr == "cell_contents" or _root_name(node.value) in torch_names
+    if isinstance(node, ast.Subscript) and isinstance(node.ctx, (ast.Store, ast.Del)):
+        return _dict_of_other(node.value)
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in ("setattr", "delattr") and node.args:
+            return _root_name(node.args[0]) in torch_names
+        return isinstance(func, ast.Attribute) and func.attr in MUTATING_METHODS and _dict_of_other(func.value)
+    return False
+
+
+def _statement_text(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> str:
+    while not isinstance(node, ast.stmt) and node in parents:
+        node = parents[node]
+    return ast.unparse(node).splitlines()[0]
+
+
 def count_file(path: Path, rel: str, package: str) -> FileCounts:
     source = path.read_text(encoding="utf-8")
     tree = ast.parse(source, filename=str(path))
@@ -211,21 +303,85 @@ def count_file(path: Path, rel: str, package: str) -> FileCounts:
             elif isinstance(node, (ast.Import, ast.ImportFrom)) and _is_package_import(node, package):
                 imports.append((node.lineno, ast.unparse(node), fn_name))
     changed = sorted((c for c in containers.values() if c.changed_in), key=lambda c: c.line)
-    return FileCounts(rel, len(source.splitlines()), changed, sorted(globals_), sorted(imports))
+    counts = FileCounts(rel, len(source.splitlines()), changed, sorted(globals_), sorted(imports))
+    torch_names = _torch_names(tree)
+    parents = {child: parent for parent in ast.walk(tree) for child in ast.iter_child_nodes(parent)}
+    owner = {id(node): name for fn, name in _functions(tree) for node in _own_nodes(fn)}
+    for node in ast.walk(tree):
+        where = owner.get(id(node), "<module>")
+        if _frame_read(node) and not _frame_read(parents.get(node, tree)):  # the outermost of a chain
+            counts.frame_reads.append((getattr(node, "lineno", 0), ast.unparse(node), where))
+        elif _patch(node, torch_names):
+            counts.patches.append((getattr(node, "lineno", 0), _statement_text(node, parents), where))
+    counts.frame_reads.sort()
+    counts.patches.sort()
+    return counts
+
+
+def _module_name(rel: str, package: str) -> str:
+    return ".".join([package, *rel[: -len(".py")].split("/")]).removesuffix(".__init__")
 
 
 def count_package(package_dir: Path) -> list[FileCounts]:
     package = package_dir.name
     files = sorted(p for p in package_dir.rglob("*.py") if "__pycache__" not in p.parts)
-    return [count_file(p, p.relative_to(package_dir).as_posix(), package) for p in files]
+    counts = [count_file(p, p.relative_to(package_dir).as_posix(), package) for p in files]
+    modules = {_module_name(c.path, package) for c in counts}
+    for path, c in zip(files, counts):
+        name = _module_name(c.path, package)
+        home = name if c.path.endswith("__init__.py") else name.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, (ast.Import, ast.ImportFrom)) and _is_package_import(node, package):
+                c.targets |= _import_targets(node, home, modules)
+    return counts
+
+
+def import_cycles(counts: list[FileCounts], package: str) -> list[list[str]]:
+    """The strongly connected components of two or more modules (or one that imports itself), sorted."""
+    graph = {_module_name(c.path, package): sorted(c.targets) for c in counts}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(node: str) -> None:  # Tarjan's algorithm; the package is small enough for recursion
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        on_stack.add(node)
+        for nxt in graph.get(node, []):
+            if nxt not in index:
+                visit(nxt)
+                low[node] = min(low[node], low[nxt])
+            elif nxt in on_stack:
+                low[node] = min(low[node], index[nxt])
+        if low[node] == index[node]:
+            component: list[str] = []
+            while True:
+                top = stack.pop()
+                on_stack.discard(top)
+                component.append(top)
+                if top == node:
+                    break
+            if len(component) > 1 or node in graph.get(node, []):
+                cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
 
 
 def report(package_dir: Path) -> str:
     counts = count_package(package_dir)
     long_files = sorted((c for c in counts if c.lines > MAX_LINES), key=lambda c: -c.lines)
     with_containers = [c for c in counts if c.containers]
-    lines = [f"files over {MAX_LINES} lines: {len(long_files)}"]
+    lines = [f"lines in all: {sum(c.lines for c in counts)} in {len(counts)} files"]
+    lines.append(f"files over {MAX_LINES} lines: {len(long_files)}")
     lines += [f"  {c.path}: {c.lines}" for c in long_files]
+    cycles = import_cycles(counts, package_dir.name)
+    lines.append(f"import cycles: {len(cycles)}")
+    lines += [f"  {len(cycle)} module{'s' * (len(cycle) > 1)}: {', '.join(cycle)}" for cycle in cycles]
     n_containers = sum(len(c.containers) for c in counts)
     lines.append(f"module-level containers changed at run time: {n_containers} in {len(with_containers)} files")
     for c in with_containers:
@@ -238,6 +394,12 @@ def report(package_dir: Path) -> str:
     n_imports = sum(len(c.imports) for c in counts)
     lines.append(f"function-level imports of the package: {n_imports}")
     lines += [f"  {c.path}:{line}: {stmt} in {fn}" for c in counts for line, stmt, fn in c.imports]
+    n_frames = sum(len(c.frame_reads) for c in counts)
+    lines.append(f"stack-frame reads: {n_frames}")
+    lines += [f"  {c.path}:{line}: {expr} in {fn}" for c in counts for line, expr, fn in c.frame_reads]
+    n_patches = sum(len(c.patches) for c in counts)
+    lines.append(f"patches (torch, another object's __dict__, closure cells): {n_patches}")
+    lines += [f"  {c.path}:{line}: {stmt} in {fn}" for c in counts for line, stmt, fn in c.patches]
     return "\n".join(lines)
 
 

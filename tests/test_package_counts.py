@@ -86,6 +86,48 @@ FIXTURE = {
         ''',
     "sub/__init__.py": "",
     "sub/long.py": "x = 1\n" * 601,
+    # a cycle through a TYPE_CHECKING import and a relative one: low -> high only for annotations
+    "low.py": """
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from pkg.sub.high import High
+        """,
+    "sub/high.py": """
+        from ..low import TYPE_CHECKING
+        from pkg import helpers  # an edge out of the cycle, into another one
+        """,
+    "self_import.py": "import pkg.self_import\n",
+    "frames_and_patches.py": """
+        import inspect
+        import sys
+
+        import torch
+        from torch.nn import utils
+
+
+        class Box:
+            def set(self, v: int) -> None:
+                self.__dict__["v"] = v  # its own: not a patch
+
+
+        def caller_locals() -> dict:
+            return sys._getframe(1).f_locals
+
+
+        def patch(module: torch.nn.Module, f: object) -> None:
+            module.__dict__["forward"] = f
+            vars(module)["x"] = 1
+            module.__dict__.update(y=2)
+            del module.__dict__["y"]
+            torch.nn.utils.clip_grad_norm_ = f
+            utils.clip_grad_norm_ = f
+            setattr(torch.nn, "Linear", f)
+            f.__closure__[0].cell_contents = 1
+            module.weight = f  # an ordinary attribute of the user's module: not a patch
+            frame = inspect.currentframe()
+            frame.f_back
+        """,
 }
 
 
@@ -106,8 +148,13 @@ def test_counts_of_a_fixture_package(tmp_path: Path) -> None:
     expecttest.TestCase().assertExpectedInline(
         _load_script().report(package),
         """\
+lines in all: 701 in 9 files
 files over 600 lines: 1
   sub/long.py: 601
+import cycles: 3
+  2 modules: pkg.helpers, pkg.state
+  2 modules: pkg.low, pkg.sub.high
+  1 module: pkg.self_import
 module-level containers changed at run time: 8 in 1 files
   state.py:5: REGISTRY (dict) changed in register
   state.py:6: _SEEN (WeakSet) changed in Tracker.see
@@ -123,7 +170,20 @@ global statements: 2
 function-level imports of the package: 3
   helpers.py:6: from . import state in lazy
   helpers.py:7: import pkg.state as s in lazy
-  state.py:51: from pkg import helpers in Tracker.see.inner""",
+  state.py:51: from pkg import helpers in Tracker.see.inner
+stack-frame reads: 3
+  frames_and_patches.py:14: sys._getframe(1).f_locals in caller_locals
+  frames_and_patches.py:27: inspect.currentframe() in patch
+  frames_and_patches.py:28: frame.f_back in patch
+patches (torch, another object's __dict__, closure cells): 8
+  frames_and_patches.py:18: module.__dict__['forward'] = f in patch
+  frames_and_patches.py:19: vars(module)['x'] = 1 in patch
+  frames_and_patches.py:20: module.__dict__.update(y=2) in patch
+  frames_and_patches.py:21: del module.__dict__['y'] in patch
+  frames_and_patches.py:22: torch.nn.utils.clip_grad_norm_ = f in patch
+  frames_and_patches.py:23: utils.clip_grad_norm_ = f in patch
+  frames_and_patches.py:24: setattr(torch.nn, 'Linear', f) in patch
+  frames_and_patches.py:25: f.__closure__[0].cell_contents = 1 in patch""",
     )
 
 
@@ -134,10 +194,14 @@ def test_runs_on_this_package() -> None:
     assert proc.returncode == 0, proc.stderr
     headers = [line.split(":")[0] for line in proc.stdout.splitlines() if not line.startswith(" ")]
     assert headers == [
+        "lines in all",
         "files over 600 lines",
+        "import cycles",
         "module-level containers changed at run time",
         "global statements",
         "function-level imports of the package",
+        "stack-frame reads",
+        "patches (torch, another object's __dict__, closure cells)",
     ], proc.stdout
     # the registry is the one container the design allows; the script must see it
     assert "_composable_state.py" in proc.stdout, proc.stdout
