@@ -212,6 +212,10 @@ class FlatParamHandle:
         # the event reshard recorded after the storage's last use, set while it is not yet freed
         self._storage_stream: Optional[torch.cuda.Stream] = None
         self._freed_event: Optional[torch.cuda.Event] = None
+        # CPU offload: a non-blocking copy of the pinned shard to the device may still read it; the
+        # host must not write the shard before the end of step synchronises ([Note: offloaded
+        # gradients reach the host] in `_offload_copies`)
+        self.upload_pending = False
         self.is_unsharded = False
         # reshard_after_forward=<int>: the group of k consecutive ranks the unit reshards to after
         # forward (set by `_post_forward_group`), and this rank's 1/k of the unsharded flat parameter
@@ -360,7 +364,9 @@ class FlatParamHandle:
             self._wait_freed(None)
             if self._alloc_unsharded():
                 self._storage_stream = None
-            self._unsharded.copy_(shard)
+            offloaded = shard.device != self.device
+            self._unsharded.copy_(shard, non_blocking=offloaded)  # pinned: no host wait per unit
+            self.upload_pending |= offloaded
             self.is_unsharded = True
             return
         # input and output belong to the unshard stream: [Note: streams without record_stream]
@@ -370,6 +376,7 @@ class FlatParamHandle:
             allocated = self._alloc_unsharded()
             if kept is None:
                 src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
+                self.upload_pending |= shard.device != self.device
                 src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
             else:  # gathered within the smaller group only; made on the compute stream in post-forward
                 src = kept

@@ -246,6 +246,10 @@ def _check_device_id(api: str, device_id: Any) -> torch.device:
         )
     if device_id.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{where} is {device_id} but CUDA is not available; on CPU pass device_id=None")
+    if device_id.type == "cuda" and device_id.index is None:
+        # "cuda" alone means the current device (as FSDP1 reads it): the parameters moved there
+        # report an index, and the compute device must equal theirs (the edit check compares them)
+        return torch.device("cuda", torch.cuda.current_device())
     return device_id
 
 

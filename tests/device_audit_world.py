@@ -74,10 +74,16 @@ def setup() -> None:
     _init_utils._check_unit_params = lambda sub: None  # type: ignore[assignment]
 
 
-def model(**kwargs: Any) -> torch.nn.Module:
+def model(unused: bool = False, **kwargs: Any) -> torch.nn.Module:
+    """TinyGPT on ``meta``, sharded by block; ``unused``: each unit holds a Linear the forward never
+    uses (no gradient on any rank)."""
     with torch.device(META):
         torch.manual_seed(0)
         m = TinyGPT()
+        if unused:
+            m.unused = torch.nn.Linear(2, 2)
+            for block in m.blocks:
+                block.unused = torch.nn.Linear(2, 2)
     kwargs.setdefault("device_id", META)
     return fc.fully_shard(m, fc.ModuleWrapPolicy({Block}), **kwargs)
 
@@ -196,6 +202,9 @@ def streams_hybrid() -> None:
         steps(m, n=2)
     check_streams(rec, 2)
     assert "all_reduce" in rec.compute.clock, "the all-reduce across replicas did not run on its own stream"
+    # each reduce-scatter's input (a unit's unsharded gradient) goes once the reduce-scatter is done
+    held = rec.held_at_commit
+    assert held == [0, 0], f"reduce-scatter input bytes alive at the end of backward: {held}"
 
 
 def streams_no_sync() -> None:
@@ -382,6 +391,24 @@ def offload_copies_one_sync() -> None:
     assert syncs == [1, 1], f"host synchronisations per step: {syncs}"
 
 
+def no_host_sync_for_parameters_without_gradient() -> None:
+    """A parameter that gets no gradient on this rank (an unused branch, an MoE expert): its presence
+    flag is written on the device (no host value copied there), and the flags of every unit are read
+    in one host read per step, not one per unit."""
+    for strategy in (fc.ShardingStrategy.FULL_SHARD, fc.ShardingStrategy.NO_SHARD):
+        m = model(strategy=strategy, unused=True)
+        steps(m, n=1)
+        with recording() as rec:
+            syncs = []
+            for _ in range(2):
+                before = rec.host_syncs
+                steps(m, n=1)
+                syncs.append(rec.host_syncs - before)
+        assert not rec.host_writes, f"{strategy.name}: host values written to the device: {rec.host_writes}"
+        assert syncs == [1, 1], f"{strategy.name}: host synchronisations per step: {syncs}"
+        assert all(p.grad is None for p in m.blocks[0].unused.parameters())
+
+
 CHECKS: list[Callable[[], Any]] = [
     training_full_shard,
     training_strategies,
@@ -408,6 +435,7 @@ CHECKS: list[Callable[[], Any]] = [
     no_unit_sized_copy_for_the_flags,
     cpu_inputs_moved,
     offload_copies_one_sync,
+    no_host_sync_for_parameters_without_gradient,
     model_on_a_device_the_group_does_not_serve,
 ]
 
