@@ -38,8 +38,8 @@ __all__: list[str] = []
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 # [Note: API names in messages]
-# `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so
-# that a message names the argument the user wrote (the wrapper's differ for two of them).
+# `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so that a
+# message names the argument the user wrote (the wrapper's differ for two of them).
 _ARG_NAMES: dict[str, dict[str, str]] = {
     "FullyShardedDataParallel": {"strategy": "sharding_strategy", "policy": "auto_wrap_policy"},
 }
@@ -246,10 +246,8 @@ def _check_device_id(api: str, device_id: Any) -> torch.device:
         )
     if device_id.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{where} is {device_id} but CUDA is not available; on CPU pass device_id=None")
-    if device_id.type == "cuda" and device_id.index is None:
-        # "cuda" alone means the current device (as FSDP1 reads it): the parameters moved there
-        # report an index, and the compute device must equal theirs (the edit check compares them)
-        return torch.device("cuda", torch.cuda.current_device())
+    if device_id.type == "cuda" and device_id.index is None:  # the current one, as FSDP1 reads it
+        return torch.device("cuda", torch.cuda.current_device())  # (moved parameters carry an index)
     return device_id
 
 
