@@ -51,9 +51,8 @@ def _arg(api: str, name: str) -> str:
 
 
 def _check_type(api: str, name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
-    if isinstance(value, types):
-        return
-    raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
+    if not isinstance(value, types):
+        raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
 
 
 def _validate_args(args: ShardConfig) -> Optional[Policy]:
