@@ -142,6 +142,15 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def comm_device_current(group: dist.ProcessGroup, device: Optional[torch.device]) -> Any:
+    """Make ``group``'s communication device for ``device`` (the unit's) the current CUDA device while
+    torch's object collectives run: they build their tensors on the current device, not the unit's."""
+    comm = comm_device(group, device)
+    with torch.cuda.device(comm) if comm.type == "cuda" else contextlib.nullcontext():
+        yield
+
+
 def _present(device: torch.device) -> bool:
     """Whether this process can make tensors on ``device``'s type: torch's fake process group serves
     every type it knows (``xpu`` too) on a machine that has none of them."""

@@ -167,13 +167,13 @@ def _init_ignored_module_states(
     module: nn.Module,
     ignored_modules: Optional[Iterable[nn.Module]],
     api: str = "fully_shard",
-    groups: tuple[Optional[dist.ProcessGroup], ...] = (),
+    groups: tuple[Optional[dist.ProcessGroup], ...] = (), device: Optional[torch.device] = None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules (with their submodules) and their parameters; ``groups``: where every rank
-    must ignore the same modules ([Note: ignored modules across ranks])."""
+    must ignore the same modules ([Note: ignored modules across ranks]), checked on ``device``'s."""
     where = _arg(api, "ignored_modules")
     if ignored_modules is None:
-        check_ranks_ignore_alike(module, set(), groups, where)
+        check_ranks_ignore_alike(module, set(), groups, where, device)
         return set(), set()
     if isinstance(ignored_modules, nn.Module) or not isinstance(ignored_modules, Iterable):
         raise TypeError(
@@ -191,7 +191,7 @@ def _init_ignored_module_states(
                 f"{where} contains a {type(m).__name__} that is not a submodule of the "
                 f"{type(module).__name__} passed to {api}; pass only its submodules"
             )
-    check_ranks_ignore_alike(module, ignored, groups, where)
+    check_ranks_ignore_alike(module, ignored, groups, where, device)
     expanded = {sub for m in ignored for sub in m.modules()}
     check_no_param_tied_to_ignored(module, expanded, where)
     params = {p for m in expanded for p in m.parameters(recurse=False)}
