@@ -443,10 +443,15 @@ def issue(
     reduce-scatters on the reduce stream, HYBRID_SHARD's cross-replica all-reduces on their own
     stream after the reduce-scatter (the compute stream waits for a reduce-scatter in the next
     unit's post-backward and for the all-reduce at the end of backward, as FSDP2 does). A collective
-    is called with ``async_op=False`` inside the side stream: ProcessGroupNCCL then orders that
-    stream after its own and keeps no tensor alive with ``record_stream`` (which it does for
-    ``async_op=True`` on torch 2.5-2.7), and the CPU does not block. An event recorded on the
-    side stream is what the compute stream waits on before it reads the result (`InFlight.wait`).
+    is called with ``async_op=False`` inside the side stream, and the CPU does not block. What
+    ProcessGroupNCCL does with it depends on the torch release: from 2.8 it launches the collective
+    on the current stream (our side stream) and calls ``record_stream`` on nothing; on 2.5-2.7 it
+    runs it on its internal stream ordered after ours and back, and skips ``record_stream`` for
+    ``all_gather_into_tensor``/``reduce_scatter_tensor`` only: an ``all_reduce`` (the presence flags,
+    NO_SHARD, HYBRID_SHARD across replicas) still records its tensor on that internal stream unless
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``, which delays the reuse of its memory (not its
+    correctness: our own events order every read and free). An event recorded on the side stream is
+    what the compute stream waits on before it reads the result (`InFlight.wait`).
 
     Memory is never freed while another stream may still use it:
     - A reduction's inputs and output are made on the compute stream before the reduce stream waits

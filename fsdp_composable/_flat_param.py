@@ -222,6 +222,7 @@ class FlatParamHandle:
         # kept from post-forward to the next unshard (see [Note: resharding to a smaller group])
         self.post_forward_group: Optional[dist.ProcessGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
+        self._post_forward_event: Optional[torch.cuda.Event] = None  # CUDA: recorded right after it was made
         self._init_views()
         self.use_sharded_views()
 
@@ -372,6 +373,7 @@ class FlatParamHandle:
         # input and output belong to the unshard stream: [Note: streams without record_stream]
         self._wait_freed(stream)
         kept, self._post_forward_shard = self._post_forward_shard, None
+        kept_event, self._post_forward_event = self._post_forward_event, None
         with _collectives.on_stream(stream):
             allocated = self._alloc_unsharded()
             if kept is None:
@@ -380,6 +382,8 @@ class FlatParamHandle:
                 src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
             else:  # gathered within the smaller group only; made on the compute stream in post-forward
                 src = kept
+                if stream is not None and kept_event is not None:
+                    stream.wait_event(kept_event)
         if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
             self._storage_stream = stream
         self._unshard_src = src
@@ -389,7 +393,7 @@ class FlatParamHandle:
         self._unshard_work = _collectives.issue(
             stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
-            wait_first=kept is not None,
+            wait_first=kept is not None and kept_event is None,
         )
 
     @_trace.method("wait_unshard")
@@ -415,7 +419,7 @@ class FlatParamHandle:
         if self._needs_buffer:
             self._free_unsharded()
         self.is_unsharded = False
-        self._post_forward_shard = None
+        self._post_forward_shard = self._post_forward_event = None
 
     def reshard_to_post_forward_group(self) -> None:
         """Reshard, keeping this rank's 1/k of the unsharded flat parameter for the next unshard,
@@ -425,8 +429,10 @@ class FlatParamHandle:
         size = full.numel() // dist.get_world_size(group)
         index = dist.get_rank(group)
         kept = full[index * size : (index + 1) * size].clone()
+        # the next unshard's stream waits for this copy only, not for all compute issued before it
+        event = _collectives.compute_stream(self.device).record_event() if self.device.type != "cpu" else None
         self.reshard()
-        self._post_forward_shard = kept
+        self._post_forward_shard, self._post_forward_event = kept, event
 
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None

@@ -320,8 +320,10 @@ def start_reduce(
     grads.buffer = None
     if hook is not None:
         assert flat is not None
-        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
-        return PendingReduce(handle, hooked, result, keep, numel=result.numel())
+        host: list[Optional[torch.Tensor]] = []  # CPU offload on CUDA: copied on the stream, not blocking
+        copy = (lambda out: host.append(offload_copy(handle, out))) if stream is not None else None
+        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream, copy)
+        return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are

@@ -282,6 +282,58 @@ def streams_all_reduce_hook_and_post_optim_event() -> None:
     assert ran_on == ["all_reduce"] * (2 * units), ran_on
 
 
+def streams_strategies_and_hooks() -> None:
+    """The stream rules hold for SHARD_GRAD_OP, NO_SHARD, an int ``reshard_after_forward`` (gathering
+    within a smaller group after forward) and a user's communication hook, as for FULL_SHARD."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("SHARD_GRAD_OP", {"strategy": fc.ShardingStrategy.SHARD_GRAD_OP}),
+        ("NO_SHARD", {"strategy": fc.ShardingStrategy.NO_SHARD}),
+        ("reshard_after_forward=2", {"reshard_after_forward": 2}),
+        ("comm hook", {}),
+    ]
+    for name, kwargs in runs:
+        m = model(**kwargs)
+        if name == "comm hook":
+            fc.register_comm_hook(m, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)
+        with recording() as rec:
+            steps(m, n=2)
+        try:
+            check_streams(rec, 2)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def hook_offload_copy_on_the_stream() -> None:
+    """CPU offload with a communication hook: each unit's hooked gradient starts its copy to the host
+    on the stream that ran the hook, during backward, as without a hook (not a blocking copy per unit
+    when the gradient is committed). (`offload_copy`, whose pinned copy needs a real host shard, hands
+    back a stand-in.)"""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    from fsdp_composable import _reduce_utils
+
+    m = model()
+    fc.register_comm_hook(m, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)
+    copies: list[tuple[str, bool]] = []
+    real = _reduce_utils.offload_copy
+    with recording() as rec:
+        steps(m, n=1)
+
+        def stand_in(handle: Any, reduced: torch.Tensor) -> torch.Tensor:
+            copies.append((rec.current.name, torch._C._current_graph_task_id() != -1))
+            return torch.empty_like(reduced, dtype=handle.dtype)
+
+        _reduce_utils.offload_copy = stand_in  # type: ignore[assignment]
+        try:
+            gpt_loss(m, batch()).backward()
+        finally:
+            _reduce_utils.offload_copy = real  # type: ignore[assignment]
+    units = len(fc.fully_shard.state(m).handles)
+    assert copies == [("reduce", True)] * units, copies
+
+
 def no_host_sync_in_steady_state() -> None:
     m = model()
     steps(m, n=1)  # the first iteration checks the order across ranks (reading values on the host)
@@ -430,6 +482,8 @@ CHECKS: list[Callable[[], Any]] = [
     streams_memory_between_steps,
     streams_unit_called_alone,
     streams_all_reduce_hook_and_post_optim_event,
+    streams_strategies_and_hooks,
+    hook_offload_copy_on_the_stream,
     no_host_sync_in_steady_state,
     no_self_copies,
     no_unit_sized_copy_for_the_flags,

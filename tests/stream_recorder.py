@@ -43,6 +43,7 @@ class Recorder:
         self.current = self.compute
         self.written: dict[int, tuple[str, int]] = {}  # storage -> (stream, time) of the last collective write
         self.owner: dict[int, FakeStream] = {}  # storage -> the stream that allocated it
+        self.made: dict[int, tuple[str, int]] = {}  # storage -> (stream, time) of the operation that made it
         self.uses: dict[int, dict[str, int]] = {}  # storage -> stream -> last use time
         self.tracked: set[int] = set()  # storages with a finaliser (forgotten when they die)
         self.reduce_inputs: dict[int, int] = {}  # storage -> bytes, of reduce-scatter inputs alive
@@ -70,6 +71,7 @@ class Recorder:
         self.tracked.add(k)
         if owner is not None:
             self.owner.setdefault(k, owner)
+            self.made.setdefault(k, (owner.name, owner.clock[owner.name]))
         weakref.finalize(t.untyped_storage(), self.died, k)
 
     def died(self, k: int) -> None:
@@ -79,6 +81,7 @@ class Recorder:
             if other != owner.name and owner.seen(other) < time:
                 self.fail(f"a tensor was freed while the {other} stream may still use it")
         self.written.pop(k, None)
+        self.made.pop(k, None)
         self.reduce_inputs.pop(k, None)
         self.tracked.discard(k)
 
@@ -161,9 +164,10 @@ class Ticking(TorchDispatchMode):
             if not non_blocking:
                 self.rec.host_syncs += 1  # a blocking copy waits for the device
         out = func(*args, **kwargs)
+        inputs = {storage_key(a) for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0:
-                self.rec.track(t, self.rec.current)  # a new storage belongs to the current stream
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0 and storage_key(t) not in inputs:
+                self.rec.track(t, self.rec.current)  # a new storage (not a view) belongs to the current stream
         return out
 
 
@@ -239,6 +243,9 @@ def recording() -> Iterator[Recorder]:
                 for other, time in rec.uses.get(k, {}).items():
                     if other != s.name and s.seen(other) < time and s is not rec.compute:
                         rec.fail(f"{name} on {s.name} used a tensor before {other} finished with it")
+                maker, made = rec.made.get(k, (s.name, 0))
+                if maker != s.name and s.seen(maker) < made:
+                    rec.fail(f"{name} on {s.name} used a tensor before the {maker} stream made it")
             if name == "all_gather" and s.name == "unshard":
                 latest = rec.compute.clock["compute"]
                 if not rec.root_forward_wait and latest > 0 and s.seen("compute") >= latest:

@@ -55,6 +55,8 @@ _STREAM_CHECKS = [
     "streams_memory_between_steps",
     "streams_unit_called_alone",
     "streams_all_reduce_hook_and_post_optim_event",
+    "streams_strategies_and_hooks",
+    "hook_offload_copy_on_the_stream",
 ]
 
 
