@@ -95,7 +95,7 @@ def fully_shard(
         cpu_offload=ours.cpu_offload,
         ignored_modules=ours.ignored_modules,
         ignored_params=ours.ignored_params,
-        device_id=device_id,
+        device_id=device_id if device_id is not None else mesh_device(mesh, module),
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
         forward_prefetch=forward_prefetch,
@@ -155,3 +155,12 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
 def _first_device(module: nn.Module) -> Optional[torch.device]:
     """The device of the module's first materialised parameter (None: none)."""
     return next((p.device for p in module.parameters() if not p.is_meta), None)
+
+
+def mesh_device(mesh: Any, module: nn.Module) -> Optional[torch.device]:
+    """FSDP2's placement for ``mesh=`` without ``device_id``: a model with parameters on the CPU
+    computes on the mesh's device (CUDA: the current device), one unit moved at a time, its shards
+    offloaded if ``offload_policy`` says so; None where nothing is to be moved."""
+    if mesh is None or mesh.device_type == "cpu" or not any(p.device.type == "cpu" for p in module.parameters()):
+        return None
+    return torch.device(mesh.device_type)  # no index: the current device (`_init_utils._check_device_id`)

@@ -199,6 +199,8 @@ def recording() -> Iterator[Recorder]:
     def current_stream(device: Any = None) -> FakeStream:
         if device is None:
             rec.fail("torch.cuda.current_stream() asked without the unit's device")
+        elif torch.device(device) != META:  # this world's units compute on meta
+            rec.fail(f"torch.cuda.current_stream() asked for {device}, not the unit's device")
         return rec.current
 
     @contextlib.contextmanager

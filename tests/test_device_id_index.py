@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -11,6 +13,8 @@ from device_index_fake import CudaGroup, record_collective, two_fake_cuda_device
 from models import TinyGPT
 
 from fsdp_composable import _checkpoint_comm, _collectives, _ignored_checks, _init_utils, _lazy_init
+
+fully_shard_module = sys.modules["fsdp_composable.fully_shard"]  # the package exports the function by that name
 
 
 def test_cuda_device_id_without_index_is_the_current_device(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -73,3 +77,18 @@ def test_object_collectives_run_with_the_units_device_current(monkeypatch: pytes
         with _collectives.comm_device_current(CudaGroup(), _unit_device()):  # type: ignore[arg-type]
             dist.all_gather_object([None, None], "described")
     assert seen.collectives == [("all_gather_object", 1)] * 2
+
+
+def test_fsdp2_mesh_moves_a_cpu_model_to_the_meshs_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """FSDP2's ``mesh=`` (with or without ``offload_policy=``) and no ``device_id``: a model on the CPU
+    computes on the mesh's device, the current CUDA device (it used to be refused, asking for
+    ``device_id``); a CPU mesh, or a model already elsewhere, moves nothing."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    cuda_mesh, cpu_mesh = SimpleNamespace(device_type="cuda"), SimpleNamespace(device_type="cpu")
+    device_id = fully_shard_module.mesh_device(cuda_mesh, TinyGPT())
+    assert _init_utils._init_device(TinyGPT(), device_id, set()) == torch.device("cuda", 1)
+    assert fully_shard_module.mesh_device(cpu_mesh, TinyGPT()) is None
+    assert fully_shard_module.mesh_device(None, TinyGPT()) is None
+    with torch.device("meta"):
+        assert fully_shard_module.mesh_device(cuda_mesh, TinyGPT()) is None
