@@ -285,7 +285,13 @@ def _collective_tensor_findings() -> list[str]:
                     if c.func.attr == "full_tensor"  # type: ignore[attr-defined]
                     and not (isinstance(c.func.value, ast.Name) and c.func.value.id == "_tensor_parallel")  # type: ignore[attr-defined]
                 ]
-            collectives = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            collectives: list[ast.Call] = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            # a collective imported by name (``from torch.distributed import all_reduce``) counts too
+            collectives += [
+                n
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _COLLECTIVES
+            ]
             if not collectives:
                 continue
             # the names of tensors handed to a collective (directly or in a list)
