@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import pytest
 import torch
@@ -31,12 +31,19 @@ class Seen:
     tensors: list[int] = field(default_factory=list)  # the index of every CUDA tensor asked for
     streams: list[tuple[int, int]] = field(default_factory=list)  # (device index, priority)
     collectives: list[tuple[str, int]] = field(default_factory=list)  # (name, current device when called)
+    # (source storage, index, what ``context()`` said then) of every ``.to(<a CUDA device>)``
+    moves: list[tuple[int, int, Any]] = field(default_factory=list)
+    context: Callable[[], Any] = lambda: None
+    target: torch.device = META  # where a CUDA tensor is really made
 
     def index(self, device: Any) -> Optional[int]:
         """The CUDA index ``device`` resolves to (None: not a CUDA device)."""
         if isinstance(device, int):
             return device
-        d = torch.device(device) if isinstance(device, str) else device
+        try:
+            d = torch.device(device) if isinstance(device, str) else device
+        except RuntimeError:  # a string that is no device (``.to("float")`` is not asked)
+            return None
         if not isinstance(d, torch.device) or d.type != "cuda":
             return None
         return d.index if d.index is not None else self.current[-1]
@@ -51,16 +58,14 @@ class _Redirect(TorchFunctionMode):
         kwargs = dict(kwargs or {})
         if "device" in kwargs and (k := self.seen.index(kwargs["device"])) is not None:
             self.seen.tensors.append(k)
-            kwargs["device"] = META
+            kwargs["device"] = self.seen.target
         if func is torch.Tensor.to:
-            args = tuple(META if self.seen.index(a) is not None and self._note(a) else a for a in args)
+            for a in args[1:]:
+                if isinstance(a, (str, torch.device)) and (k := self.seen.index(a)) is not None:
+                    self.seen.tensors.append(k)
+                    self.seen.moves.append((args[0].untyped_storage()._cdata, k, self.seen.context()))
+            args = tuple(self.seen.target if self.seen.index(a) is not None else a for a in args)
         return func(*args, **kwargs)
-
-    def _note(self, device: Any) -> bool:
-        index = self.seen.index(device)
-        assert index is not None
-        self.seen.tensors.append(index)
-        return True
 
 
 class FakeStream:
@@ -78,8 +83,10 @@ class CudaGroup:
 
 
 @contextlib.contextmanager
-def two_fake_cuda_devices(monkeypatch: pytest.MonkeyPatch) -> Iterator[Seen]:
-    seen = Seen()
+def two_fake_cuda_devices(monkeypatch: pytest.MonkeyPatch, target: torch.device = META) -> Iterator[Seen]:
+    """``target``: where CUDA tensors are really made (``meta``; the CPU where they must hold values
+    or become a CPU parameter's data)."""
+    seen = Seen(target=target)
 
     @contextlib.contextmanager
     def device(d: Any) -> Iterator[None]:

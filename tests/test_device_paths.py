@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from device_index_fake import two_fake_cuda_devices
 from expecttest import TestCase
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
@@ -169,47 +170,53 @@ def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
 
 
 def _placement_order() -> list[str]:
-    """With ``device_id``, what happens to the model's parameters while fully_shard builds its units:
-    "move <unit>" when a unit's parameters are moved (with how many parameters outside it belong to
-    units flattened already: the units below it); "apply <module>" whenever
-    a module moves its parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through
-    ``nn.Module._apply``)."""
+    """With ``device_id=1`` on a CPU model (two fake CUDA devices, the current one 0: [Note: the
+    device-index fake] in device_index_fake.py, making CUDA tensors on the CPU so that they can become
+    the parameters' data), what happens to the parameters while fully_shard builds its units: "move
+    <unit> to cuda:<k>" when a unit's parameters are copied to a CUDA device (with how many parameters
+    were flattened by then: the units below it); "apply <module>" whenever a module moves its
+    parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through ``nn.Module._apply``)."""
     torch.manual_seed(0)
     model = TinyGPT()
     params = list(model.parameters())
+    fqns = {p.untyped_storage()._cdata: n for n, p in model.named_parameters()}
+    originals = [p.detach() for p in params]  # their storages stay, so no other tensor takes their address
     names = {m: n or "<root>" for n, m in model.named_modules()}
     events: list[str] = []
-    real_move, real_apply = _init_utils._move_unit_params, torch.nn.Module._apply
-
-    def move(sub: Any, device: torch.device) -> None:
-        unit = {id(p) for p in sub.params}
-        built = sum(1 for p in params if id(p) not in unit and getattr(p, FSDP_FLATTENED, False))
-        events.append(f"move {sub.fqn or '<root>'} ({built} parameters built before)")
-        real_move(sub, device)
+    real_apply = torch.nn.Module._apply
 
     def apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if module in names and fn.__name__ != "compute_should_use_set_data":
             events.append(f"apply {names[module]}")
         return real_apply(module, fn, *args, **kwargs)
 
-    _init_utils._move_unit_params = move  # type: ignore[assignment]
-    torch.nn.Module._apply = apply  # type: ignore[method-assign]
-    try:
-        fully_shard(model, ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
-    finally:
-        _init_utils._move_unit_params = real_move  # type: ignore[assignment]
-        torch.nn.Module._apply = real_apply  # type: ignore[method-assign]
+    def unit(fqn: str) -> str:
+        return next((b for b in ("blocks.0", "blocks.1") if fqn.startswith(b + ".")), "<root>")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_init_utils, "_check_comm_device", lambda state, api: None)  # the pool's gloo serves the CPU
+        mp.setattr(torch.nn.Module, "_apply", apply)
+        with two_fake_cuda_devices(mp, target=torch.device("cpu")) as seen:
+            seen.context = lambda: sum(1 for p in params if getattr(p, FSDP_FLATTENED, False))
+            fully_shard(model, ModuleWrapPolicy({Block}), device_id=1)
+    del originals
+    for storage, index, built in seen.moves:
+        if storage in fqns:  # an original parameter (not a flat shard or buffer made from them)
+            event = f"move {unit(fqns[storage])} to cuda:{index} ({built} parameters built before)"
+            if not events or events[-1] != event:
+                events.append(event)
     return events
 
 
 def test_device_id_moves_one_unit_at_a_time(dist_run) -> None:
-    """``device_id``: each unit's parameters are moved right before the unit is flattened and sharded,
-    bottom-up (peak device memory about one unit unsharded); the model is never moved as a whole."""
+    """``device_id=1`` (not the current device): each unit's parameters are moved to cuda:1 right
+    before the unit is flattened and sharded, bottom-up (peak device memory about one unit unsharded);
+    the model is never moved as a whole."""
     for events in dist_run(2, _placement_order):
         assert events == [
-            "move blocks.1 (0 parameters built before)",
-            "move blocks.0 (10 parameters built before)",
-            "move <root> (20 parameters built before)",
+            "move blocks.1 to cuda:1 (0 parameters built before)",
+            "move blocks.0 to cuda:1 (10 parameters built before)",
+            "move <root> to cuda:1 (20 parameters built before)",
         ], events
 
 
