@@ -29,9 +29,12 @@ META = torch.device("meta")
 # when its allocating stream has seen every other stream's use of it (every storage a recorded
 # operation makes: its allocating stream is the stream current then, and its death is seen by a
 # finaliser, so a tensor dropped too early is a violation); the unshard stream waits for the compute
-# stream once per root forward, not before each all-gather; every stream is asked for by device; no
-# host synchronisation in a steady-state step. The memory account: the reduce-scatter inputs still
-# alive when the end of backward commits the gradients (`Recorder.held_at_commit`).
+# stream once per root forward, not before each all-gather; a collective reads a tensor only after
+# the stream that made it was waited for; every stream is asked for by the unit's device; no host
+# synchronisation in a steady-state step (a host read, a stream or event synchronisation, a blocking
+# copy between host and device: `host_syncs`; a host scalar written into a device tensor:
+# `host_writes`). The memory account: the reduce-scatter inputs still alive when the end of backward
+# commits the gradients (`Recorder.held_at_commit`).
 class Recorder:
     def __init__(self) -> None:
         self.violations: list[str] = []
