@@ -10,10 +10,12 @@ from typing import Any
 
 import pytest
 import torch
+from models import Block, TinyGPT, gpt_batch, gpt_loss
 from stream_recorder import host_device_copy
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_composable import _collectives, _offload_copies
+import fsdp_composable as fc
+from fsdp_composable import _collectives, _offload_copies, _reduce_utils
 from fsdp_composable._flat_param import FlatParamHandle
 
 META = torch.device("meta")
@@ -76,3 +78,30 @@ def test_pending_uploads_synchronised_once_at_the_end_of_a_step(monkeypatch: pyt
     assert synced == [META] and not any(h.upload_pending for h in handles)
     _offload_copies.sync_offload_copies([], handles)  # nothing pending: no synchronisation
     assert synced == [META]
+
+
+def _syncs_per_step() -> list[int]:
+    """How many handles each end-of-step synchronisation was offered: a trained step, then a forward
+    with no backward (no gradient copies, but uploads may be pending)."""
+    torch.manual_seed(0)
+    model = fc.fully_shard(TinyGPT(), fc.ModuleWrapPolicy({Block}))
+    offered: list[int] = []
+    real = _reduce_utils.sync_offload_copies
+
+    def spy(reductions: Any, handles: Any) -> None:
+        offered.append(len(handles))
+        real(reductions, handles)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_reduce_utils, "sync_offload_copies", spy)
+        gpt_loss(model, gpt_batch(0, 4)).backward()
+        with torch.no_grad():
+            model(gpt_batch(1, 4)[0])
+    return offered
+
+
+def test_every_step_end_offers_its_uploads_to_the_sync(dist_run) -> None:
+    """The end of every step, a forward with no backward too, hands every unit to the one offload
+    synchronisation (which synchronises only where an upload is pending)."""
+    for offered in dist_run(2, _syncs_per_step):
+        assert offered == [3, 3], offered
