@@ -17,8 +17,7 @@ so they run with the unit's device made current.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -81,16 +80,9 @@ def any_rank(handle: FlatParamHandle, flag: bool) -> bool:
     return bool(_collectives.host_values(has)[0])
 
 
-@contextlib.contextmanager
-def _current_device(group: dist.ProcessGroup, device: torch.device) -> Iterator[None]:
-    comm = _collectives.comm_device(group, device)
-    with torch.cuda.device(comm) if comm.type == "cuda" else contextlib.nullcontext():
-        yield
-
-
 def all_gather_object(group: dist.ProcessGroup, obj: Any, device: torch.device) -> list[Any]:
     """Every rank's ``obj`` over ``group`` (``device``: the compute device of the unit asking)."""
     out: list[Any] = [None] * dist.get_world_size(group)
-    with _current_device(group, device):
+    with _collectives.comm_device_current(group, device):
         dist.all_gather_object(out, obj, group=group)
     return out

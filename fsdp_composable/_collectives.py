@@ -142,6 +142,15 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     return torch.device("cpu")
 
 
+@contextlib.contextmanager
+def comm_device_current(group: dist.ProcessGroup, device: Optional[torch.device]) -> Any:
+    """Make ``group``'s communication device for ``device`` (the unit's) the current CUDA device while
+    torch's object collectives run: they build their tensors on the current device, not the unit's."""
+    comm = comm_device(group, device)
+    with torch.cuda.device(comm) if comm.type == "cuda" else contextlib.nullcontext():
+        yield
+
+
 def _present(device: torch.device) -> bool:
     """Whether this process can make tensors on ``device``'s type: torch's fake process group serves
     every type it knows (``xpu`` too) on a machine that has none of them."""
@@ -434,10 +443,15 @@ def issue(
     reduce-scatters on the reduce stream, HYBRID_SHARD's cross-replica all-reduces on their own
     stream after the reduce-scatter (the compute stream waits for a reduce-scatter in the next
     unit's post-backward and for the all-reduce at the end of backward, as FSDP2 does). A collective
-    is called with ``async_op=False`` inside the side stream: ProcessGroupNCCL then orders that
-    stream after its own and keeps no tensor alive with ``record_stream`` (which it does for
-    ``async_op=True`` on torch 2.5-2.7), and the CPU does not block. An event recorded on the
-    side stream is what the compute stream waits on before it reads the result (`InFlight.wait`).
+    is called with ``async_op=False`` inside the side stream, and the CPU does not block. What
+    ProcessGroupNCCL does with it depends on the torch release: from 2.8 it launches the collective
+    on the current stream (our side stream) and calls ``record_stream`` on nothing; on 2.5-2.7 it
+    runs it on its internal stream ordered after ours and back, and skips ``record_stream`` for
+    ``all_gather_into_tensor``/``reduce_scatter_tensor`` only: an ``all_reduce`` (the presence flags,
+    NO_SHARD, HYBRID_SHARD across replicas) still records its tensor on that internal stream unless
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1``, which delays the reuse of its memory (not its
+    correctness: our own events order every read and free). An event recorded on the side stream is
+    what the compute stream waits on before it reads the result (`InFlight.wait`).
 
     Memory is never freed while another stream may still use it:
     - A reduction's inputs and output are made on the compute stream before the reduce stream waits

@@ -131,11 +131,13 @@ def start(
     flat: torch.Tensor,
     kept: Optional[torch.Tensor],
     stream: Optional["torch.cuda.Stream"],
+    then: Optional[Callable[[torch.Tensor], None]] = None,
 ) -> tuple[_collectives.InFlight, torch.Tensor, list[torch.Tensor]]:
     """Run ``hook`` on this backward's padded unsharded gradient ``flat`` where our collective would
     run. Returns the work, the tensor holding the result (the shard, or under NO_SHARD the whole), and
     the tensors to keep alive until the work is waited for: all are made here, on the compute stream
-    (see [Note: streams without record_stream] in `_collectives`)."""
+    (see [Note: streams without record_stream] in `_collectives`). ``then(result)``: CUDA only, run on
+    the stream after the hook (CPU offload starts the result's copy to the host there)."""
     dtype = flat.dtype if hook.low_precision is not None else handle.reduce_dtype
     grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
     sharded = handle.layout.world_size > 1
@@ -143,12 +145,14 @@ def start(
     if hook.low_precision is not None:  # torch's compress hooks, computed by `_compressed`
         low = grad.to(hook.low_precision)
         low_out = torch.empty(out.shape, dtype=hook.low_precision, device=grad.device) if sharded else low
-        work = _collectives.issue(stream, lambda _async_op: _compressed(hook.state, low, low_out, out))
+        after = (lambda: then(out)) if then is not None else None
+        work = _collectives.issue(stream, lambda _async_op: _compressed(hook.state, low, low_out, out), then=after)
         return work, out, [flat, grad, low, low_out]
+    after = (lambda: then(out)) if then is not None else None
     if sharded:
-        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad, out))
+        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad, out), then=after)
     else:  # NO_SHARD: the hook reduces in place
-        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad))
+        work = _collectives.issue(stream, lambda _async_op: hook.hook(hook.state, grad), then=after)
     return work, out, [flat, grad]
 
 

@@ -127,7 +127,8 @@ class _ExecOrderData:
             )
         # every rank is here: one more collective gathers what each would send, for the message
         described: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
+        with _collectives.comm_device_current(group, self.device):  # the unit's device, not the current one
+            dist.all_gather_object(described, _describe(self._name(index), unit or []), group=group)
         ranks = [global_ranks[r] for r in range(len(described)) if described[r] != described[0]]
         raise ExecutionOrderError(
             f"fully_shard: ranks built unit {self._name(index)} differently (position {step} of the forward "

@@ -212,12 +212,17 @@ class FlatParamHandle:
         # the event reshard recorded after the storage's last use, set while it is not yet freed
         self._storage_stream: Optional[torch.cuda.Stream] = None
         self._freed_event: Optional[torch.cuda.Event] = None
+        # CPU offload: a non-blocking copy of the pinned shard to the device may still read it; the
+        # host must not write the shard before the end of step synchronises ([Note: offloaded
+        # gradients reach the host] in `_offload_copies`)
+        self.upload_pending = False
         self.is_unsharded = False
         # reshard_after_forward=<int>: the group of k consecutive ranks the unit reshards to after
         # forward (set by `_post_forward_group`), and this rank's 1/k of the unsharded flat parameter
         # kept from post-forward to the next unshard (see [Note: resharding to a smaller group])
         self.post_forward_group: Optional[dist.ProcessGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
+        self._post_forward_event: Optional[torch.cuda.Event] = None  # CUDA: recorded right after it was made
         self._init_views()
         self.use_sharded_views()
 
@@ -360,19 +365,25 @@ class FlatParamHandle:
             self._wait_freed(None)
             if self._alloc_unsharded():
                 self._storage_stream = None
-            self._unsharded.copy_(shard)
+            offloaded = shard.device != self.device
+            self._unsharded.copy_(shard, non_blocking=offloaded)  # pinned: no host wait per unit
+            self.upload_pending |= offloaded
             self.is_unsharded = True
             return
         # input and output belong to the unshard stream: [Note: streams without record_stream]
         self._wait_freed(stream)
         kept, self._post_forward_shard = self._post_forward_shard, None
+        kept_event, self._post_forward_event = self._post_forward_event, None
         with _collectives.on_stream(stream):
             allocated = self._alloc_unsharded()
             if kept is None:
                 src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
+                self.upload_pending |= shard.device != self.device
                 src = src if src.dtype == self.compute_dtype else src.to(self.compute_dtype)
             else:  # gathered within the smaller group only; made on the compute stream in post-forward
                 src = kept
+                if stream is not None and kept_event is not None:
+                    stream.wait_event(kept_event)
         if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
             self._storage_stream = stream
         self._unshard_src = src
@@ -382,7 +393,7 @@ class FlatParamHandle:
         self._unshard_work = _collectives.issue(
             stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
-            wait_first=kept is not None,
+            wait_first=kept is not None and kept_event is None,
         )
 
     @_trace.method("wait_unshard")
@@ -408,7 +419,7 @@ class FlatParamHandle:
         if self._needs_buffer:
             self._free_unsharded()
         self.is_unsharded = False
-        self._post_forward_shard = None
+        self._post_forward_shard = self._post_forward_event = None
 
     def reshard_to_post_forward_group(self) -> None:
         """Reshard, keeping this rank's 1/k of the unsharded flat parameter for the next unshard,
@@ -418,8 +429,10 @@ class FlatParamHandle:
         size = full.numel() // dist.get_world_size(group)
         index = dist.get_rank(group)
         kept = full[index * size : (index + 1) * size].clone()
+        # the next unshard's stream waits for this copy only, not for all compute issued before it
+        event = _collectives.compute_stream(self.device).record_event() if self.device.type != "cpu" else None
         self.reshard()
-        self._post_forward_shard = kept
+        self._post_forward_shard, self._post_forward_event = kept, event
 
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None

@@ -175,7 +175,9 @@ def scatter_full_optim_state_dict(
             box = [TypeError(f"got {type(full_optim_state_dict).__name__} on rank 0, not the full dict")]
         else:
             box = [_by_name(full_optim_state_dict, model, optim)]
-    dist.broadcast_object_list(box, src=src, group=group, device=comm_device(group))
+    states = _get_fsdp_states(model)  # on the units' device, not the current CUDA device
+    device = comm_device(group, states[0].device if states else None)
+    dist.broadcast_object_list(box, src=src, group=group, device=device)
     if isinstance(box[0], Exception):  # raised on every rank, not only where the input was wrong
         raise TypeError(f"scatter_full_optim_state_dict: {box[0]}; pass full_optim_state_dict(model, optim) on rank 0")
     return optim_state_dict_to_load(model, optim, box[0])

@@ -31,9 +31,13 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
     also cost a header round trip.
   - Alone (world size 1 without replicas): no collective at all, and the gradient buffer itself
     becomes the sharded gradient; this rank's flags are the answer (``PendingReduce.own_flags``).
-- Reading the flags is a host read (a device synchronisation on CUDA); a rank whose own backward
-  gave every parameter of the unit a gradient knows the answer without reading (`present`), so a
-  step where everything gets a gradient stays free of host synchronisation.
+- The flags are written on the device by device-side fills (ones, then zeros over the runs of
+  parameters without a gradient: `write_flags`), never by copying host values to the device.
+- Reading the reduced flags is a host read (a device synchronisation on CUDA): whether a ``.grad``
+  is None is host state, and it must agree across ranks. A rank whose own backward gave every
+  parameter of the unit a gradient knows the answer without reading (`present`), so a step where
+  everything gets a gradient stays free of host synchronisation; otherwise the end of backward
+  reads every such unit's flags at once (`present_of_many`: one read per step, not one per unit).
 - A user's communication hook replaces the reduction and sees only the gradient: with one, every
   trainable parameter of a unit whose backward ran is treated as having a gradient (zeros).
 - Between steps `UnitGrads.missing` lists the parameters whose slice of ``flat_param.grad`` holds
@@ -52,6 +56,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from fsdp_composable import _collectives
 from fsdp_composable._flat_param import FlatParamHandle
 
 __all__: list[str] = []
@@ -96,9 +101,21 @@ def write_flags(got: Sequence[bool], into: torch.Tensor) -> None:
         into.copy_(torch.tensor(got, dtype=into.dtype))
         return
     into.fill_(1)  # every parameter got one (the common step): no host tensor to build and copy
+    for start, end in _absent_runs(got):
+        into[start:end].zero_()  # a fill on the device (``into[i] = 0`` copies a host scalar there)
+
+
+def _absent_runs(got: Sequence[bool]) -> list[tuple[int, int]]:
+    """The [start, end) runs of parameters without a gradient."""
+    runs: list[tuple[int, int]] = []
     for i, present in enumerate(got):
-        if not present:
-            into[i] = 0
+        if present:
+            continue
+        if runs and runs[-1][1] == i:
+            runs[-1] = (runs[-1][0], i + 1)
+        else:
+            runs.append((i, i + 1))
+    return runs
 
 
 def with_presence(parts: Sequence[torch.Tensor], chunks: int, flag: torch.Tensor) -> list[torch.Tensor]:
@@ -138,4 +155,16 @@ def present(got: Optional[list[bool]], reduced_flags: Optional[torch.Tensor]) ->
         return None
     if reduced_flags is None:
         return list(got)
-    return (reduced_flags > 0).tolist()  # type: ignore[no-any-return]
+    return present_of_many([reduced_flags])[0]
+
+
+def present_of_many(reduced_flags: Sequence[torch.Tensor]) -> list[list[bool]]:
+    """Which parameters have a gradient on some rank, for several units' reduced flags: those on a
+    device are read in one host read (one synchronisation, not one per unit)."""
+    on_device = [f for f in reduced_flags if f.device.type != "cpu"]
+    read: list[torch.Tensor] = []
+    if on_device:
+        values = _collectives.host_values(torch.cat([f > 0 for f in on_device]))
+        read = list(values.split([f.numel() for f in on_device]))
+    answers = iter(read)
+    return [((next(answers) if f.device.type != "cpu" else f) > 0).tolist() for f in reduced_flags]

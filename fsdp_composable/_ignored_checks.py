@@ -53,16 +53,21 @@ def check_no_param_tied_to_ignored(module: nn.Module, ignored: set[nn.Module], w
 
 
 def check_ranks_ignore_alike(
-    module: nn.Module, ignored: set[nn.Module], groups: tuple[Optional[dist.ProcessGroup], ...], where: str
+    module: nn.Module,
+    ignored: set[nn.Module],
+    groups: tuple[Optional[dist.ProcessGroup], ...],
+    where: str,
+    device: Optional[torch.device] = None,
 ) -> None:
-    """Raise on every rank of ``groups`` if their ranks ignore different modules (by FQN)."""
+    """Raise on every rank of ``groups`` if their ranks ignore different modules (by FQN); ``device``:
+    the compute device, whose communication device the check uses (not the current CUDA device)."""
     names = sorted(name for name, sub in module.named_modules() if sub in ignored)
     encoded = "\n".join(names).encode()
     digest = int.from_bytes(hashlib.sha256(encoded).digest()[:7], "big")
     for group in groups:
         if group is None or dist.get_world_size(group) <= 1:
             continue
-        both = _collectives.comm_tensor([digest, -digest], group)  # max and -min in one all-reduce
+        both = _collectives.comm_tensor([digest, -digest], group, device)  # max and -min in one all-reduce
         with _rank_agreement.entry_point("fully_shard()"):  # a new call: an earlier abandoned step is over
             _collectives.wait(_collectives.all_reduce(both, group, dist.ReduceOp.MAX), "the check of ignored_modules")
         high, minus_low = _collectives.host_values(both).tolist()
@@ -70,7 +75,7 @@ def check_ranks_ignore_alike(
             continue
         ranks = dist.get_process_group_ranks(group)
         with _rank_agreement.entry_point("fully_shard()"):
-            names_of = _gather_bytes(group, encoded)
+            names_of = _gather_bytes(group, encoded, both.device)
         shown = "; ".join(f"rank {r}: {n}" for r, n in zip(ranks, names_of))
         raise ValueError(
             f"{where}: the ranks ignore different modules ({shown}). Every rank must build the same "
@@ -78,10 +83,10 @@ def check_ranks_ignore_alike(
         )
 
 
-def _gather_bytes(group: dist.ProcessGroup, mine: bytes) -> list[list[str]]:
-    """Every rank's ``mine`` (newline-separated names), gathered as padded uint8 tensors."""
+def _gather_bytes(group: dist.ProcessGroup, mine: bytes, device: torch.device) -> list[list[str]]:
+    """Every rank's ``mine`` (newline-separated names), gathered as padded uint8 tensors on ``device``."""
     world = dist.get_world_size(group)
-    length = _collectives.comm_tensor([len(mine)], group)
+    length = _collectives.comm_tensor([len(mine)], group, device)
     lengths = torch.empty(world, dtype=torch.int64, device=length.device)
     _collectives.wait(_collectives.all_gather(lengths, length, group), "the check of ignored_modules")
     sizes = _collectives.host_values(lengths).tolist()

@@ -38,8 +38,8 @@ __all__: list[str] = []
 _HYBRID = (ShardingStrategy.HYBRID_SHARD, ShardingStrategy._HYBRID_SHARD_ZERO2)
 
 # [Note: API names in messages]
-# `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so
-# that a message names the argument the user wrote (the wrapper's differ for two of them).
+# `fully_shard` and the wrapper class share these functions; each passes its own name as ``api`` so that a
+# message names the argument the user wrote (the wrapper's differ for two of them).
 _ARG_NAMES: dict[str, dict[str, str]] = {
     "FullyShardedDataParallel": {"strategy": "sharding_strategy", "policy": "auto_wrap_policy"},
 }
@@ -51,9 +51,8 @@ def _arg(api: str, name: str) -> str:
 
 
 def _check_type(api: str, name: str, value: Any, types: Union[type, tuple[type, ...]], hint: str) -> None:
-    if isinstance(value, types):
-        return
-    raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
+    if not isinstance(value, types):
+        raise TypeError(f"{_arg(api, name)} must be {hint}, got {type(value).__name__}: {value!r}")
 
 
 def _validate_args(args: ShardConfig) -> Optional[Policy]:
@@ -168,13 +167,13 @@ def _init_ignored_module_states(
     module: nn.Module,
     ignored_modules: Optional[Iterable[nn.Module]],
     api: str = "fully_shard",
-    groups: tuple[Optional[dist.ProcessGroup], ...] = (),
+    groups: tuple[Optional[dist.ProcessGroup], ...] = (), device: Optional[torch.device] = None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules (with their submodules) and their parameters; ``groups``: where every rank
-    must ignore the same modules ([Note: ignored modules across ranks])."""
+    must ignore the same modules ([Note: ignored modules across ranks]), checked on ``device``'s."""
     where = _arg(api, "ignored_modules")
     if ignored_modules is None:
-        check_ranks_ignore_alike(module, set(), groups, where)
+        check_ranks_ignore_alike(module, set(), groups, where, device)
         return set(), set()
     if isinstance(ignored_modules, nn.Module) or not isinstance(ignored_modules, Iterable):
         raise TypeError(
@@ -192,7 +191,7 @@ def _init_ignored_module_states(
                 f"{where} contains a {type(m).__name__} that is not a submodule of the "
                 f"{type(module).__name__} passed to {api}; pass only its submodules"
             )
-    check_ranks_ignore_alike(module, ignored, groups, where)
+    check_ranks_ignore_alike(module, ignored, groups, where, device)
     expanded = {sub for m in ignored for sub in m.modules()}
     check_no_param_tied_to_ignored(module, expanded, where)
     params = {p for m in expanded for p in m.parameters(recurse=False)}
@@ -246,6 +245,8 @@ def _check_device_id(api: str, device_id: Any) -> torch.device:
         )
     if device_id.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"{where} is {device_id} but CUDA is not available; on CPU pass device_id=None")
+    if device_id.type == "cuda" and device_id.index is None:  # the current one, as FSDP1 reads it
+        return torch.device("cuda", torch.cuda.current_device())  # (moved parameters carry an index)
     return device_id
 
 

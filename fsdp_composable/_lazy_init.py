@@ -29,9 +29,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     states = _get_fsdp_states(root_module)
     _check_no_unit_in_no_sync(state, states, root_module)
     _check_comm_hook_on_root(state, states, root_module)
-    streams: tuple[Optional[torch.cuda.Stream], ...] = (None, None, None)
-    if state.device.type == "cuda":  # side streams of the root's device, see _collectives.issue
-        streams = tuple(torch.cuda.Stream(state.device) for _ in range(3))
+    streams = side_streams(state.device)
     ctx = RootContext(
         root=state,
         states=states,
@@ -50,6 +48,15 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
+
+
+def side_streams(device: torch.device) -> tuple[Optional[torch.cuda.Stream], ...]:
+    """The unshard, reduce and all-reduce streams (see `_collectives.issue`): on CUDA, of ``device``
+    (the root's, whichever device is current) and of high priority, as FSDP2's, so that a collective
+    ready to run is scheduled ahead of queued compute kernels; none elsewhere."""
+    if device.type != "cuda":
+        return (None, None, None)
+    return tuple(torch.cuda.Stream(device, priority=-1) for _ in range(3))
 
 
 def _check_no_unit_in_no_sync(state: _FSDPState, states: list[_FSDPState], root_module: nn.Module) -> None:

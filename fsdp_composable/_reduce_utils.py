@@ -15,15 +15,14 @@ Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
   accumulation), and post-backward hands the gradients themselves, plus a zero tail for the padding,
   to `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during
   its backward instead of being allocated whole at its start.
-Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend
-(nothing could be reduced before the end of backward, so there is no point holding a buffer through
-it); on NCCL their gradients are concatenated into one flat tensor there (one write per element,
-no zero fill). World size 1 keeps FLAT, the buffer becoming the gradient uncopied: against AUTOGRAD
-plus one concatenation (benchmark GPT, one CPU thread) zero fill and accumulation took about 25 ms
-a step, the concatenation about 29 ms, and FLAT's step medians were ahead by about 1%. On CUDA
-every tensor a reduction reads is made on the compute stream before it is issued and kept until the
-compute stream waited for it ([Note: streams without record_stream]), which is why only CPU
-tensors on gloo are sent in parts.
+Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend (nothing could be
+reduced before the end of backward, so there is no point holding a buffer through it); on NCCL their gradients are
+concatenated into one flat tensor there (one write per element, no zero fill). World size 1 keeps FLAT, the buffer
+becoming the gradient uncopied: against AUTOGRAD plus one concatenation (benchmark GPT, one CPU thread) zero fill
+and accumulation took about 25 ms a step, the concatenation about 29 ms, and FLAT's step medians were ahead by
+about 1%. On CUDA every tensor a reduction reads is made on the compute stream before it is issued and kept until
+the compute stream waited for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are
+sent in parts.
 
 [Note: the gradient lifecycle]
 ``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
@@ -58,6 +57,7 @@ from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
 from fsdp_composable._common_utils import NoGrad
 from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._offload_copies import offload_copy, sync_offload_copies
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad
 
@@ -320,8 +320,10 @@ def start_reduce(
     grads.buffer = None
     if hook is not None:
         assert flat is not None
-        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream)
-        return PendingReduce(handle, hooked, result, keep, numel=result.numel())
+        host: list[Optional[torch.Tensor]] = []  # CPU offload on CUDA: copied on the stream, not blocking
+        copy = (lambda out: host.append(offload_copy(handle, out))) if stream is not None else None
+        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream, copy)
+        return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
         if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
@@ -421,48 +423,21 @@ def _run_hook(pending: "PendingReduce") -> None:
         hook(pending.out[: pending.numel] if pending.numel else pending.out)
 
 
-def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
-    """Start copying a reduced shard gradient to pinned host memory (CPU offload on CUDA), in the
-    dtype the sharded gradient keeps; None when the gradient stays where it is.
-
-    [Note: offloaded gradients reach the host]
-    With ``CPUOffload(offload_params=True)`` on CUDA, each reduced shard gradient is cast on the
-    device and copied to pinned host memory with ``non_blocking=True`` on the stream that produced
-    it, as soon as its reduction is issued, so the copies run during backward. Nothing on the host
-    reads them until the end of the backward, where `sync_offload_copies` synchronises the CPU with
-    the device once, before any gradient is committed to ``.grad`` and before the optimizer can
-    step. A blocking copy is needed only where the host reads a gradient with no synchronisation in
-    between: FSDP1's NO_SHARD, whose optimizer read an all-reduced gradient copied without one (the
-    race the seeds describe, fixed there with a blocking copy). Here no gradient reaches ``.grad``
-    except through `commit`, after that synchronisation, so NO_SHARD's gradients take the same
-    non-blocking path; the blocking copy stays where the host does read without it: NO_SHARD's
-    unshard copies the offloaded parameters into the device buffer with a blocking ``copy_``, so the
-    host may write them (an optimizer step after a forward with no backward, hence no end-of-step
-    synchronisation) as soon as the forward returns. On a CPU compute device nothing is copied."""
-    if handle.shard_device == handle.device or handle.device.type != "cuda":
-        return None
-    mp = handle.config.mixed_precision
-    dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else handle.dtype
-    on_device = reduced if reduced.dtype == dtype else reduced.to(dtype)
-    host = torch.empty(reduced.shape, dtype=dtype, device=handle.shard_device, pin_memory=True)
-    host.copy_(on_device, non_blocking=True)
-    return host
-
-
-def finish_all(reductions: "list[PendingReduce]") -> None:
-    """End of backward: the compute stream waits for every reduction's last collective, then the
-    host for the offloaded gradients' copies, once."""
+def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle]") -> None:
+    """End of a step: the compute stream waits for every reduction's last collective, the host for
+    the offload copies, once; the flags of units where this rank lacked a gradient are read at once."""
     for reduction in reductions:
         reduction.finish()
-    sync_offload_copies(reductions)
+    sync_offload_copies(reductions, handles)
+    unknown = [r for r in reductions if _reads_flags(r)]
+    flags = [(r.host if r.host is not None else r.out)[r.numel :] for r in unknown]
+    for reduction, present in zip(unknown, _grad_presence.present_of_many(flags)):
+        reduction.present = present
 
 
-def sync_offload_copies(reductions: "list[PendingReduce]") -> None:
-    """The one host synchronisation of a step with CPU offload on CUDA: every offloaded gradient's
-    copy is on the host after it (see [Note: offloaded gradients reach the host])."""
-    devices = {r.handle.device for r in reductions if r.host is not None}
-    for device in devices:
-        _collectives.compute_stream(device).synchronize()
+def _reads_flags(r: "PendingReduce") -> bool:
+    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read)."""
+    return not (r.partial_only or r.own_flags or r.got is None or all(r.got))
 
 
 def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
@@ -495,6 +470,7 @@ class PendingReduce:
     numel: int = 0  # of ``out``: the gradient; after it, the reduced flags of which parameters got one
     got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
     own_flags: bool = False  # no other rank: ``got`` is the answer, no reduced flags follow ``numel``
+    present: Optional[list[bool]] = None  # read by `finish_all` (None: all present, or not read there)
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:
@@ -504,8 +480,9 @@ class PendingReduce:
         kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
         self.done = True
         self.work.wait(f"the gradient {kind} of unit '{unit}'")
-        if self.replica is None:
-            self.send = []
+        # the reduction's input goes now: HYBRID_SHARD's all-reduce across replicas reads the output only
+        # (keeping it to the end of backward held a whole unsharded gradient per unit, as FSDP2 does not)
+        self.send = []
         if self.post_divide != 1:
             self.out.div_(self.post_divide)
         self.add_partial()
@@ -550,9 +527,8 @@ class PendingReduce:
         if self.partial_added:
             grads.partial = None
         reduced = self.host if self.host is not None else self.out
-        got = self.got  # every parameter got a gradient here: the reduced flags are not read (nor sliced)
-        flags = None if self.own_flags or got is None or all(got) else reduced[self.numel :]
-        present = _grad_presence.present(got, flags)
+        flags = reduced[self.numel :] if _reads_flags(self) and self.present is None else None  # not read yet
+        present = self.present if self.present is not None else _grad_presence.present(self.got, flags)
         accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 

@@ -226,7 +226,7 @@ class RootContext:
                 handle.set_training_state(HandleTrainingState.IDLE)
         self.limiter.release_freed(self.handles)
         finished, self.finished_reductions = self.finished_reductions, []
-        grads.finish_all(finished)
+        grads.finish_all(finished, self.handles)
         for reduction in finished:
             reduction.commit()
         for handle in self.handles:

@@ -139,17 +139,18 @@ def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
 _MESHES_2D_ATTR = "_fsdp_meshes_2d"
 
 
-def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
+def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec, device: Optional[torch.device] = None) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
-    data-parallel group as its other dimension, else one built from the two groups (once per pair)."""
+    data-parallel group as its other dimension, else one built from the two groups (once per pair,
+    communicating on ``device``'s communication device: a local tensor's, not the current one)."""
     cache: dict[str, DeviceMesh] = spec.mesh.__dict__.setdefault(_MESHES_2D_ATTR, {})
     mesh = cache.get(dp_group.group_name)
     if mesh is None:
-        mesh = cache[dp_group.group_name] = _find_mesh_2d(dp_group, spec)
+        mesh = cache[dp_group.group_name] = _find_mesh_2d(dp_group, spec, device)
     return mesh
 
 
-def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
+def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec, device: Optional[torch.device]) -> DeviceMesh:
     tp_mesh = spec.mesh
     root = tp_mesh._get_root_mesh()
     dp_ranks = sorted(dist.get_process_group_ranks(dp_group))
@@ -160,15 +161,16 @@ def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec) -> DeviceMesh:
             other = sorted(root[names[0]].mesh.flatten().tolist())
             if other == dp_ranks:
                 return root
-    return _mesh_from_groups(dp_group, tp_mesh)
+    return _mesh_from_groups(dp_group, tp_mesh, device)
 
 
-def _mesh_from_groups(dp_group: dist.ProcessGroup, tp_mesh: DeviceMesh) -> DeviceMesh:
+def _mesh_from_groups(dp_group: dist.ProcessGroup, tp_mesh: DeviceMesh, device: Optional[torch.device]) -> DeviceMesh:
     """A 2-D mesh whose rows are tensor-parallel groups and columns data-parallel groups."""
     world = dist.get_world_size()
     group = dist.group.WORLD
     assert group is not None
-    coords = _collectives.comm_tensor([dist.get_rank(dp_group), tp_mesh.get_local_rank(), dist.get_rank()], group)
+    values = [dist.get_rank(dp_group), tp_mesh.get_local_rank(), dist.get_rank()]
+    coords = _collectives.comm_tensor(values, group, device)
     gathered = [torch.zeros_like(coords) for _ in range(world)]
     dist.all_gather(gathered, coords)
     every = _collectives.host_values(torch.stack(gathered))
@@ -235,7 +237,7 @@ def as_sharded_value(local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPS
     """The 2-D SHARDED ``DTensor`` whose local tensor is ``local`` (see [Note: 2-D state-dict values])."""
     return DTensor.from_local(
         local,
-        mesh_2d(dp_group, spec),
+        mesh_2d(dp_group, spec, local.device),
         sharded_placements(spec, dp_replicated),
         run_check=False,
         shape=spec.shape,
@@ -248,7 +250,7 @@ def is_sharded_value(value: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPS
     return (
         isinstance(value, DTensor)
         and value.shape == spec.shape
-        and value.device_mesh == mesh_2d(dp_group, spec)
+        and value.device_mesh == mesh_2d(dp_group, spec, value.device)
         and tuple(value.placements) == sharded_placements(spec, dp_replicated)
     )
 

@@ -95,7 +95,7 @@ def fully_shard(
         cpu_offload=ours.cpu_offload,
         ignored_modules=ours.ignored_modules,
         ignored_params=ours.ignored_params,
-        device_id=device_id,
+        device_id=device_id if device_id is not None else mesh_device(mesh, module),
         param_init_fn=param_init_fn,
         sync_module_states=sync_module_states,
         forward_prefetch=forward_prefetch,
@@ -122,8 +122,10 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     unit_policy = init._validate_args(args)
     group, replicate_group, _, world_size = init._init_process_group_state(args.process_group, args.strategy, api)
     args = resolve_post_forward_ranks(module, args, world_size)  # reshard_after_forward=<int>
+    # the check that every rank ignores the same modules communicates on the unit's device (as known so far)
+    hint = init._check_device_id(api, args.device_id) if args.device_id is not None else _first_device(module)
     ignored_mods, ignored_params = init._init_ignored_module_states(
-        module, args.ignored_modules, api, (group, replicate_group)
+        module, args.ignored_modules, api, (group, replicate_group), hint
     )
     single = _registrations_of(module, args.ignored_params, ignored_mods)  # parameters ignored by themselves
     ignored_params |= {p for m, name in single if (p := m._parameters[name]) is not None}
@@ -148,3 +150,17 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
     install_to_empty(state)  # see [Note: to_empty after sharding]
     return state
+
+
+def _first_device(module: nn.Module) -> Optional[torch.device]:
+    """The device of the module's first materialised parameter (None: none)."""
+    return next((p.device for p in module.parameters() if not p.is_meta), None)
+
+
+def mesh_device(mesh: Any, module: nn.Module) -> Optional[torch.device]:
+    """FSDP2's placement for ``mesh=`` without ``device_id``: a model with parameters on the CPU
+    computes on the mesh's device (CUDA: the current device), one unit moved at a time, its shards
+    offloaded if ``offload_policy`` says so; None where nothing is to be moved."""
+    if mesh is None or mesh.device_type == "cpu" or not any(p.device.type == "cpu" for p in module.parameters()):
+        return None
+    return torch.device(mesh.device_type)  # no index: the current device (`_init_utils._check_device_id`)

@@ -74,10 +74,16 @@ def setup() -> None:
     _init_utils._check_unit_params = lambda sub: None  # type: ignore[assignment]
 
 
-def model(**kwargs: Any) -> torch.nn.Module:
+def model(unused: bool = False, **kwargs: Any) -> torch.nn.Module:
+    """TinyGPT on ``meta``, sharded by block; ``unused``: each unit holds a Linear the forward never
+    uses (no gradient on any rank)."""
     with torch.device(META):
         torch.manual_seed(0)
         m = TinyGPT()
+        if unused:
+            m.unused = torch.nn.Linear(2, 2)
+            for block in m.blocks:
+                block.unused = torch.nn.Linear(2, 2)
     kwargs.setdefault("device_id", META)
     return fc.fully_shard(m, fc.ModuleWrapPolicy({Block}), **kwargs)
 
@@ -196,6 +202,9 @@ def streams_hybrid() -> None:
         steps(m, n=2)
     check_streams(rec, 2)
     assert "all_reduce" in rec.compute.clock, "the all-reduce across replicas did not run on its own stream"
+    # each reduce-scatter's input (a unit's unsharded gradient) goes once the reduce-scatter is done
+    held = rec.held_at_commit
+    assert held == [0, 0], f"reduce-scatter input bytes alive at the end of backward: {held}"
 
 
 def streams_no_sync() -> None:
@@ -271,6 +280,58 @@ def streams_all_reduce_hook_and_post_optim_event() -> None:
     check_streams(rec, 1)  # the second root forward waited for the event instead
     units = len(fc.fully_shard.state(m).handles)
     assert ran_on == ["all_reduce"] * (2 * units), ran_on
+
+
+def streams_strategies_and_hooks() -> None:
+    """The stream rules hold for SHARD_GRAD_OP, NO_SHARD, an int ``reshard_after_forward`` (gathering
+    within a smaller group after forward) and a user's communication hook, as for FULL_SHARD."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    runs: list[tuple[str, dict[str, Any]]] = [
+        ("SHARD_GRAD_OP", {"strategy": fc.ShardingStrategy.SHARD_GRAD_OP}),
+        ("NO_SHARD", {"strategy": fc.ShardingStrategy.NO_SHARD}),
+        ("reshard_after_forward=2", {"reshard_after_forward": 2}),
+        ("comm hook", {}),
+    ]
+    for name, kwargs in runs:
+        m = model(**kwargs)
+        if name == "comm hook":
+            fc.register_comm_hook(m, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)
+        with recording() as rec:
+            steps(m, n=2)
+        try:
+            check_streams(rec, 2)
+        except AssertionError as e:
+            raise AssertionError(f"{name}: {e}") from None
+
+
+def hook_offload_copy_on_the_stream() -> None:
+    """CPU offload with a communication hook: each unit's hooked gradient starts its copy to the host
+    on the stream that ran the hook, during backward, as without a hook (not a blocking copy per unit
+    when the gradient is committed). (`offload_copy`, whose pinned copy needs a real host shard, hands
+    back a stand-in.)"""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    from fsdp_composable import _reduce_utils
+
+    m = model()
+    fc.register_comm_hook(m, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)
+    copies: list[tuple[str, bool]] = []
+    real = _reduce_utils.offload_copy
+    with recording() as rec:
+        steps(m, n=1)
+
+        def stand_in(handle: Any, reduced: torch.Tensor) -> torch.Tensor:
+            copies.append((rec.current.name, torch._C._current_graph_task_id() != -1))
+            return torch.empty_like(reduced, dtype=handle.dtype)
+
+        _reduce_utils.offload_copy = stand_in  # type: ignore[assignment]
+        try:
+            gpt_loss(m, batch()).backward()
+        finally:
+            _reduce_utils.offload_copy = real  # type: ignore[assignment]
+    units = len(fc.fully_shard.state(m).handles)
+    assert copies == [("reduce", True)] * units, copies
 
 
 def no_host_sync_in_steady_state() -> None:
@@ -382,6 +443,24 @@ def offload_copies_one_sync() -> None:
     assert syncs == [1, 1], f"host synchronisations per step: {syncs}"
 
 
+def no_host_sync_for_parameters_without_gradient() -> None:
+    """A parameter that gets no gradient on this rank (an unused branch, an MoE expert): its presence
+    flag is written on the device (no host value copied there), and the flags of every unit are read
+    in one host read per step, not one per unit."""
+    for strategy in (fc.ShardingStrategy.FULL_SHARD, fc.ShardingStrategy.NO_SHARD):
+        m = model(strategy=strategy, unused=True)
+        steps(m, n=1)
+        with recording() as rec:
+            syncs = []
+            for _ in range(2):
+                before = rec.host_syncs
+                steps(m, n=1)
+                syncs.append(rec.host_syncs - before)
+        assert not rec.host_writes, f"{strategy.name}: host values written to the device: {rec.host_writes}"
+        assert syncs == [1, 1], f"{strategy.name}: host synchronisations per step: {syncs}"
+        assert all(p.grad is None for p in m.blocks[0].unused.parameters())
+
+
 CHECKS: list[Callable[[], Any]] = [
     training_full_shard,
     training_strategies,
@@ -403,11 +482,14 @@ CHECKS: list[Callable[[], Any]] = [
     streams_memory_between_steps,
     streams_unit_called_alone,
     streams_all_reduce_hook_and_post_optim_event,
+    streams_strategies_and_hooks,
+    hook_offload_copy_on_the_stream,
     no_host_sync_in_steady_state,
     no_self_copies,
     no_unit_sized_copy_for_the_flags,
     cpu_inputs_moved,
     offload_copies_one_sync,
+    no_host_sync_for_parameters_without_gradient,
     model_on_a_device_the_group_does_not_serve,
 ]
 

@@ -4,6 +4,8 @@ recorder]); used by device_audit_world.py."""
 from __future__ import annotations
 
 import contextlib
+import gc
+import weakref
 from typing import Any, Callable, Iterator, Optional
 
 import torch
@@ -24,9 +26,15 @@ META = torch.device("meta")
 # buffer only after the all-gather that wrote it, and a reduced gradient only after its
 # collectives; a side stream reads gradients only after the compute stream produced them; the
 # all-reduce across replicas runs after the reduce-scatter, on its own stream; storage is freed only
-# when its allocating stream has seen every other stream's use of it; the unshard stream waits for
-# the compute stream once per root forward, not before each all-gather; every stream is asked for by
-# device; no host synchronisation in a steady-state step.
+# when its allocating stream has seen every other stream's use of it (every storage a recorded
+# operation makes: its allocating stream is the stream current then, and its death is seen by a
+# finaliser, so a tensor dropped too early is a violation); the unshard stream waits for the compute
+# stream once per root forward, not before each all-gather; a collective reads a tensor only after
+# the stream that made it was waited for; every stream is asked for by the unit's device; no host
+# synchronisation in a steady-state step (a host read, a stream or event synchronisation, a blocking
+# copy between host and device: `host_syncs`; a host scalar written into a device tensor:
+# `host_writes`). The memory account: the reduce-scatter inputs still alive when the end of backward
+# commits the gradients (`Recorder.held_at_commit`).
 class Recorder:
     def __init__(self) -> None:
         self.violations: list[str] = []
@@ -38,9 +46,14 @@ class Recorder:
         self.current = self.compute
         self.written: dict[int, tuple[str, int]] = {}  # storage -> (stream, time) of the last collective write
         self.owner: dict[int, FakeStream] = {}  # storage -> the stream that allocated it
+        self.made: dict[int, tuple[str, int]] = {}  # storage -> (stream, time) of the operation that made it
         self.uses: dict[int, dict[str, int]] = {}  # storage -> stream -> last use time
-        # every tensor recorded, kept alive so that no other storage takes its address (the key)
-        self.alive: list[torch.Tensor] = []
+        self.tracked: set[int] = set()  # storages with a finaliser (forgotten when they die)
+        self.reduce_inputs: dict[int, int] = {}  # storage -> bytes, of reduce-scatter inputs alive
+        self.held_at_commit: list[int] = []  # reduce-scatter input bytes alive at each end of backward
+        # copies between the host and the device: (to "device" or "host", stream, non_blocking, in backward)
+        self.copies: list[tuple[str, str, bool, bool]] = []
+        self.host_writes: list[str] = []  # host scalars written into device tensors (a blocking copy each)
         self.collectives: list[tuple[str, str, int]] = []  # (collective, stream, output numel), as issued
 
     def fail(self, text: str) -> None:
@@ -48,10 +61,32 @@ class Recorder:
             self.violations.append(text)
 
     def use(self, stream: "FakeStream", t: torch.Tensor) -> int:
-        self.alive.append(t)
+        self.track(t)
         time = stream.tick()
         self.uses.setdefault(storage_key(t), {})[stream.name] = time
         return time
+
+    def track(self, t: torch.Tensor, owner: "Optional[FakeStream]" = None) -> None:
+        """Watch ``t``'s storage: who allocated it (``owner``, if first seen now) and when it dies."""
+        k = storage_key(t)
+        if k in self.tracked:
+            return
+        self.tracked.add(k)
+        if owner is not None:
+            self.owner.setdefault(k, owner)
+            self.made.setdefault(k, (owner.name, owner.clock[owner.name]))
+        weakref.finalize(t.untyped_storage(), self.died, k)
+
+    def died(self, k: int) -> None:
+        """A storage was freed: every other stream's use of it must have been seen by its owner."""
+        owner = self.owner.pop(k, self.compute)
+        for other, time in self.uses.pop(k, {}).items():
+            if other != owner.name and owner.seen(other) < time:
+                self.fail(f"a tensor was freed while the {other} stream may still use it")
+        self.written.pop(k, None)
+        self.made.pop(k, None)
+        self.reduce_inputs.pop(k, None)
+        self.tracked.discard(k)
 
 
 def storage_key(t: torch.Tensor) -> int:
@@ -121,7 +156,37 @@ class Ticking(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         self.rec.current.tick()
-        return func(*args, **(kwargs or {}))
+        kwargs = kwargs or {}
+        if func is torch.ops.aten.scalar_tensor.default:  # `t[i] = x`: a host scalar copied to the device
+            self.rec.host_writes.append(str(func))
+        crossing = host_device_copy(func, args, kwargs)
+        if crossing is not None:
+            direction, non_blocking = crossing
+            in_backward = torch._C._current_graph_task_id() != -1
+            self.rec.copies.append((direction, self.rec.current.name, non_blocking, in_backward))
+            if not non_blocking:
+                self.rec.host_syncs += 1  # a blocking copy waits for the device
+        out = func(*args, **kwargs)
+        inputs = {storage_key(a) for a in [*args, *kwargs.values()] if isinstance(a, torch.Tensor)}
+        for t in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(t, torch.Tensor) and t.untyped_storage().nbytes() > 0 and storage_key(t) not in inputs:
+                self.rec.track(t, self.rec.current)  # a new storage (not a view) belongs to the current stream
+        return out
+
+
+def host_device_copy(func: Any, args: Any, kwargs: dict[str, Any]) -> Optional[tuple[str, bool]]:
+    """("device" or "host", non_blocking) for a copy between the host and another device, else None."""
+    if func is torch.ops.aten.copy_.default:
+        src, to = args[1], args[0].device.type
+        non_blocking = bool(args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+    elif func is torch.ops.aten._to_copy.default and kwargs.get("device") is not None:
+        src, to = args[0], torch.device(kwargs["device"]).type
+        non_blocking = bool(kwargs.get("non_blocking", False))
+    else:
+        return None
+    if not isinstance(src, torch.Tensor) or (src.device.type == "cpu") == (to == "cpu"):
+        return None
+    return ("host" if to == "cpu" else "device"), non_blocking
 
 
 @contextlib.contextmanager
@@ -137,6 +202,8 @@ def recording() -> Iterator[Recorder]:
     def current_stream(device: Any = None) -> FakeStream:
         if device is None:
             rec.fail("torch.cuda.current_stream() asked without the unit's device")
+        elif torch.device(device) != META:  # this world's units compute on meta
+            rec.fail(f"torch.cuda.current_stream() asked for {device}, not the unit's device")
         return rec.current
 
     @contextlib.contextmanager
@@ -181,6 +248,9 @@ def recording() -> Iterator[Recorder]:
                 for other, time in rec.uses.get(k, {}).items():
                     if other != s.name and s.seen(other) < time and s is not rec.compute:
                         rec.fail(f"{name} on {s.name} used a tensor before {other} finished with it")
+                maker, made = rec.made.get(k, (s.name, 0))
+                if maker != s.name and s.seen(maker) < made:
+                    rec.fail(f"{name} on {s.name} used a tensor before the {maker} stream made it")
             if name == "all_gather" and s.name == "unshard":
                 latest = rec.compute.clock["compute"]
                 if not rec.root_forward_wait and latest > 0 and s.seen("compute") >= latest:
@@ -188,10 +258,13 @@ def recording() -> Iterator[Recorder]:
                 rec.root_forward_wait = False
             time = s.tick()
             rec.collectives.append((name, s.name, out.numel()))
-            rec.alive += [out, *inputs]
+            for t in [out, *inputs]:
+                rec.track(t)
             rec.written[storage_key(out)] = (s.name, time)
             for t in inputs:
                 rec.uses.setdefault(storage_key(t), {})[s.name] = time
+                if name == "reduce_scatter":
+                    rec.reduce_inputs[storage_key(t)] = t.untyped_storage().nbytes()
             return original(*args, **kwargs)
 
         patch(_collectives, name, run)
@@ -264,6 +337,14 @@ def recording() -> Iterator[Recorder]:
         return host_values(t)  # type: ignore[no-any-return]
 
     patch(_collectives, "host_values", counted_host_values)
+    finish_all = _reduce_utils.finish_all
+
+    def counted_finish_all(*args: Any) -> None:
+        gc.collect()  # only what the library still references counts
+        rec.held_at_commit.append(sum(rec.reduce_inputs.values()))
+        finish_all(*args)
+
+    patch(_reduce_utils, "finish_all", counted_finish_all)
     try:
         with Ticking(rec):
             yield rec

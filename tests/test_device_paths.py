@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from device_index_fake import two_fake_cuda_devices
 from expecttest import TestCase
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
@@ -55,6 +56,8 @@ _STREAM_CHECKS = [
     "streams_memory_between_steps",
     "streams_unit_called_alone",
     "streams_all_reduce_hook_and_post_optim_event",
+    "streams_strategies_and_hooks",
+    "hook_offload_copy_on_the_stream",
 ]
 
 
@@ -95,7 +98,8 @@ def test_stream_order(audit: dict[str, str], check: str) -> None:
     """Real steps with recording CUDA streams and events ([Note: the stream recorder] in
     stream_recorder.py): no tensor read on one stream before the event of the stream that wrote
     it, no storage freed while another stream may use it, streams asked for by device, the unshard
-    stream waiting for compute once per root forward, HYBRID_SHARD's all-reduce on its own stream."""
+    stream waiting for compute once per root forward, HYBRID_SHARD's all-reduce on its own stream and
+    its reduce-scatter inputs freed once each reduce-scatter is done (not at the end of backward)."""
     assert audit[check] == "ok", audit[check]
 
 
@@ -103,6 +107,15 @@ def test_no_host_sync_in_a_steady_state_step(audit: dict[str, str]) -> None:
     """After the first iteration, a step without CPU offload reads nothing back on the host and
     synchronises no stream or event (a read of a meta tensor would raise as well)."""
     assert audit["no_host_sync_in_steady_state"] == "ok", audit["no_host_sync_in_steady_state"]
+
+
+def test_no_host_sync_for_parameters_without_gradient(audit: dict[str, str]) -> None:
+    """A parameter without a gradient on this rank (an unused branch, an MoE expert): its presence
+    flag is written by device-side fills (no host scalar copied to the device), and the flags of every
+    unit are read in one host read per step (whether a ``.grad`` is None is host state), not one per
+    unit; a blocking copy between host and device counts as a synchronisation too."""
+    check = "no_host_sync_for_parameters_without_gradient"
+    assert audit[check] == "ok", audit[check]
 
 
 def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
@@ -157,47 +170,53 @@ def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
 
 
 def _placement_order() -> list[str]:
-    """With ``device_id``, what happens to the model's parameters while fully_shard builds its units:
-    "move <unit>" when a unit's parameters are moved (with how many parameters outside it belong to
-    units flattened already: the units below it); "apply <module>" whenever
-    a module moves its parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through
-    ``nn.Module._apply``)."""
+    """With ``device_id=1`` on a CPU model (two fake CUDA devices, the current one 0: [Note: the
+    device-index fake] in device_index_fake.py, making CUDA tensors on the CPU so that they can become
+    the parameters' data), what happens to the parameters while fully_shard builds its units: "move
+    <unit> to cuda:<k>" when a unit's parameters are copied to a CUDA device (with how many parameters
+    were flattened by then: the units below it); "apply <module>" whenever a module moves its
+    parameters as a whole (``.to()``, ``.cuda()``, ``to_empty`` all go through ``nn.Module._apply``)."""
     torch.manual_seed(0)
     model = TinyGPT()
     params = list(model.parameters())
+    fqns = {p.untyped_storage()._cdata: n for n, p in model.named_parameters()}
+    originals = [p.detach() for p in params]  # their storages stay, so no other tensor takes their address
     names = {m: n or "<root>" for n, m in model.named_modules()}
     events: list[str] = []
-    real_move, real_apply = _init_utils._move_unit_params, torch.nn.Module._apply
-
-    def move(sub: Any, device: torch.device) -> None:
-        unit = {id(p) for p in sub.params}
-        built = sum(1 for p in params if id(p) not in unit and getattr(p, FSDP_FLATTENED, False))
-        events.append(f"move {sub.fqn or '<root>'} ({built} parameters built before)")
-        real_move(sub, device)
+    real_apply = torch.nn.Module._apply
 
     def apply(module: torch.nn.Module, fn: Any, *args: Any, **kwargs: Any) -> Any:
         if module in names and fn.__name__ != "compute_should_use_set_data":
             events.append(f"apply {names[module]}")
         return real_apply(module, fn, *args, **kwargs)
 
-    _init_utils._move_unit_params = move  # type: ignore[assignment]
-    torch.nn.Module._apply = apply  # type: ignore[method-assign]
-    try:
-        fully_shard(model, ModuleWrapPolicy({Block}), device_id=torch.device("cpu"))
-    finally:
-        _init_utils._move_unit_params = real_move  # type: ignore[assignment]
-        torch.nn.Module._apply = real_apply  # type: ignore[method-assign]
+    def unit(fqn: str) -> str:
+        return next((b for b in ("blocks.0", "blocks.1") if fqn.startswith(b + ".")), "<root>")
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_init_utils, "_check_comm_device", lambda state, api: None)  # the pool's gloo serves the CPU
+        mp.setattr(torch.nn.Module, "_apply", apply)
+        with two_fake_cuda_devices(mp, target=torch.device("cpu")) as seen:
+            seen.context = lambda: sum(1 for p in params if getattr(p, FSDP_FLATTENED, False))
+            fully_shard(model, ModuleWrapPolicy({Block}), device_id=1)
+    del originals
+    for storage, index, built in seen.moves:
+        if storage in fqns:  # an original parameter (not a flat shard or buffer made from them)
+            event = f"move {unit(fqns[storage])} to cuda:{index} ({built} parameters built before)"
+            if not events or events[-1] != event:
+                events.append(event)
     return events
 
 
 def test_device_id_moves_one_unit_at_a_time(dist_run) -> None:
-    """``device_id``: each unit's parameters are moved right before the unit is flattened and sharded,
-    bottom-up (peak device memory about one unit unsharded); the model is never moved as a whole."""
+    """``device_id=1`` (not the current device): each unit's parameters are moved to cuda:1 right
+    before the unit is flattened and sharded, bottom-up (peak device memory about one unit unsharded);
+    the model is never moved as a whole."""
     for events in dist_run(2, _placement_order):
         assert events == [
-            "move blocks.1 (0 parameters built before)",
-            "move blocks.0 (10 parameters built before)",
-            "move <root> (20 parameters built before)",
+            "move blocks.1 to cuda:1 (0 parameters built before)",
+            "move blocks.0 to cuda:1 (10 parameters built before)",
+            "move <root> to cuda:1 (20 parameters built before)",
         ], events
 
 
@@ -273,7 +292,13 @@ def _collective_tensor_findings() -> list[str]:
                     if c.func.attr == "full_tensor"  # type: ignore[attr-defined]
                     and not (isinstance(c.func.value, ast.Name) and c.func.value.id == "_tensor_parallel")  # type: ignore[attr-defined]
                 ]
-            collectives = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            collectives: list[ast.Call] = [c for c in calls if c.func.attr in _COLLECTIVES]  # type: ignore[attr-defined]
+            # a collective imported by name (``from torch.distributed import all_reduce``) counts too
+            collectives += [
+                n
+                for n in ast.walk(fn)
+                if isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id in _COLLECTIVES
+            ]
             if not collectives:
                 continue
             # the names of tensors handed to a collective (directly or in a list)
