@@ -15,7 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
-from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
+from fsdp_composable._common_utils import API_NAME, FSDP_FLATTENED, _FSDPState, _get_fsdp_state
+from fsdp_composable._composable_state import _modules_with
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_composable._group_units import unit_subtrees
@@ -288,11 +289,27 @@ def _in_ignored(module: nn.Module, buffer_fqn: str, state: _FSDPState) -> bool:
 def _check_not_applied_below_parent(module: nn.Module, ignored: set[nn.Parameter]) -> None:
     for name, param in module.named_parameters():
         if getattr(param, FSDP_FLATTENED, False) and param not in ignored and _owning_state_is_ancestor(module, name):
+            owner = _owner_of(param)
+            if owner is not None and not any(m is module for m in owner[0].modules()):
+                raise RuntimeError(
+                    f"parameter '{name}' of this {type(module).__name__} is shared (tied) with "
+                    f"{type(owner[0]).__name__}'s parameter '{owner[1]}', which an earlier fully_shard call "
+                    "already sharded: a parameter belongs to one unit. Shard the modules that share it in "
+                    "one call (fully_shard([m1, m2])), or leave them to their common parent's fully_shard"
+                )
             raise RuntimeError(
                 f"parameter '{name}' of this {type(module).__name__} is already managed by fully_shard "
                 "applied to a parent module. Apply fully_shard bottom-up: first to the children, then "
                 "to the parent (or give the parent a policy)"
             )
+
+
+def _owner_of(param: nn.Parameter) -> Optional[tuple[nn.Module, str]]:
+    """The module an existing fully_shard call was applied to that manages ``param``, and its name there."""
+    for module, state in _modules_with(API_NAME):
+        if module is state.module and any(p is param for h in state.handles for p in h.params):
+            return module, next((n for n, p in module.named_parameters() if p is param), "?")
+    return None
 
 
 def _owning_state_is_ancestor(module: nn.Module, param_fqn: str) -> bool:
@@ -575,7 +592,8 @@ def _check_unit_params(sub: SubmoduleState) -> None:
         if not param.is_floating_point():
             raise ValueError(
                 f"parameter {where} has dtype {param.dtype}; fully_shard shards floating-point parameters only. "
-                "Register it as a buffer, or put its module in ignored_modules"
+                "Register it as a buffer, or keep it whole on every rank: pass it in ignored_params (or its "
+                "module in ignored_modules)"
             )
         if param.device != first.device:
             raise ValueError(

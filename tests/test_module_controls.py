@@ -197,7 +197,7 @@ def test_is_sharded_and_sharded_modules(dist_run: Any) -> None:
     assert r["wrapper"] == ["", prefix + "l1", prefix + "l2.0", prefix + "l2.2", prefix + "l3"]
     assert r["by_hand"] == ["Sequential", "Linear"]
     assert r["is_sharded"] == [True, True, False, False, True, False, False]
-    assert r["fsdp_modules"] == 1
+    assert r["fsdp_modules"] == 5  # as FSDP1: the root and every unit its policy made
 
 
 # ---------------------------------------------------------------------------- 2. switches
