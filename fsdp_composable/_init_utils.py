@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
-from fsdp_composable._common_utils import API_NAME, FSDP_FLATTENED, _FSDPState, _get_fsdp_state
-from fsdp_composable._composable_state import _modules_with
+from fsdp_composable._applied_checks import check_not_applied_below_parent
+from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
 from fsdp_composable._group_units import unit_subtrees
@@ -286,43 +286,6 @@ def _in_ignored(module: nn.Module, buffer_fqn: str, state: _FSDPState) -> bool:
     return owner in state.ignored_modules
 
 
-def _check_not_applied_below_parent(module: nn.Module, ignored: set[nn.Parameter]) -> None:
-    for name, param in module.named_parameters():
-        if getattr(param, FSDP_FLATTENED, False) and param not in ignored and _owning_state_is_ancestor(module, name):
-            owner = _owner_of(param)
-            if owner is not None and not any(m is module for m in owner[0].modules()):
-                raise RuntimeError(
-                    f"parameter '{name}' of this {type(module).__name__} is shared (tied) with "
-                    f"{type(owner[0]).__name__}'s parameter '{owner[1]}', which an earlier fully_shard call "
-                    "already sharded: a parameter belongs to one unit. Shard the modules that share it in "
-                    "one call (fully_shard([m1, m2])), or leave them to their common parent's fully_shard"
-                )
-            raise RuntimeError(
-                f"parameter '{name}' of this {type(module).__name__} is already managed by fully_shard "
-                "applied to a parent module. Apply fully_shard bottom-up: first to the children, then "
-                "to the parent (or give the parent a policy)"
-            )
-
-
-def _owner_of(param: nn.Parameter) -> Optional[tuple[nn.Module, str]]:
-    """The module an existing fully_shard call was applied to that manages ``param``, and its name there."""
-    for module, state in _modules_with(API_NAME):
-        if module is state.module and any(p is param for h in state.handles for p in h.params):
-            return module, next((n for n, p in module.named_parameters() if p is param), "?")
-    return None
-
-
-def _owning_state_is_ancestor(module: nn.Module, param_fqn: str) -> bool:
-    """True when the flattened parameter is not managed by a state inside ``module``'s subtree."""
-    parts = param_fqn.split(".")[:-1]
-    current = module
-    for part in parts:
-        current = current.get_submodule(part)
-        if _get_fsdp_state(current) is not None:
-            return False
-    return True
-
-
 def _materialize_meta_module(
     unit_module: nn.Module,
     fqn: str,
@@ -423,7 +386,7 @@ def _init_param_handles_from_module(
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
     stays near one unit unsharded."""
     module = state.module
-    _check_not_applied_below_parent(module, state.ignored_params)
+    check_not_applied_below_parent(module, state.ignored_params)
     _warn_policy_matches_nothing(state, policy, api)
     bn = _warn_batchnorm_under_mixed_precision(state)
     submodule_states = unit_subtrees(module, members, policy, state.ignored_modules, state.ignored_params, bn)
