@@ -162,11 +162,16 @@ def _full_state(module: nn.Module, optim: Optional[Optimizer] = None) -> dict[st
         return module.state_dict() if optim is None else optim_state_dict(module, optim)
 
 
+def _check_single_file_path(path: Path) -> None:
+    """On every rank, before any gather: a single file may replace a sharded checkpoint at ``path``, as
+    Lightning's does, but no other directory."""
+    if path.is_dir() and not _is_sharded_checkpoint(path):
+        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+
+
 def _prepare_single_file(path: Path) -> None:
-    """A single file replaces a sharded checkpoint at ``path``, as Lightning does; any other directory stays."""
+    """Rank 0, just before writing the file: remove the sharded checkpoint it replaces."""
     if path.is_dir():
-        if not _is_sharded_checkpoint(path):
-            raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
         shutil.rmtree(path)
 
 
@@ -256,6 +261,7 @@ class FabricStrategy(_FabricModelParallel):
         optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
         meta = {k: _plain(v) for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
         if not self._save_distributed_checkpoint:  # one file: Lightning's {key: model, optimizers, meta}
+            _check_single_file_path(path)
             full = {key: _full_state(module), **{k: _full_state(module, o) for k, o in optimizers.items()}}
             if self.global_rank == 0:
                 _prepare_single_file(path)
@@ -406,6 +412,7 @@ class TrainerStrategy(_TrainerModelParallel):
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options: it saves with DCP")
         path = Path(self.broadcast(filepath))
         if not self._save_distributed_checkpoint:  # rank 0 writes the one file, as Lightning does
+            _check_single_file_path(path)
             if self.global_rank == 0:
                 _prepare_single_file(path)
                 torch.save(checkpoint, path)
