@@ -26,6 +26,8 @@ __all__ = [
     "format_profile_table",
     "write_chart",
     "write_time_bars",
+    "pyplot",
+    "wrote",
     "save_run",
     "command_line",
     "machine_info",
@@ -33,6 +35,28 @@ __all__ = [
 ]
 
 MIB = 2**20
+NO_MATPLOTLIB = (
+    "plot skipped: matplotlib is not installed (pip install -e '.[bench]' installs it); the results are in the JSON"
+)
+
+
+def pyplot() -> Any:
+    """matplotlib's pyplot (drawing to files), or None, having said why, when matplotlib is not installed:
+    the JSON is written first, so a run without it loses only the picture."""
+    try:
+        import matplotlib
+    except ImportError:
+        print(NO_MATPLOTLIB, flush=True)
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def wrote(out: str, png: str) -> str:
+    """The closing line of a benchmark: the files it wrote."""
+    return f"wrote {out} and {png}" if os.path.exists(png) else f"wrote {out} (no plot)"
 
 
 def theory_bytes(impl: str, strategy: str, world_size: int, psi: int, param_dtype: str) -> dict[str, Any]:
@@ -158,10 +182,9 @@ def format_profile_table(results: list[dict[str, Any]]) -> str:
 
 def write_chart(results: list[dict[str, Any]], path: str, title: str) -> None:
     """Three bar panels: median step time, peak live bytes (and RSS) per rank, comm bytes per step."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     ok = [r for r in results if r["status"] == "ok"]
     labels = [_label(r) for r in ok]
@@ -261,10 +284,9 @@ def write_time_bars(
     labels: list[str], millis: list[float], colors: list[str], path: str, title: str, xlabel: str
 ) -> None:
     """One horizontal bar per label (a small benchmark's median times), first label on top."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, ax = plt.subplots(figsize=(9, 1.2 + 0.45 * len(labels)))
     ys = list(range(len(labels)))

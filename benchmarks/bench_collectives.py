@@ -32,7 +32,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
 from benchmarks._ranks import free_port  # noqa: E402
-from benchmarks._report import save_run, write_time_bars  # noqa: E402
+from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable import _collectives  # noqa: E402
 
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -149,7 +149,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     colors = [_COLORS[r["kind"]] for r in rows]
     write_time_bars([r["op"] for r in rows], millis, colors, png, title, "median time per call (ms)")
     print(format_table(rows))
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0
 
 

@@ -31,7 +31,7 @@ import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._profile import profile_call  # noqa: E402
-from benchmarks._report import save_run, write_time_bars  # noqa: E402
+from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
 IMPLS = ("local", "ours", "torch-fsdp2")
 _PROFILED_STEPS = 5
@@ -166,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     colors = ["tab:gray", "tab:blue", "tab:orange"][: len(rows)]
     write_time_bars([r["impl"] for r in rows], millis, colors, png, title, "median step time (ms)")
     print(format_table(rows))
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0
 
 

@@ -40,7 +40,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks._impls import Built, build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
-from benchmarks._report import save_run, write_time_bars  # noqa: E402
+from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
 # name -> (impl of benchmarks._impls, ours' forward_prefetch: None is the library's default)
 CHOICES: dict[str, tuple[str, Optional[bool]]] = {
@@ -175,7 +175,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     colors = ["tab:blue" if r["impl"].startswith("ours") else "tab:gray" for r in rows]
     write_time_bars([r["impl"] for r in rows], [r["median_s"] * 1e3 for r in rows], colors, png, title, "ms / step")
     print(format_table(rows))
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0
 
 

@@ -32,7 +32,7 @@ import torch.distributed as dist  # noqa: E402
 from benchmarks._impls import build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
-from benchmarks._report import save_run, write_time_bars  # noqa: E402
+from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable import _safety  # noqa: E402
 
 VARIANTS: list[tuple[str, tuple[str, ...]]] = [
@@ -118,7 +118,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     colors = ["tab:blue"] + ["tab:green"] * (len(rows) - 2) + ["tab:gray"]
     write_time_bars([r["variant"] for r in rows], [r["median_s"] * 1e3 for r in rows], colors, png, title, "ms / step")
     print(format_table(rows))
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0
 
 

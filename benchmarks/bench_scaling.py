@@ -42,7 +42,7 @@ from benchmarks._impls import Built, build  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig, count_params  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
-from benchmarks._report import save_run  # noqa: E402
+from benchmarks._report import pyplot, save_run, wrote  # noqa: E402
 
 _BASE = dict(vocab=8136, seq=128, batch_per_rank=4)
 SIZES: dict[str, ModelConfig] = {
@@ -221,10 +221,9 @@ def format_tables(report: dict[str, Any]) -> str:
 
 
 def write_plot(report: dict[str, Any], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
+    if plt is None:
+        return
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
     colors = {"ours": "tab:blue", "torch-fsdp2": "tab:orange", "local": "tab:gray"}
@@ -298,7 +297,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     png = save_run(__file__, config, [report], args.out)
     write_plot(report, png)
     print(format_tables(report))
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0
 
 

@@ -37,6 +37,7 @@ from benchmarks._report import (  # noqa: E402
     machine_info,
     theory_bytes,
     write_chart,
+    wrote,
 )
 from benchmarks._worker import run_impl  # noqa: E402
 
@@ -216,7 +217,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if profile_table:
         print("\ncProfile of one step on rank 0, own time by area (s):")
         print(profile_table)
-    print(f"wrote {args.out} and {png}")
+    print(wrote(args.out, png))
     return 0 if all(r["status"] == "ok" for r in report["results"]) else 1
 
 

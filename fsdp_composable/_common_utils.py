@@ -94,6 +94,8 @@ class _FSDPState:
     ctx: Optional["RootContext"] = None
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
+    # FSDP1's optim_state_dict_config, as our config type (None: optimizer state follows the model's)
+    optim_state_dict_config: Optional[StateDictConfig] = None
     hook_handles: list[Any] = field(default_factory=list)
     # a state_dict()/load_state_dict() in progress: handle -> its open unit (see `_state_dict_open`)
     open_units: dict[FlatParamHandle, Any] = field(default_factory=dict)

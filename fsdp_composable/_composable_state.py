@@ -100,6 +100,11 @@ def _get_module_state(module: nn.Module, api: str) -> Optional[Any]:
     return _module_to_states.get(module, {}).get(api)
 
 
+def _modules_with(api: str) -> list[tuple[nn.Module, Any]]:
+    """Every live module ``api`` was applied to, with its state."""
+    return [(m, states[api]) for m, states in list(_module_to_states.items()) if api in states]
+
+
 def _applied_apis(module: nn.Module) -> tuple[str, ...]:
     return tuple(_module_to_states.get(module, {}))
 

@@ -30,8 +30,9 @@ from fsdp_composable._collectives import comm_device
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._optim_utils import optim_state_dict, optim_state_dict_to_load
-from fsdp_composable._state_dict_settings import _config, _kind, _set_setting
+from fsdp_composable._state_dict_settings import _config, _holder, _kind, _set_setting
 from fsdp_composable._state_dict_utils import _CONFIG_TYPES, state_dict_type
+from fsdp_composable._torch_interop import _take_back_state_hook
 from fsdp_composable.api import FullStateDictConfig, ShardedStateDictConfig, StateDictConfig, StateDictType
 
 __all__ = ["OptimStateKeyType", "StateDictSettings"]
@@ -46,12 +47,13 @@ class OptimStateKeyType(enum.Enum):
 
 @dataclass(frozen=True)
 class StateDictSettings:
-    """What `set_state_dict_type` set (and returns the previous of): FSDP1's triple. Optimizer state
-    dicts follow the model's config here, so ``optim_state_dict_config`` is always ``None``."""
+    """What `set_state_dict_type` set (and returns the previous of): FSDP1's triple. The optimizer's
+    config is ours (``FullStateDictConfig`` or ``ShardedStateDictConfig``), or ``None`` where optimizer
+    state dicts follow the model's config (no ``optim_state_dict_config`` was given)."""
 
     state_dict_type: StateDictType
     state_dict_config: StateDictConfig
-    optim_state_dict_config: None = None
+    optim_state_dict_config: Optional[StateDictConfig] = None
 
 
 # ---------------------------------------------------------------------------- state-dict type
@@ -65,12 +67,12 @@ def set_state_dict_type(
     ``module``; returns the previous settings. Checked as `state_dict_type` checks its arguments."""
     sd_type = as_ours("set_state_dict_type argument 'state_dict_type'", sd_type)
     state_dict_config = as_ours("set_state_dict_type argument 'state_dict_config'", state_dict_config)
-    _check_optim_config(optim_state_dict_config, state_dict_config)
+    optim_config = optim_config_of(optim_state_dict_config, sd_type)
     with state_dict_type(module, sd_type, state_dict_config):
         pass  # the context manager's checks: a StateDictType, its config, a fully_shard state below
     previous = get_state_dict_type(module)
     config = state_dict_config if state_dict_config is not None else _CONFIG_TYPES[sd_type]()
-    _set_setting(_get_fsdp_states(module), sd_type, config)  # the root-wide holder once initialised
+    _set_setting(_get_fsdp_states(module), sd_type, config, optim_config)  # root-wide once initialised
     return previous
 
 
@@ -82,35 +84,44 @@ def get_state_dict_type(module: nn.Module) -> StateDictSettings:
             f"get_state_dict_type: no fully_shard state on this {type(module).__name__} or its submodules; "
             "call fully_shard(module) or wrap it first"
         )
-    settings = {(_kind(s), _config_of(_kind(s), _config(s))) for s in states}
+    settings = {(_kind(s), _config_of(_kind(s), _config(s)), _holder(s).optim_state_dict_config) for s in states}
     if len(settings) > 1:
         raise ValueError(
             f"get_state_dict_type: the states under this {type(module).__name__} have different state-dict "
-            f"settings {sorted((t.name, repr(c)) for t, c in settings)}; set one with set_state_dict_type"
+            f"settings {sorted((t.name, repr(c), repr(o)) for t, c, o in settings)}; set one with set_state_dict_type"
         )
-    ((sd_type, config),) = settings
-    return StateDictSettings(sd_type, config)
+    ((sd_type, config, optim_config),) = settings
+    return StateDictSettings(sd_type, config, optim_config)
 
 
 def _config_of(sd_type: StateDictType, config: Optional[StateDictConfig]) -> StateDictConfig:
     return config if config is not None else _CONFIG_TYPES[sd_type]()
 
 
-def _check_optim_config(
-    optim_config: Any, config: Optional[StateDictConfig], where: str = "set_state_dict_type"
-) -> None:
-    """FSDP1 has a second config for optimizer state; ours follows the model's. One that asks for the
-    same (``offload_to_cpu`` and ``rank0_only``) is accepted, anything else is refused."""
+def optim_config_of(
+    optim_config: Any, sd_type: Any, where: str = "set_state_dict_type"
+) -> Optional[StateDictConfig]:
+    """FSDP1's second config, for optimizer state dicts (torch's ``FullOptimStateDictConfig`` or
+    ``ShardedOptimStateDictConfig``), as our config of the same type: its ``offload_to_cpu`` and, for
+    FULL, ``rank0_only`` are what `optim_state_dict` follows, as in FSDP1 (whose defaults offload the
+    optimizer state and not the model's). None: optimizer state dicts follow the model's config."""
     if optim_config is None:
-        return
-    for field in ("offload_to_cpu", "rank0_only"):
-        wanted, ours = getattr(optim_config, field, False), getattr(config, field, False)
-        if wanted != ours:
-            raise ValueError(
-                f"{where}: optim_state_dict_config.{field}={wanted} differs from the state_dict_config's "
-                f"({ours}); optimizer state dicts follow the model's state_dict_config here, so pass "
-                "optim_state_dict_config=None and set the option in state_dict_config"
-            )
+        return None
+    offload = getattr(optim_config, "offload_to_cpu", None)
+    rank0 = getattr(optim_config, "rank0_only", False)
+    if not isinstance(offload, bool) or not isinstance(rank0, bool):
+        raise TypeError(
+            f"{where} argument 'optim_state_dict_config' must be torch's FullOptimStateDictConfig or "
+            f"ShardedOptimStateDictConfig (or None), got {type(optim_config).__name__}"
+        )
+    if sd_type is StateDictType.FULL_STATE_DICT:
+        return FullStateDictConfig(offload_to_cpu=offload, rank0_only=rank0)
+    if rank0:
+        raise ValueError(
+            f"{where}: optim_state_dict_config.rank0_only=True needs StateDictType.FULL_STATE_DICT, got "
+            f"{sd_type}; leave rank0_only out"
+        )
+    return ShardedStateDictConfig(offload_to_cpu=offload)  # LOCAL: optim_state_dict refuses it anyway
 
 
 # ---------------------------------------------------------------------------- optimizer state
@@ -144,9 +155,11 @@ def sharded_optim_state_dict(model: nn.Module, optim: torch.optim.Optimizer, gro
 def shard_full_optim_state_dict(
     full_optim_state_dict: Mapping[str, Any], model: nn.Module, optim_input: Any = None, optim: Any = None
 ) -> dict[str, Any]:
-    """The full dict (every rank holds it) as ``optim.load_state_dict`` takes it here."""
-    optim = _need_optim("shard_full_optim_state_dict", optim, optim_input)
-    return optim_state_dict_to_load(model, optim, _by_name(full_optim_state_dict, model, optim))
+    """The full dict (every rank holds it) as ``optim.load_state_dict`` takes it here. Without ``optim``,
+    for an optimizer built over ``model.parameters()``, as FSDP1 assumes."""
+    where = "shard_full_optim_state_dict"
+    osd = _by_name(full_optim_state_dict, model, _optional_optim(where, optim, optim_input))
+    return optim_state_dict_to_load(model, optim, osd) if optim is not None else _to_load_without(where, model, osd)
 
 
 def flatten_sharded_optim_state_dict(
@@ -165,8 +178,9 @@ def scatter_full_optim_state_dict(
     group: Optional[dist.ProcessGroup] = None,
 ) -> dict[str, Any]:
     """Rank 0's full dict (other ranks' argument is ignored), broadcast over ``group`` (default: all
-    ranks) and converted for this rank's ``optim``. A collective: call it on every rank."""
-    optim = _need_optim("scatter_full_optim_state_dict", optim, optim_input)
+    ranks) and converted for this rank's ``optim`` (without it: for an optimizer built over
+    ``model.parameters()``, as FSDP1 assumes). A collective: call it on every rank."""
+    optim = _optional_optim("scatter_full_optim_state_dict", optim, optim_input)
     group = group if group is not None else dist.distributed_c10d._get_default_group()
     src = dist.get_global_rank(group, 0)
     box: list[Any] = [None]
@@ -174,16 +188,54 @@ def scatter_full_optim_state_dict(
         if not isinstance(full_optim_state_dict, Mapping):
             box = [TypeError(f"got {type(full_optim_state_dict).__name__} on rank 0, not the full dict")]
         else:
-            box = [_by_name(full_optim_state_dict, model, optim)]
+            try:
+                box = [_by_name(full_optim_state_dict, model, optim)]
+            except (TypeError, ValueError) as e:  # sent, so that every rank raises it
+                box = [e]
     states = _get_fsdp_states(model)  # on the units' device, not the current CUDA device
     device = comm_device(group, states[0].device if states else None)
     dist.broadcast_object_list(box, src=src, group=group, device=device)
     if isinstance(box[0], Exception):  # raised on every rank, not only where the input was wrong
-        raise TypeError(f"scatter_full_optim_state_dict: {box[0]}; pass full_optim_state_dict(model, optim) on rank 0")
+        raise type(box[0])(
+            f"scatter_full_optim_state_dict: {box[0]}; pass full_optim_state_dict(model, optim) on rank 0"
+        )
+    if optim is None:
+        return _to_load_without("scatter_full_optim_state_dict", model, box[0])
     return optim_state_dict_to_load(model, optim, box[0])
 
 
-def _by_name(osd: Mapping[str, Any], model: nn.Module, optim: torch.optim.Optimizer) -> Mapping[str, Any]:
+def _optional_optim(where: str, optim: Any, optim_input: Any) -> Optional[torch.optim.Optimizer]:
+    return None if optim is None and optim_input is None else _need_optim(where, optim, optim_input)
+
+
+def _to_load_without(where: str, model: nn.Module, osd: Mapping[str, Any]) -> dict[str, Any]:
+    """FSDP1's ``optim=None``: for an optimizer built over ``model.parameters()``. That optimizer is not
+    known here, so its load hook cannot slice the state: the result holds this rank's slices already."""
+    template = _template_optim(where, model, osd)
+    out = optim_state_dict_to_load(model, template, osd)
+    return _take_back_state_hook(template, out) or out
+
+
+def _template_optim(where: str, model: nn.Module, osd: Mapping[str, Any]) -> torch.optim.Optimizer:
+    """FSDP1's ``optim=None``: the optimizer is taken to be built over ``model.parameters()``, in the
+    saved dict's param groups; nothing steps it, it only says which parameters come where."""
+    groups = osd.get("param_groups") if isinstance(osd, Mapping) else None
+    params = list(model.parameters())
+    if not isinstance(groups, (list, tuple)) or len(groups) <= 1:
+        return torch.optim.Optimizer([{"params": params}], {})
+    by_fqn = dict(model.named_parameters())
+    missing = [f for g in groups for f in g.get("params", []) if f not in by_fqn]
+    if missing:
+        raise ValueError(
+            f"{where}: the state dict has {len(groups)} param groups and parameter {missing[0]!r} is not a "
+            f"parameter of this {type(model).__name__} (flat parameters): pass optim=<the optimizer>"
+        )
+    return torch.optim.Optimizer([{"params": [by_fqn[f] for f in g["params"]]} for g in groups], {})
+
+
+def _by_name(
+    osd: Mapping[str, Any], model: nn.Module, optim: Optional[torch.optim.Optimizer]
+) -> Mapping[str, Any]:
     """A dict keyed by position (a plain optimizer's) re-keyed by FQN; one keyed by FQN as it is."""
     state = osd.get("state", {}) if isinstance(osd, Mapping) else {}
     if any(isinstance(k, int) for k in state):

@@ -217,14 +217,18 @@ def split_ignored_params(
             "fully_shard argument 'ignored_params' must be a set of parameters (or ignored_modules=[...]), "
             f"got {type(ignored_params).__name__}"
         )
-    wanted = {id(p): p for p in ignored_params}
-    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-    unknown = set(wanted) - set(names)
-    if unknown:
-        raise ValueError(
-            f"fully_shard argument 'ignored_params' has {len(unknown)} tensor(s) that are not parameters of this "
-            f"{type(module).__name__}; pass its own parameters (or ignored_modules=[...])"
+    given = list(ignored_params)
+    not_tensors = sorted({type(p).__name__ for p in given if not isinstance(p, torch.Tensor)})
+    if not_tensors:
+        raise TypeError(
+            "fully_shard argument 'ignored_params' must hold parameters (or pass modules as "
+            f"ignored_modules=[...]), got {', '.join(not_tensors)}"
         )
+    names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+    # a superset is fine, as in FSDP2: one set of every ignored parameter may be given to every call
+    wanted = {id(p): p for p in given if id(p) in names}
+    if not wanted:
+        return ours, ()
     if set(wanted) == set(names):
         raise ValueError(
             "fully_shard argument 'ignored_params' holds every parameter of the module: nothing would be "

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _collectives, _rank_agreement, _tensor_parallel
+from fsdp_composable._applied_checks import check_not_applied_below_parent
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState, _get_fsdp_state
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._flat_param import FLAT_PARAM_NAME, FlatParamHandle
@@ -286,27 +287,6 @@ def _in_ignored(module: nn.Module, buffer_fqn: str, state: _FSDPState) -> bool:
     return owner in state.ignored_modules
 
 
-def _check_not_applied_below_parent(module: nn.Module, ignored: set[nn.Parameter]) -> None:
-    for name, param in module.named_parameters():
-        if getattr(param, FSDP_FLATTENED, False) and param not in ignored and _owning_state_is_ancestor(module, name):
-            raise RuntimeError(
-                f"parameter '{name}' of this {type(module).__name__} is already managed by fully_shard "
-                "applied to a parent module. Apply fully_shard bottom-up: first to the children, then "
-                "to the parent (or give the parent a policy)"
-            )
-
-
-def _owning_state_is_ancestor(module: nn.Module, param_fqn: str) -> bool:
-    """True when the flattened parameter is not managed by a state inside ``module``'s subtree."""
-    parts = param_fqn.split(".")[:-1]
-    current = module
-    for part in parts:
-        current = current.get_submodule(part)
-        if _get_fsdp_state(current) is not None:
-            return False
-    return True
-
-
 def _materialize_meta_module(
     unit_module: nn.Module,
     fqn: str,
@@ -407,7 +387,7 @@ def _init_param_handles_from_module(
     synchronised from rank 0 (if asked) and sharded before the next one is touched, so peak memory
     stays near one unit unsharded."""
     module = state.module
-    _check_not_applied_below_parent(module, state.ignored_params)
+    check_not_applied_below_parent(module, state.ignored_params)
     _warn_policy_matches_nothing(state, policy, api)
     bn = _warn_batchnorm_under_mixed_precision(state)
     submodule_states = unit_subtrees(module, members, policy, state.ignored_modules, state.ignored_params, bn)
@@ -576,7 +556,8 @@ def _check_unit_params(sub: SubmoduleState) -> None:
         if not param.is_floating_point():
             raise ValueError(
                 f"parameter {where} has dtype {param.dtype}; fully_shard shards floating-point parameters only. "
-                "Register it as a buffer, or put its module in ignored_modules"
+                "Register it as a buffer, or keep it whole on every rank: pass it in ignored_params (or its "
+                "module in ignored_modules)"
             )
         if param.device != first.device:
             raise ValueError(

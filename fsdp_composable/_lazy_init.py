@@ -15,6 +15,7 @@ from fsdp_composable._exec_order_utils import _ExecOrderData
 from fsdp_composable._group_units import check_not_root
 from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._root_context import RootContext, UnitStep
+from fsdp_composable._state_dict_keys import _clean_module_fqns
 
 __all__: list[str] = []
 
@@ -44,8 +45,10 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     for s in states:
         s.ctx = ctx
     handles = ctx.handles
-    fqn_of = {m: name for name, m in root_module.named_modules()}
-    ctx.exec_order.set_units(handles, [fqn_of.get(h.module, h.unit_fqn) or "<root>" for h in handles])
+    fqn_of = _clean_module_fqns(root_module)
+    for h in handles:  # a unit sharded by its own call is named from the root now, in messages and logs
+        h.unit_fqn = fqn_of.get(h.module, h.unit_fqn)
+    ctx.exec_order.set_units(handles, [h.unit_fqn or "<root>" for h in handles])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
 

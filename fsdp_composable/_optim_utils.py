@@ -24,7 +24,7 @@ from fsdp_composable._optim_convert import (
     _UnitState,
 )
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
-from fsdp_composable._state_dict_settings import _config, _copy, _drops_values, _kind
+from fsdp_composable._state_dict_settings import _copy, _drops_values, _kind, _optim_config
 from fsdp_composable._torch_interop import _install_optimizer_hooks
 from fsdp_composable.api import (
     FullStateDictConfig,
@@ -110,7 +110,8 @@ def _mode(where: str, module: nn.Module) -> tuple[bool, StateDictConfig, bool]:
             f"{where} does not support StateDictType.LOCAL_STATE_DICT; use FULL_STATE_DICT (full tensors) or "
             "SHARDED_STATE_DICT (DTensors for torch.distributed.checkpoint)"
         )
-    return _kind(state) is StateDictType.SHARDED_STATE_DICT, _config(state), _drops_values(state)
+    config = _optim_config(state)
+    return _kind(state) is StateDictType.SHARDED_STATE_DICT, config, _drops_values(state, config)
 
 
 def _units_in(index: _Index, params: list[torch.Tensor]) -> list[_Unit]:

@@ -50,15 +50,22 @@ def _unshard(state: _FSDPState, handle: FlatParamHandle) -> None:
             ctx.limiter.release_resharded()
 
 
-def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str) -> None:
+def _prefetch(state: _FSDPState, handle: Optional[FlatParamHandle], phase: str, listed: bool = False) -> None:
     """Start the all-gathers of ``handle``'s unit early (every handle of it: one unit for the limiter,
-    [Note: the limiter counts units]), unless already under way or the limiter says no."""
+    [Note: the limiter counts units]), unless already under way or the limiter says no.
+
+    [Note: explicit prefetch lists]
+    A unit the user listed (``set_modules_to_forward_prefetch`` / ``..._backward_prefetch``, ``listed``)
+    is gathered whatever the limiter says, as FSDP2 (which has no limiter) gathers every unit listed: the
+    list says how far ahead to gather, and gathering less would silently ignore part of it. The limiter
+    bounds only the prefetches we choose (``forward_prefetch``, ``backward_prefetch``); a listed unit
+    still counts in it, so those wait until the listed ones are resharded."""
     if handle is None or handle.is_unsharded or handle.unshard_in_flight:
         return
     if phase == "backward" and not handle.switches.unshard_in_backward:
         return  # set_unshard_in_backward(unit, False): its backward does not gather it either
     ctx = _ctx(state)
-    if state.limit_all_gathers and not ctx.limiter.may_prefetch():
+    if state.limit_all_gathers and not listed and not ctx.limiter.may_prefetch():
         return
     ctx.exec_order.prefetch_log.append((phase, handle.unit_fqn))
     for sibling in ctx.unit_of(handle):
@@ -73,9 +80,9 @@ def _prefetch_for_forward(state: _FSDPState, handle: FlatParamHandle) -> None:
     if ctx.exec_order.is_first_iter:
         return
     if handle.switches.forward_prefetch is not None:
-        for target in handle.switches.forward_prefetch:  # each one within the limiter's bound
+        for target in handle.switches.forward_prefetch:  # every one: [Note: explicit prefetch lists]
             if target in ctx.steps:  # a unit of this root (another root's units gather on their own)
-                _prefetch(state, target, "forward")
+                _prefetch(state, target, "forward", listed=True)
     elif state.forward_prefetch:
         _prefetch(state, ctx.exec_order.forward_prefetch_target(handle), "forward")
 
@@ -86,7 +93,7 @@ def _prefetch_for_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
         if handle.switches.backward_prefetch is not None:  # set_modules_to_backward_prefetch
             for explicit in handle.switches.backward_prefetch:
                 if explicit in steps and not steps[explicit].ran_pre_backward:
-                    _prefetch(state, explicit, "backward")
+                    _prefetch(state, explicit, "backward", listed=True)
             return
         target = state.ctx.exec_order.backward_prefetch_target(handle, lambda h: steps[h].ran_pre_backward)
         _prefetch(state, target, "backward")

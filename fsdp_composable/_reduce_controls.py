@@ -103,16 +103,22 @@ def set_all_reduce_hook(
         _controls(handle).all_reduce_hook = hook
 
 
-def set_post_optim_event(module: nn.Module, event: Any) -> None:
+def set_post_optim_event(module: nn.Module, event: Optional[Any]) -> None:
     """The next root forward's all-gathers wait for ``event`` (recorded after the optimizer step)
-    instead of the compute stream; record a new one every step. Accepted and dropped on the CPU."""
+    instead of the compute stream; record a new one every step. Accepted and dropped on the CPU.
+    ``None`` (what a CPU stream's ``record_event()`` returns) asks for the default: wait for the
+    compute stream."""
     units = _units(module, "set_post_optim_event", recurse=True)
-    if not isinstance(event, (torch.Event, torch.cuda.Event)):
+    if event is not None and not isinstance(event, (torch.Event, torch.cuda.Event)):
         raise TypeError(
             f"set_post_optim_event({_name(units)}): event must be a torch.Event recorded after the optimizer "
-            f"step, got {type(event).__name__}"
+            f"step (or None), got {type(event).__name__}"
         )
     ctx = _get_fsdp_states(_target(module))[0].ctx
+    if event is None:
+        if ctx is not None:
+            ctx.post_optim_event = None
+        return
     if ctx is None:
         raise RuntimeError(
             f"set_post_optim_event({_name(units)}): the model has not run a forward yet; call it after the "

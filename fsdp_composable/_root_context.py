@@ -111,6 +111,7 @@ class RootContext:
     # `_state_dict_settings`); taken over from the root's state when the context is built.
     state_dict_type: StateDictType = StateDictType.FULL_STATE_DICT
     state_dict_config: Optional[StateDictConfig] = None
+    optim_state_dict_config: Optional[StateDictConfig] = None
 
     # derived from the states once (their handles are fixed once the context exists, and a handle's
     # process groups from its construction on), so the hooks do no work per unit of the model to find
@@ -123,6 +124,7 @@ class RootContext:
 
     def __post_init__(self) -> None:
         self.state_dict_type, self.state_dict_config = self.root.state_dict_type, self.root.state_dict_config
+        self.optim_state_dict_config = self.root.optim_state_dict_config
         self._units = [(s, h) for s in self.states for h in s.handles]
         self._handles = [h for _, h in self._units]
         self._grouped = [(s, h) for s, h in self._units if len(h.members) > 1]

@@ -40,7 +40,8 @@ _CONFIG_TYPES: dict[StateDictType, type[StateDictConfig]] = {
 
 
 Holder = Union["RootContext", _FSDPState]
-Setting = tuple[StateDictType, Optional[StateDictConfig]]
+# (type, the model's config, the optimizer's config: None follows the model's)
+Setting = tuple[StateDictType, Optional[StateDictConfig], Optional[StateDictConfig]]
 
 
 def _holder(state: _FSDPState) -> Holder:
@@ -52,18 +53,23 @@ def _owners(states: list[_FSDPState]) -> list[Holder]:
     return list(dict.fromkeys(_holder(s) for s in states))
 
 
-def _set_setting(states: list[_FSDPState], kind: StateDictType, config: Optional[StateDictConfig]) -> list[Setting]:
+def _set_setting(
+    states: list[_FSDPState],
+    kind: StateDictType,
+    config: Optional[StateDictConfig],
+    optim_config: Optional[StateDictConfig] = None,
+) -> list[Setting]:
     """Set the setting of ``states`` (see the Note); returns the previous ones for `_restore_setting`."""
     owners = _owners(states)
-    previous = [(o.state_dict_type, o.state_dict_config) for o in owners]
+    previous = [(o.state_dict_type, o.state_dict_config, o.optim_state_dict_config) for o in owners]
     for owner in owners:
-        owner.state_dict_type, owner.state_dict_config = kind, config
+        owner.state_dict_type, owner.state_dict_config, owner.optim_state_dict_config = kind, config, optim_config
     return previous
 
 
 def _restore_setting(states: list[_FSDPState], previous: list[Setting]) -> None:
-    for owner, (kind, config) in zip(_owners(states), previous):
-        owner.state_dict_type, owner.state_dict_config = kind, config
+    for owner, (kind, config, optim_config) in zip(_owners(states), previous):
+        owner.state_dict_type, owner.state_dict_config, owner.optim_state_dict_config = kind, config, optim_config
 
 
 def _kind(state: _FSDPState) -> StateDictType:
@@ -75,14 +81,22 @@ def _config(state: _FSDPState) -> StateDictConfig:
     return holder.state_dict_config or _CONFIG_TYPES[holder.state_dict_type]()
 
 
+def _optim_config(state: _FSDPState) -> StateDictConfig:
+    """What optimizer state dicts follow: FSDP1's ``optim_state_dict_config`` where one was set (its
+    ``offload_to_cpu`` and ``rank0_only``; FSDP1's defaults offload the optimizer state, not the model's),
+    else the model's config."""
+    return _holder(state).optim_state_dict_config or _config(state)
+
+
 def _rank0_only(config: StateDictConfig) -> bool:
     """FULL with ``rank0_only``: one process keeps the whole values (see `_drops_values` for which)."""
     return isinstance(config, FullStateDictConfig) and config.rank0_only
 
 
-def _drops_values(state: _FSDPState) -> bool:
-    """FULL with ``rank0_only``: this rank takes part in the collectives but returns nothing."""
-    config = _config(state)
+def _drops_values(state: _FSDPState, config: Optional[StateDictConfig] = None) -> bool:
+    """FULL with ``rank0_only`` (of ``config``, default the model's): this rank takes part in the
+    collectives but returns nothing."""
+    config = config if config is not None else _config(state)
     return (
         _kind(state) is StateDictType.FULL_STATE_DICT
         and _rank0_only(config)

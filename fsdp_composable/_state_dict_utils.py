@@ -32,6 +32,7 @@ from fsdp_composable._state_dict_open import close_stale_units as close_stale_un
 from fsdp_composable._state_dict_settings import (
     _CONFIG_TYPES,
     _check_not_rank0_only_load,
+    _config,
     _drops_values,
     _kind,
     _restore_setting,
@@ -87,11 +88,29 @@ def state_dict_type(
             "call fully_shard(module) first"
         )
     # root-wide: see [Note: the state-dict setting is root-wide]
-    previous = _set_setting(states, state_dict_type, config if config is not None else expected())
+    with _setting(states, state_dict_type, config if config is not None else expected(), None):
+        yield
+
+
+@contextlib.contextmanager
+def _setting(
+    states: list[_FSDPState], kind: StateDictType, config: StateDictConfig, optim_config: Optional[StateDictConfig]
+) -> Iterator[None]:
+    previous = _set_setting(states, kind, config, optim_config)
     try:
         yield
     finally:
         _restore_setting(states, previous)
+
+
+@contextlib.contextmanager
+def state_dict_type_with_optim(
+    module: nn.Module, kind: StateDictType, config: Optional[StateDictConfig], optim_config: Optional[StateDictConfig]
+) -> Iterator[None]:
+    """`state_dict_type`, with FSDP1's separate setting for optimizer state dicts (None: the model's)."""
+    with state_dict_type(module, kind, config):  # its checks
+        with _setting(_get_fsdp_states(module), kind, _config(_get_fsdp_states(module)[0]), optim_config):
+            yield
 
 
 # ---------------------------------------------------------------------------- registration

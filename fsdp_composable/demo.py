@@ -184,7 +184,8 @@ def save_checkpoint(ctx: RunContext, step: int) -> None:
         state = {"model": ctx.model.state_dict(), "optim": optim_state_dict(ctx.model, ctx.optimizer), "step": step}
         dcp.save(state, checkpoint_id=path)  # collective; rank 0 writes the metadata last
     if ctx.rank == 0:
-        job_ckpt.write_job(path, job_ckpt.job_record(ctx.args, step, ctx.world_size))
+        # every rank's files are written once dcp.save returned: [Note: the digests of a saved checkpoint]
+        job_ckpt.write_job(path, job_ckpt.job_record(ctx.args, step, ctx.world_size, job_ckpt.file_digests(path)))
         job_ckpt.point_latest(root, path)
     dist.barrier()  # no rank reads `latest` (a later resume) before it names the new checkpoint
     seconds = time.perf_counter() - start

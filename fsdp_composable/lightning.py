@@ -13,7 +13,8 @@ and replace three things:
   process_group=device_mesh["data_parallel"], **fully_shard_kwargs)``;
 - save/load: the model's SHARDED state dict and `optim_state_dict` through
   ``torch.distributed.checkpoint`` (a directory, loadable at another world size), plus ``meta.pt``
-  from rank 0 with everything else;
+  from rank 0 with everything else; with ``save_distributed_checkpoint=False`` one file from rank 0
+  with the FULL state dicts (Lightning's single-file layout), which loads at any world size too;
 - gradient accumulation: `no_sync` on the sharded model.
 The data-parallel size defaults to the world size (Lightning's defaults are made for tensor
 parallelism inside a node).
@@ -22,6 +23,7 @@ parallelism inside a node).
 from __future__ import annotations
 
 import contextlib
+import shutil
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Iterator, Literal, Mapping, Optional, Union
@@ -47,10 +49,11 @@ from torch.optim import Optimizer
 
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._forward_methods import register_fsdp_forward_method
+from fsdp_composable._fsdp1_static import OptimStateKeyType, rekey_optim_state_dict
 from fsdp_composable._grad_utils import no_sync
 from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
 from fsdp_composable._state_dict_utils import state_dict_type
-from fsdp_composable.api import StateDictType
+from fsdp_composable.api import FullStateDictConfig, StateDictType
 from fsdp_composable.fully_shard import fully_shard
 
 __all__ = ["FabricStrategy", "TrainerStrategy"]
@@ -82,11 +85,6 @@ def _check_args(name: str, policy: Any, parallelize_fn: Optional[ParallelizeFn],
             f"{name}: tensor_parallel_size={tensor_parallel_size} needs a parallelize_fn(module, device_mesh) "
             "that applies tensor parallelism on device_mesh['tensor_parallel'] and fully_shard on "
             "device_mesh['data_parallel']"
-        )
-    if not save_distributed_checkpoint:
-        raise ValueError(
-            f"{name}: only distributed (sharded) checkpoints are supported (save_distributed_checkpoint=True); "
-            "for a single file, save fsdp_composable's FULL_STATE_DICT yourself (docs/state_dict.md)"
         )
 
 
@@ -146,12 +144,48 @@ def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: Ma
 
 
 def _check_is_sharded_checkpoint(name: str, path: Path) -> None:
-    if not (path / META_FILENAME).is_file() or not (path / ".metadata").is_file():
+    if not _is_sharded_checkpoint(path):
         raise ValueError(
             f"{name}: {str(path)!r} is not a checkpoint saved by this strategy (a directory with DCP's "
-            f"'.metadata' and '{META_FILENAME}'); a single-file checkpoint loads with fsdp_composable's "
-            "FULL_STATE_DICT (docs/state_dict.md)"
+            f"'.metadata' and '{META_FILENAME}', or one file saved with save_distributed_checkpoint=False)"
         )
+
+
+def _is_sharded_checkpoint(path: Path) -> bool:
+    return (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
+
+
+def _full_state(module: nn.Module, optim: Optional[Optimizer] = None) -> dict[str, Any]:
+    """The model's FULL state dict, or ``optim``'s (FQN-keyed), on the CPU, on rank 0 only (other ranks
+    take part in the gathers and get an empty dict): what a single-file checkpoint holds."""
+    with state_dict_type(module, StateDictType.FULL_STATE_DICT, FullStateDictConfig(True, rank0_only=True)):
+        return module.state_dict() if optim is None else optim_state_dict(module, optim)
+
+
+def _check_single_file_path(path: Path) -> None:
+    """On every rank, before any gather: a single file may replace a sharded checkpoint at ``path``, as
+    Lightning's does, but no other directory."""
+    if path.is_dir() and not _is_sharded_checkpoint(path):
+        raise IsADirectoryError(f"The checkpoint path exists and is a directory: {path}")
+
+
+def _prepare_single_file(path: Path) -> None:
+    """Rank 0, just before writing the file: remove the sharded checkpoint it replaces."""
+    if path.is_dir():
+        shutil.rmtree(path)
+
+
+def _load_full(module: nn.Module, optimizers: Mapping[str, Optimizer], model_state: Mapping[str, Any],
+               optim_states: Mapping[str, Any], strict: bool) -> None:
+    """Every rank loads the whole file: the model's FULL state dict, then each optimizer's (keyed by FQN,
+    or by position as Lightning's Trainer saves it)."""
+    with state_dict_type(module, StateDictType.FULL_STATE_DICT):
+        module.load_state_dict(model_state, strict=strict)
+    for key, optim in optimizers.items():
+        osd = optim_states[key]
+        if any(isinstance(k, int) for g in osd.get("param_groups", []) for k in g["params"]):
+            osd = rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_NAME, module, optim=optim)
+        optim.load_state_dict(optim_state_dict_to_load(module, optim, osd))
 
 
 class _NoSyncControl(_BackwardSyncControl):
@@ -225,8 +259,19 @@ class FabricStrategy(_FabricModelParallel):
         path = Path(self.broadcast(path))
         key, module = _only_sharded_module(name, state)
         optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
-        converted = _sharded_state(key, module, optimizers, template=False)
         meta = {k: _plain(v) for k, v in state.items() if not isinstance(v, (nn.Module, Optimizer))}
+        if not self._save_distributed_checkpoint:  # one file: Lightning's {key: model, optimizers, meta}
+            _check_single_file_path(path)
+            full = {key: _full_state(module), **{k: _full_state(module, o) for k, o in optimizers.items()}}
+            if self.global_rank == 0:
+                _prepare_single_file(path)
+                torch.save({**full, **meta}, path)
+            self.barrier()
+            return
+        converted = _sharded_state(key, module, optimizers, template=False)
+        if path.is_file() and self.global_rank == 0:  # a directory replaces an earlier single file
+            path.unlink()
+        self.barrier()
         path.mkdir(parents=True, exist_ok=True)
         dcp.save(converted, checkpoint_id=path)
         if self.global_rank == 0:
@@ -247,11 +292,15 @@ class FabricStrategy(_FabricModelParallel):
                 f"fabric.load(path, {{'model': model, 'optimizer': optimizer}}), got {type(state).__name__}"
             )
         path = Path(self.broadcast(path))
-        _check_is_sharded_checkpoint(name, path)
         key, module = _only_sharded_module(name, state)
         optimizers = {k: o for k, o in state.items() if isinstance(o, Optimizer)}
-        _load_sharded(path, key, module, optimizers, strict)
-        meta = torch.load(path / META_FILENAME, weights_only=weights_only)
+        if path.is_file():  # saved with save_distributed_checkpoint=False
+            meta = torch.load(path, map_location="cpu", weights_only=weights_only)
+            _load_full(module, optimizers, meta.pop(key), {k: meta.pop(k) for k in optimizers}, strict)
+        else:
+            _check_is_sharded_checkpoint(name, path)
+            _load_sharded(path, key, module, optimizers, strict)
+            meta = torch.load(path / META_FILENAME, weights_only=weights_only)
         for k, value in state.items():
             if isinstance(value, (nn.Module, Optimizer)):
                 continue
@@ -344,12 +393,17 @@ class TrainerStrategy(_TrainerModelParallel):
 
     def lightning_module_state_dict(self) -> dict[str, Any]:
         assert self.model is not None
+        if not self._save_distributed_checkpoint:  # FULL, on rank 0 only (a single file)
+            return _full_state(self.model)
         with state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
             return self.model.state_dict()
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer
+        if not self._save_distributed_checkpoint:  # FULL on rank 0, keyed by position as Lightning saves it
+            osd = _full_state(self.model, optimizer)
+            return rekey_optim_state_dict(osd, OptimStateKeyType.PARAM_ID, self.model, optim=optimizer) if osd else osd
         with state_dict_type(self.model, StateDictType.SHARDED_STATE_DICT):
             return optim_state_dict(self.model, optimizer)
 
@@ -357,6 +411,15 @@ class TrainerStrategy(_TrainerModelParallel):
         if storage_options is not None:
             raise TypeError(f"{type(self).__name__}.save_checkpoint takes no storage_options: it saves with DCP")
         path = Path(self.broadcast(filepath))
+        if not self._save_distributed_checkpoint:  # rank 0 writes the one file, as Lightning does
+            _check_single_file_path(path)
+            if self.global_rank == 0:
+                _prepare_single_file(path)
+                torch.save(checkpoint, path)
+            return
+        if path.is_file() and self.global_rank == 0:  # a directory replaces an earlier single file
+            path.unlink()
+        self.barrier()
         converted = {"state_dict": checkpoint.pop("state_dict")}
         converted.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.pop("optimizer_states", []))})
         path.mkdir(parents=True, exist_ok=True)
@@ -367,8 +430,14 @@ class TrainerStrategy(_TrainerModelParallel):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: Optional[bool] = None) -> dict[str, Any]:
         name = type(self).__name__
         path = Path(self.broadcast(checkpoint_path))
-        _check_is_sharded_checkpoint(name, path)
         assert self.model is not None and self.lightning_module is not None
         optimizers = {f"optimizer_{i}": getattr(o, "_optimizer", o) for i, o in enumerate(self.optimizers)}
+        if path.is_file():  # saved with save_distributed_checkpoint=False
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
+            saved = dict(zip(optimizers, checkpoint.get("optimizer_states", [])))
+            _load_full(self.model, optimizers, checkpoint.pop("state_dict"), saved,
+                       strict=self.lightning_module.strict_loading)
+            return checkpoint  # type: ignore[no-any-return]
+        _check_is_sharded_checkpoint(name, path)
         _load_sharded(path, "state_dict", self.model, optimizers, strict=self.lightning_module.strict_loading)
         return torch.load(path / META_FILENAME, weights_only=weights_only)  # type: ignore[no-any-return]

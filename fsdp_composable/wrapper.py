@@ -24,11 +24,10 @@ from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import split_ignored_params
 from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
-from fsdp_composable._module_controls import UnshardHandle, reshard, unshard
+from fsdp_composable._module_controls import UnshardHandle, reshard, sharded_modules, unshard
 from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
 from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
-from fsdp_composable._state_dict_utils import _register_prefix_hooks
-from fsdp_composable._state_dict_utils import state_dict_type as _state_dict_type
+from fsdp_composable._state_dict_utils import _register_prefix_hooks, state_dict_type_with_optim
 from fsdp_composable._torch_interop import _register_torch_api_hooks
 from fsdp_composable._unshard_param_utils import unshard_params
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
@@ -319,13 +318,15 @@ class FullyShardedDataParallel(nn.Module):
         return _state_of(self).is_root is not False
 
     @staticmethod
-    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list["FullyShardedDataParallel"]:
-        """The wrapper instances in ``module`` (itself included). Units picked by a policy are not wrapper
-        instances here (see `describe` for them); ``root_only`` keeps those not inside another."""
-        found = [m for m in module.modules() if isinstance(m, FullyShardedDataParallel)]
+    def fsdp_modules(module: nn.Module, root_only: bool = False) -> list[nn.Module]:
+        """Every unit in ``module`` (itself included), in pre-order, as FSDP1 lists every wrapped module:
+        a wrapper instance, or a module an ``auto_wrap_policy`` made a unit (it keeps its class: not a
+        wrapper, so FSDP1's attributes are the root wrapper's). ``root_only`` keeps those not inside
+        another."""
+        found = sharded_modules(module)
         if not root_only:
             return found
-        inner = {id(sub) for m in found for sub in m.module.modules()}
+        inner = {id(sub) for m in found for sub in m.modules() if sub is not m}
         return [m for m in found if id(m) not in inner]
 
     def register_comm_hook(self, state: object, hook: Callable[..., Any]) -> None:
@@ -349,10 +350,12 @@ class FullyShardedDataParallel(nn.Module):
         module: nn.Module, state_dict_type: Any, state_dict_config: Any = None, optim_state_dict_config: Any = None
     ) -> contextlib.AbstractContextManager[None]:
         """See `fsdp_composable.state_dict_type` (a `StateDictType` and its matching config). Optimizer
-        state dicts follow ``state_dict_config``: an ``optim_state_dict_config`` asking otherwise is refused."""
+        state dicts follow ``optim_state_dict_config`` where given (torch's FSDP1 type), else
+        ``state_dict_config``."""
         config = as_ours("state_dict_type argument 'config'", state_dict_config)
-        _fsdp1_static._check_optim_config(optim_state_dict_config, config, "state_dict_type")
-        return _state_dict_type(module, state_dict_type, config)
+        kind = as_ours("state_dict_type argument 'state_dict_type'", state_dict_type)
+        optim_config = _fsdp1_static.optim_config_of(optim_state_dict_config, kind, "state_dict_type")
+        return state_dict_type_with_optim(module, kind, config, optim_config)
 
     @staticmethod
     def optim_state_dict(

@@ -141,6 +141,9 @@ def test_quickstart_is_two_commands_and_ci_runs_the_test_one() -> None:
         "pip install -e . && python -m fsdp_composable",
         "pip install -e '.[test]' && python -m pytest -q",
     ]
+    # a machine without a GPU needs torch's CPU build before `pip install -e .` pulls the CUDA one
+    cpu_build = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    assert cpu_build in quickstart.split("```bash", 1)[0], "the CPU-build note must come before the commands"
     ci = REPO / ".ci" / "run"
     assert os.access(ci, os.X_OK), ".ci/run must be executable"
     lines = [line.strip() for line in ci.read_text(encoding="utf-8").splitlines()]

@@ -231,7 +231,7 @@ def test_wrapper_ignored_states_errors(dist_run: Callable[..., Any]) -> None:
     )
     tc.assertExpectedInline(
         errors["foreign_param"],
-        """ValueError: FullyShardedDataParallel argument 'ignored_states' has 1 tensor(s) that are not parameters of this OddMLP; pass its own parameters (or ignored_modules=[...])""",
+        "",  # FSDP1 takes parameters outside the module too (they are not its own: nothing to ignore)
     )
     tc.assertExpectedInline(
         errors["not_list"],
@@ -398,7 +398,7 @@ def test_wrapper_has_fsdp1_public_surface(dist_run: Callable[..., Any]) -> None:
     assert r["missing_methods"] == [], r["methods"]
     assert r["missing_attributes"] == [], r["attributes"]
     assert r["strategy"] and r["is_root"]
-    assert r["fsdp_modules"] == ["FullyShardedDataParallel"]
+    assert r["fsdp_modules"] == ["FullyShardedDataParallel", "Linear", "Linear", "Linear", "Linear"]  # every unit
     assert r["buffers"] == ["running_mean", "running_var", "num_batches_tracked"]
 
 
@@ -442,7 +442,7 @@ def test_wrapper_unsupported_fsdp1_keywords(dist_run: Callable[..., Any]) -> Non
     )
     tc.assertExpectedInline(
         errors["optim_config"],
-        """ValueError: set_state_dict_type: optim_state_dict_config.rank0_only=True differs from the state_dict_config's (False); optimizer state dicts follow the model's state_dict_config here, so pass optim_state_dict_config=None and set the option in state_dict_config""",
+        "",  # followed by optimizer state dicts, as FSDP1 does (tests/test_fsdp1_port_first_save.py)
     )
 
 

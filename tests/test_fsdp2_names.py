@@ -193,7 +193,7 @@ def test_fsdp2_names_bad_inputs(dist_run) -> None:
     tc.assertExpectedInline(e["placement_default"], """no error""")
     tc.assertExpectedInline(
         e["foreign_ignore"],
-        """ValueError: fully_shard argument 'ignored_params' has 1 tensor(s) that are not parameters of this TinyGPT; pass its own parameters (or ignored_modules=[...])""",  # noqa: E501
+        """no error""",  # a superset is accepted, as FSDP2 does (tests/test_fsdp2_port_inputs.py)
     )
     tc.assertExpectedInline(
         e["both_ignore"], """ValueError: fully_shard got both ignored_modules= and ignored_params= (FSDP2's name for it); pass only one of them"""  # noqa: E501

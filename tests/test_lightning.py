@@ -87,12 +87,13 @@ def _fabric_train(fabric: Any, model: Any, optim: Any, steps: range) -> list[flo
     return losses
 
 
-def _fabric_resume(ckpt: str) -> dict[str, Any]:
+def _fabric_resume(ckpt: str, distributed: bool) -> dict[str, Any]:
     with _lightning_rank():
-        fabric = _fabric()
+        fabric = _fabric(save_distributed_checkpoint=distributed)
         model, optim = _fabric_setup(fabric, seed=0)
         _fabric_train(fabric, model, optim, range(2))
         fabric.save(ckpt, {"model": model, "optimizer": optim, "step": 2})
+        saved = _full(model)
         uninterrupted = _fabric_train(fabric, model, optim, range(2, 5))
         expected = _full(model)
 
@@ -101,7 +102,7 @@ def _fabric_resume(ckpt: str) -> dict[str, Any]:
         remainder = fabric.load(ckpt, state)
         resumed = _fabric_train(fabric, model, optim, range(state["step"], 5))
         got = _full(model)
-        files = sorted(os.listdir(ckpt))
+        files = sorted(os.listdir(ckpt)) if distributed else _single_file(ckpt, saved, optim)
     return {
         "step": state["step"],
         "remainder": remainder,
@@ -111,13 +112,25 @@ def _fabric_resume(ckpt: str) -> dict[str, Any]:
     }
 
 
-def test_fabric_save_load_resumes_exactly(dist_run: Any) -> None:
+def _single_file(ckpt: str, saved: dict[str, torch.Tensor], optim: Any) -> list[str]:
+    """The one file, read with plain torch.load: its keys, and the model's full tensors as saved."""
+    data = torch.load(ckpt, weights_only=True)
+    assert sorted(data["model"]) == sorted(saved) and all(torch.equal(data["model"][k], v) for k, v in saved.items())
+    assert sorted(data["optimizer"]["state"]) == sorted(n for n in saved), data["optimizer"]["state"].keys()
+    return sorted(data)
+
+
+@pytest.mark.parametrize("distributed", [True, False])
+def test_fabric_save_load_resumes_exactly(dist_run: Any, distributed: bool) -> None:
     ckpt = os.path.join(tempfile.mkdtemp(), "ckpt")
-    results = dist_run(2, _fabric_resume, ckpt, timeout=300)
+    results = dist_run(2, _fabric_resume, ckpt, distributed, timeout=300)
     for r in results:
         assert r["step"] == 2 and r["remainder"] == {}, r
         assert r["losses_equal"] and r["weights_equal"], r
-        assert ".metadata" in r["files"] and "meta.pt" in r["files"], r
+        if distributed:
+            assert ".metadata" in r["files"] and "meta.pt" in r["files"], r
+        else:  # one file, as Lightning writes with save_distributed_checkpoint=False
+            assert r["files"] == ["model", "optimizer", "step"], r
 
 
 def _fabric_no_backward_sync() -> dict[str, int]:
@@ -191,7 +204,6 @@ def _fabric_bad_args() -> list[str]:
     for make in (
         lambda: FabricStrategy(POLICY, parallelize_fn=lambda m, mesh: m),
         lambda: FabricStrategy(POLICY, process_group=None),
-        lambda: FabricStrategy(POLICY, save_distributed_checkpoint=False),
     ):
         try:
             make()
@@ -202,9 +214,9 @@ def _fabric_bad_args() -> list[str]:
 
 def test_strategy_arguments_are_checked() -> None:
     errors = _fabric_bad_args()
-    assert len(errors) == 3, errors
+    assert len(errors) == 2, errors
     assert "either parallelize_fn" in errors[0] and "process_group=device_mesh" in errors[1], errors
-    assert "save_distributed_checkpoint=True" in errors[2], errors
+    TrainerStrategy(POLICY, save_distributed_checkpoint=False)  # a single file: accepted, tested below
 
 
 # --- Trainer ------------------------------------------------------------------------------------
@@ -243,11 +255,11 @@ class _LitMLP(L.LightningModule):  # type: ignore[misc,name-defined]
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
-def _trainer(root: str, epochs: int) -> Any:
+def _trainer(root: str, epochs: int, distributed: bool = True) -> Any:
     return L.Trainer(
         accelerator="cpu",
         devices=2,
-        strategy=TrainerStrategy(POLICY),
+        strategy=TrainerStrategy(POLICY, save_distributed_checkpoint=distributed),
         max_epochs=epochs,
         accumulate_grad_batches=2,
         default_root_dir=root,
@@ -259,7 +271,7 @@ def _trainer(root: str, epochs: int) -> Any:
     )
 
 
-def _trainer_resume(root: str) -> dict[str, Any]:
+def _trainer_resume(root: str, distributed: bool = True) -> dict[str, Any]:
     loader = torch.utils.data.DataLoader(_Pairs(), batch_size=2)
     ckpt = os.path.join(root, "epoch1.ckpt")
     with _lightning_rank(), _counting_reductions() as count:
@@ -268,15 +280,16 @@ def _trainer_resume(root: str) -> dict[str, Any]:
         expected = _full(whole)
 
         first = _LitMLP(0, lambda: count[0])
-        trainer = _trainer(root, epochs=1)
+        trainer = _trainer(root, epochs=1, distributed=distributed)
         trainer.fit(first, loader)
         trainer.save_checkpoint(ckpt)
 
         resumed = _LitMLP(1, lambda: count[0])
-        trainer = _trainer(root, epochs=2)
+        trainer = _trainer(root, epochs=2, distributed=distributed)
         trainer.fit(resumed, loader, ckpt_path=ckpt)
         got = _full(resumed)
     return {
+        "single_file": os.path.isfile(ckpt),
         "weights_equal": all(torch.equal(got[k], v) for k, v in expected.items()),
         "global_step": trainer.global_step,
         "per_backward": whole.per_backward,
@@ -284,9 +297,11 @@ def _trainer_resume(root: str) -> dict[str, Any]:
     }
 
 
-def test_trainer_checkpoint_resume_and_accumulation(dist_run: Any) -> None:
-    results = dist_run(2, _trainer_resume, tempfile.mkdtemp(), timeout=400)
+@pytest.mark.parametrize("distributed", [True, False])
+def test_trainer_checkpoint_resume_and_accumulation(dist_run: Any, distributed: bool) -> None:
+    results = dist_run(2, _trainer_resume, tempfile.mkdtemp(), distributed, timeout=400)
     for r in results:
+        assert r["single_file"] is not distributed, r
         assert r["weights_equal"], r
         assert r["global_step"] == 4 and r["resumed_backwards"] == 4, r  # 2 optimizer steps per epoch
         # accumulate_grad_batches=2: the first micro-batch of each step reduces nothing

@@ -24,6 +24,7 @@ from job_helpers import LAUNCHER_VARS
 from job_helpers import assert_fits as _assert_fits
 
 from fsdp_composable import _job_processes
+from fsdp_composable.__main__ import parse_args
 from fsdp_composable.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
@@ -216,6 +217,14 @@ def test_sharded_checkpoint_resume_matches_training_on(tmp_path: Path) -> None:
     total, *parts = map(float, times.groups())
     assert sum(parts) <= total + 0.2, times.group(0)  # disjoint spans of one run (printed rounded)
     assert (ckpt / "latest").read_text() == "step_3\n"
+    # job.json holds the sha256 of every file the 2 ranks saved; a swapped .metadata is refused
+    saved = json.loads((ckpt / "step_3" / "job.json").read_text())["files"]
+    assert sorted(saved) == sorted(p.name for p in (ckpt / "step_3").iterdir() if p.name != "job.json"), saved
+    assert {".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(saved), saved
+    shutil.copytree(ckpt, tmp_path / "planted")
+    (tmp_path / "planted" / "step_3" / ".metadata").write_bytes(b"cos\nsystem\n(S'true'\ntR.")
+    with pytest.raises(SystemExit):
+        parse_args(["--steps", "5", "--checkpoint-dir", str(tmp_path / "planted"), "--resume", *SMALL])
     shutil.copytree(ckpt, tmp_path / "ckpt4")
     args = ["--steps", "4", "--checkpoint-dir", "ckpt4", "--resume", "--world-size", "4", *SMALL]
     four_job = jobs.submit(_run_job, args, cwd=tmp_path)

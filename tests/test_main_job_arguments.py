@@ -4,6 +4,7 @@ bad value, and what the job would run (the job end to end: test_main_job.py)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
 import io
 import json
@@ -24,6 +25,7 @@ def _fake_checkpoint(root: Path, step: int, **job: object) -> None:
     """A checkpoint directory as the job leaves it (DIR/latest -> DIR/step_N with job.json), without
     the tensors: enough for the checks made before any rank starts."""
     record = {"vocab": 64, "d_model": 64, "layers": 4, "heads": 4, "seq": 32, "step": step, "global_batch": 16}
+    record["files"] = {".metadata": hashlib.sha256(b"").hexdigest()}
     record.update(job)
     (root / f"step_{step}").mkdir(parents=True)
     (root / f"step_{step}" / "job.json").write_text(json.dumps(record))
@@ -223,6 +225,40 @@ NO_SHARD on 4 CPU ranks (gloo, starting them)""")
 --resume: TMP/ckpt/step_10 was saved for a different model (--d-model 32 there, 64 here; --layers 4 there, 2 here); pass the same options
 --resume: TMP/ckpt/step_10 is already at step 10 and --steps is 10: nothing to train; pass --steps greater than 10
 --checkpoint-dir: TMP/other/latest names 'step_3', but TMP/other/step_3/job.json cannot be read ([Errno 2] No such file or directory: 'TMP/other/step_3/job.json')""")  # noqa: E501
+
+    def test_checkpoint_files_must_be_the_ones_saved(self) -> None:
+        """job.json's sha256 of every saved file: a file changed, planted, missing or not a file, or a
+        record without digests, is refused in one line before any rank starts (loading would unpickle it)."""
+        empty = hashlib.sha256(b"").hexdigest()
+        records: dict[str, dict[str, object]] = {
+            "missing": {"files": {".metadata": empty, "__1_0.distcp": empty}},
+            "bad_digest": {"files": {".metadata": "0"}},
+        }
+        with tempfile.TemporaryDirectory() as tmp:
+            cases = []
+            for change in ["changed", "planted", "missing", "directory", "no_digests", "bad_digest"]:
+                root = Path(tmp, change)
+                _fake_checkpoint(root, 10, **records.get(change, {}))
+                step = root / "step_10"
+                if change == "changed":  # a pickle that would run code when DCP loads it
+                    (step / ".metadata").write_bytes(b"cos\nsystem\n(S'true'\ntR.")
+                elif change == "planted":
+                    (step / "__0_0.distcp").write_bytes(b"x")
+                elif change == "directory":
+                    (step / "extra").mkdir()
+                elif change == "no_digests":
+                    record = json.loads((step / "job.json").read_text())
+                    del record["files"]
+                    (step / "job.json").write_text(json.dumps(record))
+                cases.append(["--checkpoint-dir", str(root), "--steps", "20", "--resume"])
+            message = self._errors(cases)
+        self.assertExpectedInline(message.replace(tmp, "TMP"), """\
+--checkpoint-dir: TMP/changed/step_10: '.metadata' was changed after the save (its sha256 is not the one job.json recorded); refusing it, since loading a checkpoint unpickles its files: restore the directory as the job saved it, or start a fresh run
+--checkpoint-dir: TMP/planted/step_10: '__0_0.distcp' is not a file the job saved there; refusing it, since loading a checkpoint unpickles its files: restore the directory as the job saved it, or start a fresh run
+--checkpoint-dir: TMP/missing/step_10: '__1_0.distcp', which the job saved, is missing; refusing it, since loading a checkpoint unpickles its files: restore the directory as the job saved it, or start a fresh run
+--checkpoint-dir: TMP/directory/step_10 holds 'extra', which is not a regular file (a save writes only files)
+--checkpoint-dir: TMP/no_digests/step_10/job.json is not the job's record: 'files' is missing (the digests of the saved files, which every save of the job records)
+--checkpoint-dir: TMP/bad_digest/step_10/job.json is not the job's record: 'files' must map each file's name to its sha256, got {'.metadata': '0'}""")  # noqa: E501
 
     def test_corrupt_or_escaping_checkpoint_is_refused_in_one_line(self) -> None:
         """A hand-edited or damaged checkpoint directory: ``job.json`` with non-numbers, wrong types,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import io
+from pathlib import Path
 from typing import Any
 
 import expecttest
@@ -67,6 +68,20 @@ def test_refused_full_load_leaves_every_parameter_untouched(dist_run) -> None:
             assert "fully_shard: " in r["message"] and "nothing was loaded" in r["message"], (case, rank, r)
             assert r["untouched"], (case, rank, r)
         assert results[0]["params_equal"] == results[1]["params_equal"], case
+
+
+def test_errors_page_says_a_refused_full_load_writes_nothing(dist_run) -> None:
+    """docs/errors.md's rows for a FULL load with a value of the wrong shape say what the code does
+    (checked here at 2 ranks): nothing is written, the other keys included, and the message says so."""
+    for r in dist_run(2, refused_load, "shape_every_rank"):
+        assert r["untouched"], r
+        said = r["message"].splitlines()[-1].strip()
+    text = (Path(__file__).resolve().parent.parent / "docs" / "errors.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| FULL: ") and "wrong shape" in line]
+    assert len(rows) == 2, rows
+    for row in rows:
+        assert said in row and "other keys are loaded" not in row, row
+    assert "Nothing is written: every parameter and buffer keeps its value on every rank" in rows[0], rows[0]
 
 
 def accepted_non_strict_load() -> bool:

@@ -197,7 +197,7 @@ def test_is_sharded_and_sharded_modules(dist_run: Any) -> None:
     assert r["wrapper"] == ["", prefix + "l1", prefix + "l2.0", prefix + "l2.2", prefix + "l3"]
     assert r["by_hand"] == ["Sequential", "Linear"]
     assert r["is_sharded"] == [True, True, False, False, True, False, False]
-    assert r["fsdp_modules"] == 1
+    assert r["fsdp_modules"] == 5  # as FSDP1: the root and every unit its policy made
 
 
 # ---------------------------------------------------------------------------- 2. switches
@@ -420,33 +420,48 @@ def explicit_prefetch(limit: bool) -> dict[str, Any]:
     set_modules_to_forward_prefetch(model.l1, [model.l2[0], model.l2[2]])  # two ahead
     set_modules_to_backward_prefetch(model.l3, [model.l2[2], model.l2[0]])
     state = fully_shard.state(model)
-    logs, peaks = [], []
-    for step in range(3):
-        batch, local = _batch(step)
-        mlp_loss(ref, batch).backward()
-        mlp_loss(model, local).backward()
-        assert state.exec_order_data is not None and state.limiter is not None
-        logs.append(state.exec_order_data.last_prefetch_log)
-        peaks.append(state.limiter.peak)
-        for o in (opt_ref, opt):
-            o.step()
-            o.zero_grad()
-    return {"logs": logs, "peak": max(peaks), "diff": _max_diff(ref, model)}
+    logs, peaks, at_l1 = [], [], []
+    gathers = [0]
+    original = _collectives.all_gather
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        gathers[0] += 1
+        return original(*args, **kwargs)
+
+    # runs after fully_shard's pre-forward of l1, which issued the listed units' all-gathers
+    hook = model.l1.register_forward_pre_hook(lambda *_: at_l1.append(gathers[0]))
+    _collectives.all_gather = counted  # type: ignore[assignment]
+    try:
+        for step in range(3):
+            batch, local = _batch(step)
+            mlp_loss(ref, batch).backward()
+            gathers[0] = 0
+            mlp_loss(model, local).backward()
+            assert state.exec_order_data is not None and state.limiter is not None
+            logs.append(state.exec_order_data.last_prefetch_log)
+            peaks.append(state.limiter.peak)
+            for o in (opt_ref, opt):
+                o.step()
+                o.zero_grad()
+    finally:
+        _collectives.all_gather = original  # type: ignore[assignment]
+        hook.remove()
+    return {"logs": logs, "peak": max(peaks), "diff": _max_diff(ref, model), "at_l1": at_l1}
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_explicit_prefetch_lists_within_the_limiter(dist_run: Any, world: int) -> None:
-    for r in dist_run(world, explicit_prefetch, True):
-        # first iteration: no forward prefetch (the order check comes first); the limiter (two units)
-        # lets one of the two named units through in forward, and in backward
-        assert r["logs"][0] == [("backward", "l2.2")]
-        assert r["logs"][1] == r["logs"][2] == [("forward", "l2.0"), ("backward", "l2.2")]
-        assert r["peak"] <= 2
-        assert r["diff"] < 1e-6
-    for r in dist_run(world, explicit_prefetch, False):
-        assert r["logs"][1] == [("forward", "l2.0"), ("forward", "l2.2"), ("backward", "l2.2"), ("backward", "l2.0")]
-        assert r["peak"] == 3
-        assert r["diff"] < 1e-6
+def test_explicit_prefetch_lists_issue_every_unit_listed(dist_run: Any, world: int) -> None:
+    """As FSDP2: every unit listed is gathered early, with the all-gather limit on or off ([Note:
+    explicit prefetch lists]); the first iteration prefetches nothing in forward (the order check)."""
+    for limit in (True, False):
+        for r in dist_run(world, explicit_prefetch, limit):
+            assert r["logs"][0] == [("backward", "l2.2"), ("backward", "l2.0")], (limit, r)
+            listed = [("forward", "l2.0"), ("forward", "l2.2"), ("backward", "l2.2"), ("backward", "l2.0")]
+            assert r["logs"][1] == r["logs"][2] == listed, (limit, r)
+            # all-gathers issued when l1's forward starts: l1's own, then both listed units
+            assert r["at_l1"][1:] == [3, 3], (limit, r)
+            assert r["peak"] == 3, (limit, r)
+            assert r["diff"] < 1e-6, (limit, r)
 
 
 # ---------------------------------------------------------------------------- the wrapper's methods

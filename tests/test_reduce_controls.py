@@ -172,6 +172,6 @@ bad_flag: TypeError: set_force_sum_reduction_for_comms(unit '<root>'): enable mu
 bad_hook: TypeError: set_all_reduce_hook(unit '<root>'): hook must be callable or None, got str
 hybrid_stream: ValueError: set_all_reduce_hook(unit '<root>'): stream cannot be set with HYBRID_SHARD; the hook runs on the stream of the unit's last gradient collective. Leave stream out
 stream: ValueError: set_all_reduce_hook(unit '<root>'): a custom stream is not supported; the hook runs on the stream of the unit's last gradient collective. Leave stream out
-event_type: TypeError: set_post_optim_event(unit '<root>', 'l2'): event must be a torch.Event recorded after the optimizer step, got str
+event_type: TypeError: set_post_optim_event(unit '<root>', 'l2'): event must be a torch.Event recorded after the optimizer step (or None), got str
 event_early: RuntimeError: set_post_optim_event(unit '<root>', 'l2'): the model has not run a forward yet; call it after the optimizer step, before the next forward
 comm_hook: ValueError: set_gradient_divide_factor(unit '<root>'): the unit's gradients go through a communication hook (register_comm_hook), which replaces the reduction; do the division or the extra step inside that hook""")  # noqa: E501
