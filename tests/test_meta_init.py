@@ -227,3 +227,32 @@ def test_meta_recipe_with_a_list_unit_gives_the_plain_init(dist_run, kind) -> No
     exactly the plain model's values."""
     for r in dist_run(2, meta_list_unit, kind):
         assert r["plain_values"] and r["forward_diff"] < 1e-6, r
+
+
+def sharded_inside_the_meta_block(api: str) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = OddMLP()
+        if api == "fully_shard":
+            fully_shard(model.l2)
+            model = fully_shard(model)
+        else:
+            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        still_meta = torch.empty(1).is_meta  # the block's default device is back
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)
+    _reset_each_module(model)
+    torch.manual_seed(7)
+    ref = OddMLP()
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(ref)), "still_meta": still_meta}
+    r["train_diff"] = mlp_sgd_diff(model, ref)
+    return r
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "wrapper"])
+def test_fully_shard_inside_the_meta_device_block(dist_run, api) -> None:
+    """fully_shard (or the wrapper) called inside ``with torch.device("meta"):``, as FSDP2 code does:
+    it works as when called after the block; to_empty and reset_parameters() give the plain model's
+    values, and training is in parity."""
+    for r in dist_run(2, sharded_inside_the_meta_block, api):
+        assert r["plain_values"] and r["still_meta"], r
+        assert r["train_diff"] < 1e-5, r
