@@ -167,25 +167,33 @@ def grad_data_writes(kind: str) -> dict[str, float]:
     the plain model (the ``.grad`` object stays the same, only its storage changes)."""
     ref, model = _pair()
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    norms: list[float] = []
     for step in range(2):
         for m, x in ((ref, _data(step)), (model, _local(_data(step)))):
             m(x).pow(2).mean().backward()
             for p in m.parameters():
                 if p.grad is not None:
                     p.grad.data = p.grad * 3.0 if kind == "scaled" else torch.ones_like(p.grad)
+        if kind == "ones":  # clip_grad_norm_ and unshard_params(with_grads=True) see the writes too
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+            norms.append(clip_grad_norm_(model, 1e9).item() - ref_norm)
+            with unshard_params(model, with_grads=True):
+                pairs = [(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters()) if r.grad is not None]
+                norms.append(_max_diff([a for a, _ in pairs], [b for _, b in pairs]))
         ref(_data(step + 5)).pow(2).mean().backward()  # accumulates into the written gradients
         model(_local(_data(step + 5))).pow(2).mean().backward()
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
         opt.zero_grad()
-    return {"diff": _max_diff(_full_params(model), [p.detach() for p in ref.parameters()])}
+    diff = _max_diff(_full_params(model), [p.detach() for p in ref.parameters()])
+    return {"diff": diff, "norms": max((abs(n) for n in norms), default=0.0)}
 
 
 def test_grad_data_writes_between_backward_and_step(dist_run) -> None:
     for kind in ("scaled", "ones"):
         for r in dist_run(2, grad_data_writes, kind):
-            assert r["diff"] < 1e-12, (kind, r)
+            assert r["diff"] < 1e-12 and r["norms"] < 1e-6, (kind, r)  # the norm: float32
 
 
 def clip_cases() -> dict[str, Any]:
