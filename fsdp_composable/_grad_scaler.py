@@ -48,6 +48,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
     ) -> None:
         super().__init__(device, init_scale, growth_factor, backoff_factor, growth_interval, enabled)
         self.process_group = process_group
+        self._flag_device = torch.device(device)  # where the summed flags live before the collective
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
         """torch's unscale, then every rank takes the largest ``found_inf`` of the group."""
@@ -61,7 +62,7 @@ class ShardedGradScaler(torch.amp.GradScaler):
         if dist.get_world_size(group) == 1:
             return
         found: dict[Any, torch.Tensor] = self._per_optimizer_states[id(optimizer)]["found_inf_per_device"]
-        comm = _collectives.comm_device(group, torch.device(self._device))
+        comm = _collectives.comm_device(group, self._flag_device)
         total = torch.zeros(1, dtype=torch.float32, device=comm)
         for flag in found.values():
             total += flag.to(device=comm, dtype=torch.float32)
