@@ -195,9 +195,10 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
     """The per-unit collectives that follow need every rank to hold the same state keys. Exchange
     what each rank has (once per process group, groups in a rank-independent order) and agree.
 
-    A parameter whose slice is empty on some rank may have no state there (its gradient there is
-    None, so the optimizer never created any): that rank takes the keys and scalars (``step``) from
-    a rank that has them, with zero-length tensors. Any other difference raises on every rank."""
+    A parameter whose slice is empty on some rank may have no state there (an optimizer loaded from
+    a checkpoint of older versions, whose empty slices got no gradient; today they get an empty one
+    and are stepped): that rank takes the keys and scalars (``step``) from a rank that has them, with
+    zero-length tensors. Any other difference raises on every rank."""
     mine = [_record(u, c) for u, c in zip(units, collected)]
     for indices, everyone in _exchange(units, mine, "optimizer state check"):
         for j, i in enumerate(indices):
