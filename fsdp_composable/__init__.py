@@ -25,6 +25,7 @@ _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 if not _RUN_AS_MAIN:
     from fsdp_composable._comm_hooks import register_comm_hook
     from fsdp_composable._forward_methods import register_fsdp_forward_method
+    from fsdp_composable._grad_scaler import ShardedGradScaler
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
     from fsdp_composable._module_controls import UnshardHandle, is_sharded, reshard, sharded_modules, unshard
     from fsdp_composable._module_switches import (
@@ -99,6 +100,7 @@ __all__ = [
     "Policy",
     "RankMismatchError",
     "SizeBasedPolicy",
+    "ShardedGradScaler",
     "ShardedStateDictConfig",
     "ShardingPlan",
     "ShardingStrategy",

@@ -21,8 +21,9 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     """Fold what the user left in the original parameters' ``.grad`` into ``flat_param.grad``.
 
     Between steps ``.grad`` is a view of the sharded gradient; ``zero_grad(set_to_none=True)`` sets
-    it to None, and a user may assign a tensor of their own (torch then accumulates the next backward
-    into that tensor, so we copy it in). Clears the parameters' ``.grad`` afterwards."""
+    it to None, and a user may assign a tensor of their own, or repoint ours (``p.grad.data = t``):
+    torch would then accumulate the next backward into that tensor, so we copy it in. Clears the
+    parameters' ``.grad`` afterwards."""
     grads = handle.grads
     if not grads.expose_orig:
         return
@@ -35,12 +36,13 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
         grads.exposed = []
         return
     current = [p.grad for p in handle.params]
+    untouched = len(ours) == len(current) and all(g is v for g, v in zip(current, ours))
     if not ours and all(g is None for g in current):
         pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
     elif all(g is None for g in current):
         handle.flat_param.grad = None
         grads.missing = frozenset()
-    elif not (len(ours) == len(current) and all(g is v for g, v in zip(current, ours))):
+    elif not untouched or _any_rebound(handle, current):
         flat_grad = handle.flat_param.grad
         if flat_grad is None:
             flat_grad = torch.zeros_like(handle.flat_param)
@@ -52,7 +54,7 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                 if grad is None:
                     view.zero_()
                     missing.add(i)
-                elif grad is not mine:
+                elif grad is not mine or _rebound(grad, view):
                     view.copy_(local_of(grad).reshape(view.shape))
                     missing.discard(i)
         handle.flat_param.grad = flat_grad
@@ -61,6 +63,20 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
         if grad is not None:
             param.grad = None
     grads.exposed = []
+
+
+def _rebound(grad: torch.Tensor, view: torch.Tensor) -> bool:
+    """A ``.grad`` we exposed whose storage the user replaced (``p.grad.data = t``): still the same
+    object, so torch's next backward would accumulate into ``t`` unless we copy ``t`` in."""
+    local = local_of(grad)
+    return local.numel() > 0 and local.data_ptr() != view.data_ptr()
+
+
+def _any_rebound(handle: FlatParamHandle, current: list[Optional[torch.Tensor]]) -> bool:
+    flat_grad = handle.flat_param.grad
+    if flat_grad is None:
+        return False
+    return any(g is not None and _rebound(g, v) for g, v in zip(current, handle.sharded_views_of(flat_grad)))
 
 
 def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
@@ -89,8 +105,9 @@ def release_cleared_grads(handle: FlatParamHandle) -> None:
 def expose_sharded_grads(handle: FlatParamHandle) -> None:
     """Show ``flat_param.grad`` as the original parameters' ``.grad`` (1-D views of their slices).
 
-    A parameter with no element on this rank gets None, as torch FSDP gives it: there is nothing of
-    it here to step. Only while sharded (a view's shape must match ``.data``'s)."""
+    A parameter with no element on this rank gets an empty gradient (as FSDP2 gives it), not None:
+    the optimizer then steps it on every rank alike (Adam's ``step`` agrees across ranks and in
+    checkpoints). Only while sharded (a view's shape must match ``.data``'s)."""
     grads = handle.grads
     flat_grad = handle.flat_param.grad
     if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.in_backward():
@@ -98,7 +115,7 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     exposed: list[Optional[torch.Tensor]] = []
     views = handle.sharded_views_of(flat_grad)
     for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
-        if param.requires_grad and view.numel() > 0 and i not in grads.missing:
+        if param.requires_grad and i not in grads.missing:
             grad = view if info.tp is None else as_param_grad(info.tp, view)
             assign_grad(param, grad)
             exposed.append(grad)

@@ -15,6 +15,8 @@ registered on every member:
 - names: each parameter's holders are (module, attribute) pairs, named from the enclosing root's
   ``named_modules()`` by the state dict, the optimizer state dict and `describe`; the state-dict
   hooks are registered on every member, which opens the unit around its own subtree.
+- the ``reset_parameters`` and ``to_empty`` wrappers go on the modules under every member
+  (`unit_roots_named_modules`), not only under the first.
 LOCAL_STATE_DICT keys a unit's flat shard by its module's prefix, which a unit of several modules
 does not have: it is refused (`check_no_local_state_dict`); FULL and SHARDED work.
 The members have no common module until an enclosing ``fully_shard`` is applied, so the unit runs
@@ -27,6 +29,7 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._wrap_utils import SubmoduleState, _get_submodule_to_states
 
 __all__: list[str] = []
@@ -106,3 +109,19 @@ def check_no_local_state_dict(handle: Any) -> None:
             f"LOCAL_STATE_DICT cannot save or load the unit fully_shard made of several modules ({names}): "
             "its flat shard has no single module to be keyed under. Use FULL_STATE_DICT or SHARDED_STATE_DICT"
         )
+
+
+def unit_roots_named_modules(state: _FSDPState) -> list[tuple[str, nn.Module]]:
+    """Every module under the state's module and, for ``fully_shard([m1, m2])``, under each member (the
+    later members are not below the first), each once, named from its own root."""
+    roots: list[nn.Module] = [state.module]
+    for handle in state.handles:
+        roots.extend(m for m in handle.members if all(m is not r for r in roots))
+    seen: set[int] = set()
+    out: list[tuple[str, nn.Module]] = []
+    for root in roots:
+        for fqn, module in root.named_modules():
+            if id(module) not in seen:
+                seen.add(id(module))
+                out.append((fqn, module))
+    return out

@@ -45,6 +45,7 @@ from fsdp_composable._state_dict_sharded import (
     _sharded_value,
     to_flat_shard,
 )
+from fsdp_composable._state_digest import digests
 from fsdp_composable.api import StateDictConfig
 
 __all__: list[str] = []
@@ -194,9 +195,10 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
     """The per-unit collectives that follow need every rank to hold the same state keys. Exchange
     what each rank has (once per process group, groups in a rank-independent order) and agree.
 
-    A parameter whose slice is empty on some rank may have no state there (its gradient there is
-    None, so the optimizer never created any): that rank takes the keys and scalars (``step``) from
-    a rank that has them, with zero-length tensors. Any other difference raises on every rank."""
+    A parameter whose slice is empty on some rank may have no state there (an optimizer loaded from
+    a checkpoint of older versions, whose empty slices got no gradient; today they get an empty one
+    and are stepped): that rank takes the keys and scalars (``step``) from a rank that has them, with
+    zero-length tensors. Any other difference raises on every rank."""
     mine = [_record(u, c) for u, c in zip(units, collected)]
     for indices, everyone in _exchange(units, mine, "optimizer state check"):
         for j, i in enumerate(indices):
@@ -205,17 +207,25 @@ def _check_same_on_all_ranks(units: list[_Unit], collected: list[_UnitState]) ->
 
 def _saved_signature(entry: Any) -> Optional[tuple[Any, ...]]:
     """What loading ``entry`` (a parameter's saved state) does: its keys, and per tensor its kind,
-    dtype, shape and placements (a DTensor is a collective to convert, a full tensor is not)."""
+    dtype, shape and placements (a DTensor is a collective to convert, a full tensor is not); and
+    what it holds: a digest of each plain tensor, each number (see [Note: digests of loaded optimizer
+    state])."""
     if not isinstance(entry, Mapping):
         return None
     out = []
+    plain = [(str(k), v) for k, v in entry.items() if isinstance(v, torch.Tensor) and not isinstance(v, DTensor)]
+    plain = [(k, v) for k, v in plain if v.dim() > 0]  # a 0-dim value (``step``) is shown as it is
+    digest_of = dict(zip([k for k, _ in plain], digests([v for _, v in plain])))
     for key, value in entry.items():
         if isinstance(value, DTensor):
-            out.append((str(key), "DTensor", str(value.dtype), tuple(value.shape), str(value.placements)))
+            out.append((str(key), "DTensor", str(value.dtype), tuple(value.shape), str(value.placements), ""))
         elif isinstance(value, torch.Tensor):
-            out.append((str(key), "tensor", str(value.dtype), tuple(value.shape), ""))
+            held = repr(value.item()) if value.dim() == 0 else f"digest {digest_of[str(key)]}"
+            out.append((str(key), "tensor", str(value.dtype), tuple(value.shape), "", held))
+        elif isinstance(value, (bool, int, float)):
+            out.append((str(key), type(value).__name__, "", (), "", repr(value)))
         else:
-            out.append((str(key), type(value).__name__, "", (), ""))
+            out.append((str(key), type(value).__name__, "", (), "", ""))
     return tuple(sorted(out))
 
 
@@ -244,6 +254,7 @@ def _check_saved_same_on_all_ranks(units: list[_Unit], saved: list[list[Any]], u
                     "must build the same optimizer (same param groups) and load the same checkpoint"
                 )
             for k, fqn in enumerate(units[i].fqns):
+                _check_same_values(fqn, [r[1][k] for r in records])
                 if len({repr(r[1][k]) for r in records}) > 1:
                     detail = "; ".join(f"rank {r}: {rec[1][k]}" for r, rec in enumerate(records))
                     raise RuntimeError(
@@ -252,6 +263,26 @@ def _check_saved_same_on_all_ranks(units: list[_Unit], saved: list[list[Any]], u
                         "parameters and load the same checkpoint; to load into optimizers built from "
                         "differently ordered or grouped parameters, use optim_state_dict_to_load"
                     )
+
+
+def _check_same_values(fqn: str, signatures: list[Any]) -> None:
+    """Signatures equal but for the values: the ranks were given the same kind of state from different
+    checkpoints (another step's, or an edited one). Name the parameter and the keys whose values differ."""
+    if any(sig is None for sig in signatures) or len({tuple(f[:5] for f in sig) for sig in signatures}) > 1:
+        return  # a difference in structure: the caller's message
+    differing = []
+    for n, field in enumerate(signatures[0]):
+        values = [sig[n][5] for sig in signatures]
+        if len(set(values)) > 1:
+            shown = ", ".join(f"rank {r}: {v}" for r, v in enumerate(values))
+            differing.append(f"{field[0]}: {shown}" if field[3] == () else f"{field[0]} differs")
+    if differing:
+        raise RuntimeError(
+            f"fully_shard: optimizer.load_state_dict() got state for parameter '{fqn}' with the same keys and "
+            f"shapes but different values on different ranks ({'; '.join(differing)}): the ranks were given "
+            "different checkpoints (another step's state on some rank?). Load the same checkpoint on every rank; "
+            "nothing was loaded"
+        )
 
 
 def _agree(unit: _Unit, c: _UnitState, records: list[_Record]) -> None:

@@ -121,6 +121,7 @@ _PURPOSES = (
     "fully_shard()",
     "optimizer.state_dict()",
     "optimizer.load_state_dict()",
+    "GradScaler.unscale_()",
 )
 _FIRST_ENTRY_POINT = 3
 

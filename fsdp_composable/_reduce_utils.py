@@ -116,7 +116,7 @@ class UnitGrads:
     # HYBRID_SHARD with set_requires_all_reduce(False): reduced shards not yet all-reduced across
     # replicas, summed; the next reduction that all-reduces adds them in (see `PendingReduce.wait`)
     partial: Optional[torch.Tensor] = None
-    # the ``.grad`` we set on each original parameter (None: none set, e.g. an empty local slice)
+    # the ``.grad`` we set on each original parameter (None: none set, e.g. a parameter without a gradient)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
     controls: ReduceControls = field(default_factory=ReduceControls)
     # [Note: which parameters got a gradient]: parameters whose slice of flat_param.grad is no gradient

@@ -44,6 +44,7 @@ from fsdp_composable._checkpoint_comm import gather_full_flat as _gather_full_fl
 from fsdp_composable._common_utils import TrainingState, _FSDPState
 from fsdp_composable._entry_points import _settle_unfinished_step
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._group_units import unit_roots_named_modules
 from fsdp_composable._rank_agreement import Op
 from fsdp_composable._tensor_parallel import is_tp_sharded, local_of, point_at
 from fsdp_composable._unshard_param_utils import _restore_handle, _Summoned, begin_summon, end_summon
@@ -73,16 +74,15 @@ def install_reset_hooks(state: _FSDPState) -> None:
     """Give every module under ``state.module`` that has a ``reset_parameters`` and whose subtree
     holds a parameter of ``state``'s units the wrapper (see [Note: reset_parameters after sharding])."""
     holders = {m for h in state.handles for info in h.layout.infos for m, _, _ in info.holders}
-    if not holders:
-        return
-    for fqn, module in state.module.named_modules():
+    for fqn, module in unit_roots_named_modules(state):
+        target = module.__dict__.get(_TARGET)
+        if target is not None:
+            target.fqn = fqn  # an enclosing fully_shard call names it from further up
         if not callable(getattr(module, "reset_parameters", None)) or not holders.intersection(module.modules()):
             continue
-        target = module.__dict__.get(_TARGET)
         if target is None:
             target = module.__dict__[_TARGET] = _Target(fqn, module.__dict__.get("reset_parameters"))
             module.__dict__["reset_parameters"] = _make_wrapper(module)
-        target.fqn = fqn  # an enclosing fully_shard call names it from further up
         if state not in target.states:
             target.states.append(state)
 

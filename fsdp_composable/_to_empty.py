@@ -33,6 +33,7 @@ from torch import nn
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._group_units import unit_roots_named_modules
 from fsdp_composable._tensor_parallel import local_of, point_at
 
 __all__ = ["install_to_empty", "to_empty_keeping_shards"]
@@ -46,7 +47,7 @@ def install_to_empty(state: _FSDPState) -> None:
     holders = {m for h in state.handles for info in h.layout.infos for m, _, _ in info.holders}
     if not holders:
         return
-    for module in state.module.modules():
+    for _, module in unit_roots_named_modules(state):  # every member of fully_shard([m1, m2])
         if not holders.intersection(module.modules()):
             continue
         states = module.__dict__.get(_STATES)

@@ -291,8 +291,8 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
         for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
-    # The same order on every rank: a parameter with no state here (its slice is empty, so it got no
-    # gradient) was added above, and torch's API gathers DTensor values in this dict's order, so our
+    # The same order on every rank: a parameter with no state here (its slice is empty and it was
+    # never stepped here) was added above, and torch's API gathers DTensor values in this dict's order, so our
     # parameters come in the order the units were built, never in the optimizer's numbering (ranks
     # may list the parameters in different orders).
     built: dict[int, tuple[int, int]] = {}

@@ -11,6 +11,7 @@ from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState, _registrations_of
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
+from fsdp_composable._default_device import default_device_not_meta
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._group_units import check_members
@@ -76,36 +77,37 @@ def fully_shard(
     mixed_precision = as_ours("fully_shard argument 'mixed_precision'", mixed_precision)
     cpu_offload = as_ours("fully_shard argument 'cpu_offload'", cpu_offload)
     backward_prefetch = as_ours("fully_shard argument 'backward_prefetch'", backward_prefetch)
-    ours = map_fsdp2_names(
-        module,
-        OurArgs(process_group, strategy, mixed_precision, cpu_offload, ignored_modules),
-        mesh=mesh,
-        reshard_after_forward=reshard_after_forward,
-        mp_policy=mp_policy,
-        offload_policy=offload_policy,
-        ignored_params=ignored_params,
-        shard_placement_fn=shard_placement_fn,
-    )
-    _register_torch_api_hooks(module)  # before the state's own hooks: see [Note: torch's model state-dict API]
-    args = ShardConfig(
-        policy=policy,
-        process_group=ours.process_group,
-        strategy=ours.strategy,
-        mixed_precision=ours.mixed_precision,
-        cpu_offload=ours.cpu_offload,
-        ignored_modules=ours.ignored_modules,
-        ignored_params=ours.ignored_params,
-        device_id=device_id if device_id is not None else mesh_device(mesh, module),
-        param_init_fn=param_init_fn,
-        sync_module_states=sync_module_states,
-        forward_prefetch=forward_prefetch,
-        backward_prefetch=backward_prefetch,
-        limit_all_gathers=limit_all_gathers,
-        reshard_after_forward_ranks=ours.reshard_after_forward_ranks,
-    )
-    for member in members[1:]:
-        _register_torch_api_hooks(member)
-    _build_state(module, args, members)
+    with default_device_not_meta():  # see [Note: fully_shard under a meta default device]
+        ours = map_fsdp2_names(
+            module,
+            OurArgs(process_group, strategy, mixed_precision, cpu_offload, ignored_modules),
+            mesh=mesh,
+            reshard_after_forward=reshard_after_forward,
+            mp_policy=mp_policy,
+            offload_policy=offload_policy,
+            ignored_params=ignored_params,
+            shard_placement_fn=shard_placement_fn,
+        )
+        _register_torch_api_hooks(module)  # before the state's own hooks: see [Note: torch's model state-dict API]
+        args = ShardConfig(
+            policy=policy,
+            process_group=ours.process_group,
+            strategy=ours.strategy,
+            mixed_precision=ours.mixed_precision,
+            cpu_offload=ours.cpu_offload,
+            ignored_modules=ours.ignored_modules,
+            ignored_params=ours.ignored_params,
+            device_id=device_id if device_id is not None else mesh_device(mesh, module),
+            param_init_fn=param_init_fn,
+            sync_module_states=sync_module_states,
+            forward_prefetch=forward_prefetch,
+            backward_prefetch=backward_prefetch,
+            limit_all_gathers=limit_all_gathers,
+            reshard_after_forward_ranks=ours.reshard_after_forward_ranks,
+        )
+        for member in members[1:]:
+            _register_torch_api_hooks(member)
+        _build_state(module, args, members)
     return given
 
 

@@ -20,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from fsdp_composable import _comm_hooks, _fsdp1_static, _module_switches
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
+from fsdp_composable._default_device import default_device_not_meta
 from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import split_ignored_params
@@ -131,12 +132,13 @@ class FullyShardedDataParallel(nn.Module):
             api="FullyShardedDataParallel",
         )
         _register_torch_api_hooks(self)  # torch's get_state_dict on the wrapper: sharded by default, as fully_shard
-        state = _build_state(module, args)
-        object.__setattr__(self, "_fsdp_state", state)
-        _register_prefix_hooks(self, WRAPPED)
-        if not use_orig_params:
-            _register_flat_mode_hooks(self, state)
-            _use_flat_params(state)
+        with default_device_not_meta():  # see [Note: fully_shard under a meta default device]
+            state = _build_state(module, args)
+            object.__setattr__(self, "_fsdp_state", state)
+            _register_prefix_hooks(self, WRAPPED)
+            if not use_orig_params:
+                _register_flat_mode_hooks(self, state)
+                _use_flat_params(state)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         return self._fsdp_wrapped_module(*args, **kwargs)

@@ -68,15 +68,16 @@ def _max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
 
 def unused_and_empty() -> dict[str, Any]:
     """Upstream test_fsdp_core (unused parameters): a unit whose output does not reach the loss
-    keeps ``.grad`` None, so Adam leaves it alone; test_fsdp_use_orig_params: a parameter with no
-    element on this rank has ``.grad`` None, not ``tensor([])``."""
+    keeps ``.grad`` None, so Adam leaves it alone; a parameter with no element on this rank has an
+    empty ``.grad`` (FSDP2's behaviour; FSDP1's use_orig_params gave None), so every rank steps it."""
     ref, model = _pair()
     opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.1), torch.optim.Adam(model.parameters(), lr=0.1)
     for step in range(2):
         ref(_data(step)).pow(2).mean().backward()
         model(_local(_data(step))).pow(2).mean().backward()
         unused_none = all(p.grad is None for p in model.unused.parameters())
-        empty_ok = all((p.grad is None) == (p.numel() == 0) for n, p in model.named_parameters() if "unused" not in n)
+        used = [p for n, p in model.named_parameters() if "unused" not in n]
+        empty_ok = all(p.grad is not None and p.grad.shape == p.shape for p in used)
         opt_ref.step()
         opt.step()
         opt_ref.zero_grad()
@@ -89,7 +90,7 @@ def unused_and_empty() -> dict[str, Any]:
     }
 
 
-def test_unused_unit_and_empty_shard_grads_are_none(dist_run) -> None:
+def test_unused_unit_grads_are_none_and_empty_shard_grads_empty(dist_run) -> None:
     results = dist_run(2, unused_and_empty)
     assert any(r["some_empty"] for r in results)  # the layout does give some rank an empty slice
     for r in results:
@@ -158,6 +159,41 @@ def grad_edits() -> dict[str, float]:
 def test_grad_edits_between_backward_and_step(dist_run) -> None:
     for r in dist_run(2, grad_edits):
         assert r["diff"] < 1e-12
+
+
+def grad_data_writes(kind: str) -> dict[str, float]:
+    """Upstream torch FSDP's gradient writeback test, through ``.grad.data``: ``p.grad.data = t`` between
+    backward and step is what the optimizer steps and what the next backward accumulates into, as on
+    the plain model (the ``.grad`` object stays the same, only its storage changes)."""
+    ref, model = _pair()
+    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+    norms: list[float] = []
+    for step in range(2):
+        for m, x in ((ref, _data(step)), (model, _local(_data(step)))):
+            m(x).pow(2).mean().backward()
+            for p in m.parameters():
+                if p.grad is not None:
+                    p.grad.data = p.grad * 3.0 if kind == "scaled" else torch.ones_like(p.grad)
+        if kind == "ones":  # clip_grad_norm_ and unshard_params(with_grads=True) see the writes too
+            ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
+            norms.append(clip_grad_norm_(model, 1e9).item() - ref_norm)
+            with unshard_params(model, with_grads=True):
+                pairs = [(p.grad, r.grad) for p, r in zip(model.parameters(), ref.parameters()) if r.grad is not None]
+                norms.append(_max_diff([a for a, _ in pairs], [b for _, b in pairs]))
+        ref(_data(step + 5)).pow(2).mean().backward()  # accumulates into the written gradients
+        model(_local(_data(step + 5))).pow(2).mean().backward()
+        opt_ref.step()
+        opt.step()
+        opt_ref.zero_grad()
+        opt.zero_grad()
+    diff = _max_diff(_full_params(model), [p.detach() for p in ref.parameters()])
+    return {"diff": diff, "norms": max((abs(n) for n in norms), default=0.0)}
+
+
+def test_grad_data_writes_between_backward_and_step(dist_run) -> None:
+    for kind in ("scaled", "ones"):
+        for r in dist_run(2, grad_data_writes, kind):
+            assert r["diff"] < 1e-12 and r["norms"] < 1e-6, (kind, r)  # the norm: float32
 
 
 def clip_cases() -> dict[str, Any]:

@@ -182,3 +182,77 @@ def test_meta_recipe_on_the_wrapper_class(dist_run, use_orig_params) -> None:
     """The same recipe on FullyShardedDataParallel, flat parameters (registered on the modules) too."""
     for r in dist_run(2, meta_recipe_wrapper, use_orig_params):
         assert r["plain_values"] and r["forward"] == "no error", r
+
+
+class _TiedPair(nn.Module):
+    """Two linears sharing one weight, then a head: the pair is one list unit."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(4, 4), nn.Linear(4, 4), nn.Linear(4, 3)
+        self.b.weight = self.a.weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.b(self.a(x)))
+
+
+def _chain() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 5), nn.Linear(5, 3), nn.Linear(3, 2))
+
+
+def meta_list_unit(kind: str) -> dict[str, Any]:
+    build = _chain if kind == "chain" else _TiedPair
+    with torch.device("meta"):
+        model = build()
+    members = [model[0], model[1]] if kind == "chain" else [model.a, model.b]
+    fully_shard(members)
+    fully_shard(model)
+    members[1].to_empty(device="cpu")  # a later member's own to_empty keeps its shards too
+    model.to_empty(device="cpu")
+    torch.manual_seed(4)
+    _reset_each_module(model)
+    ref = build()  # on the CPU: to_empty of a meta model would untie the plain model's weight
+    torch.manual_seed(4)
+    _reset_each_module(ref)
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(ref))}
+    batch = torch.randn(3, 4)
+    r["forward_diff"] = (model(batch) - ref(batch)).abs().max().item()
+    return r
+
+
+@pytest.mark.parametrize("kind", ["chain", "tied"])
+def test_meta_recipe_with_a_list_unit_gives_the_plain_init(dist_run, kind) -> None:
+    """fully_shard([m1, m2]) on a meta model, then to_empty and each module's reset_parameters() under
+    one seed: every module (the second member and those after it; members that tie a weight) gets
+    exactly the plain model's values."""
+    for r in dist_run(2, meta_list_unit, kind):
+        assert r["plain_values"] and r["forward_diff"] < 1e-6, r
+
+
+def sharded_inside_the_meta_block(api: str) -> dict[str, Any]:
+    with torch.device("meta"):
+        model = OddMLP()
+        if api == "fully_shard":
+            fully_shard(model.l2)
+            model = fully_shard(model)
+        else:
+            model = FullyShardedDataParallel(model, auto_wrap_policy=ModuleWrapPolicy({nn.Sequential}))
+        still_meta = torch.empty(1).is_meta  # the block's default device is back
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)
+    _reset_each_module(model)
+    torch.manual_seed(7)
+    ref = OddMLP()
+    r: dict[str, Any] = {"plain_values": same_values(_state(model), _state(ref)), "still_meta": still_meta}
+    r["train_diff"] = mlp_sgd_diff(model, ref)
+    return r
+
+
+@pytest.mark.parametrize("api", ["fully_shard", "wrapper"])
+def test_fully_shard_inside_the_meta_device_block(dist_run, api) -> None:
+    """fully_shard (or the wrapper) called inside ``with torch.device("meta"):``, as FSDP2 code does:
+    it works as when called after the block; to_empty and reset_parameters() give the plain model's
+    values, and training is in parity."""
+    for r in dist_run(2, sharded_inside_the_meta_block, api):
+        assert r["plain_values"] and r["still_meta"], r
+        assert r["train_diff"] < 1e-5, r

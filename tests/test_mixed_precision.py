@@ -59,7 +59,7 @@ def dtypes_inside_and_after(buffer_dtype: str) -> dict:
     return {
         "inside": [m.seen for m in scaled],
         "ids": model.ids_dtype,
-        "grads": {p.grad.dtype for p in model.parameters() if p.numel()},  # an empty slice has no .grad
+        "grads": {p.grad.dtype for p in model.parameters() if p.numel()},  # an empty slice: an empty .grad
         "params": {p.dtype for p in model.parameters()},
         "state_dict": {
             k: v.dtype for k, v in model.state_dict().items() if "scale" in k or "gain" in k or "bias_" in k
