@@ -315,7 +315,7 @@ def start_reduce(
         if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
             flat = _flat_of(handle, parts)
             if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
-                flat.add_(grads.kept)
+                flat = _plus_kept(handle, flat, grads.kept)
     _set_state(handle, GradState.REDUCING)
     grads.buffer = None
     if hook is not None:
@@ -342,7 +342,8 @@ def start_reduce(
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
         pending.partial_only = handle.replicate_group is not None and replicas is None
-        pending.hook = grads.controls.all_reduce_hook  # CPU: run in `wait`/`finish`; CUDA: on the last stream
+        # CPU: in `wait`/`finish`; CUDA: on the last stream; once, on the all-reduced sum (as FSDP2)
+        pending.hook = None if pending.partial_only else grads.controls.all_reduce_hook
         pending.got = got
         numel = pending.numel = handle.layout.shard_numel
         # how the flags travel: [Note: which parameters got a gradient]
@@ -556,13 +557,20 @@ class PendingReduce:
         accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
+def _plus_kept(handle: FlatParamHandle, flat: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``flat`` plus the ``no_sync`` sum, in the sum's dtype: the reduce dtype, as FSDP2 accumulates."""
+    if flat.dtype == kept.dtype:
+        return flat.add_(kept)
+    return torch.add(kept, flat, out=_grad_buffer(handle, kept.dtype, zero=False))
+
+
 def commit_staged(handle: FlatParamHandle) -> None:
-    """End of a ``no_sync`` backward: add the staged gradient to the kept sum."""
+    """End of a ``no_sync`` backward: add the staged gradient to the kept sum (in the reduce dtype)."""
     grads = handle.grads
     staged, grads.buffer = grads.buffer, None
     assert staged is not None
     if grads.kept is None:
-        grads.kept = staged
+        grads.kept = staged.to(handle.reduce_dtype)
     else:
         grads.kept.add_(staged)
     grads.kept_got, grads.staged_got = _grad_presence.union(grads.kept_got, grads.staged_got), None
