@@ -287,7 +287,8 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         handle.wait_unshard()
     else:  # full shapes without storage, as autograd checks gradients against the parameters' shapes
         handle.use_unsharded_views()
-    if handle.requires_grad:
+    # a unit frozen after sharding (every parameter's requires_grad_(False)) has nothing to reduce
+    if handle.requires_grad and any(p.requires_grad for p in handle.params):
         # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).

@@ -4,8 +4,9 @@ parameters frozen after sharding."""
 
 from __future__ import annotations
 
+import contextlib
 import copy
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -91,3 +92,50 @@ def unsynced_sum_in_reduce_dtype() -> float:
 def test_unsynced_gradients_accumulate_in_reduce_dtype(dist_run: Callable[..., Any]) -> None:
     for diff in dist_run(2, unsynced_sum_in_reduce_dtype):
         assert diff < 1e-6, diff
+
+
+@contextlib.contextmanager
+def _sent_bytes(out: list[int]) -> Iterator[None]:
+    """Bytes this rank posts with ``dist.isend`` (gloo's gradient reductions are point-to-point)."""
+    real = dist.isend
+
+    def isend(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        out.append(tensor.numel() * tensor.element_size())
+        return real(tensor, *args, **kwargs)
+
+    dist.isend = isend
+    try:
+        yield
+    finally:
+        dist.isend = real
+
+
+def frozen_after_sharding() -> dict[str, Any]:
+    """Unit 'l2' frozen after `fully_shard`: its backward sends what it sends frozen before (its
+    gradient is not reduce-scattered any more), and the other gradients stay the reference's."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = OddMLP()
+    before = copy.deepcopy(ref)
+    before.l2.requires_grad_(False)
+    fully_shard(before, POLICY)
+    after = fully_shard(copy.deepcopy(ref), POLICY)
+    after.l2.requires_grad_(False)
+    ref.l2.requires_grad_(False)
+    batch = mlp_batch(0, 2 * world)
+    mlp_loss(ref, batch).backward()
+    sent: dict[str, int] = {}
+    for name, model in (("before", before), ("after", after)):
+        seen: list[int] = []
+        with _sent_bytes(seen):
+            mlp_loss(model, local_slice(batch, rank, world)).backward()
+        sent[name] = sum(seen)
+    got = _grads(after)
+    diff = max((got[n] - p.grad).abs().max().item() for n, p in ref.named_parameters() if p.grad is not None)
+    return {"sent": sent, "diff": diff, "frozen_grads": sorted(n for n in got if n.startswith("l2."))}
+
+
+def test_parameters_frozen_after_sharding_are_not_reduced(dist_run: Callable[..., Any]) -> None:
+    for r in dist_run(2, frozen_after_sharding):
+        assert r["sent"]["after"] == r["sent"]["before"], r
+        assert r["diff"] < 1e-6 and r["frozen_grads"] == [], r
