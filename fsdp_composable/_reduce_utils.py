@@ -58,6 +58,7 @@ from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
 from fsdp_composable._common_utils import NoGrad
 from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._offload_grads import offload_copy
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad
 
@@ -165,25 +166,35 @@ def takes_autograd_grads(handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- one backward
-def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
+def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[torch.Tensor]]) -> None:
     """Pre-backward of a trainable unit (parameters already unsharded): take the user's ``.grad``
-    edits into the sharded gradient, then let this backward's gradients land unsharded.
+    edits into the sharded gradient, then let this backward's gradients land unsharded, starting
+    from ``early`` (by parameter: what a backward of part of the model accumulated since forward).
 
     ``lazy``: autograd allocates each gradient as it is produced (AUTOGRAD) instead of a zeroed
     buffer being held from now on (FLAT); see [Note: gradients land in the flat buffer]."""
     grads = handle.grads
+    for param, grad in zip(handle.params, early):
+        if grad is not None:
+            param.grad = None  # not the user's edit of the sharded gradient: kept out of the stash
     stash_sharded_grads(handle)
     if lazy:
         _set_state(handle, GradState.AUTOGRAD)
+        for param, grad in zip(handle.params, early):
+            param.grad = grad if grad is not None else param.grad
         return
     _set_state(handle, GradState.FLAT)
     _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
     grads.buffer = _grad_buffer(handle, handle.compute_dtype)
     views = handle.views_of(grads.buffer)
     grads.views = (grads.buffer, views)
-    for param, view in zip(handle.params, views):
+    for i, (param, view) in enumerate(zip(handle.params, views)):
         if param.requires_grad:
             param.grad = view
+        grad = early[i] if i < len(early) else None
+        if grad is not None:
+            view.copy_(grad)
+            grads.touched[i] = True
 
 
 def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -420,34 +431,6 @@ def _run_hook(pending: "PendingReduce") -> None:
     hook, pending.hook = pending.hook, None
     if hook is not None:  # the gradient only, not the presence flags after it
         hook(pending.out[: pending.numel] if pending.numel else pending.out)
-
-
-def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
-    """Start copying a reduced shard gradient to pinned host memory (CPU offload on CUDA), in the
-    dtype the sharded gradient keeps; None when the gradient stays where it is.
-
-    [Note: offloaded gradients reach the host]
-    With ``CPUOffload(offload_params=True)`` on CUDA, each reduced shard gradient is cast on the
-    device and copied to pinned host memory with ``non_blocking=True`` on the stream that produced
-    it, as soon as its reduction is issued, so the copies run during backward. Nothing on the host
-    reads them until the end of the backward, where `sync_offload_copies` synchronises the CPU with
-    the device once, before any gradient is committed to ``.grad`` and before the optimizer can
-    step. A blocking copy is needed only where the host reads a gradient with no synchronisation in
-    between: FSDP1's NO_SHARD, whose optimizer read an all-reduced gradient copied without one (the
-    race the seeds describe, fixed there with a blocking copy). Here no gradient reaches ``.grad``
-    except through `commit`, after that synchronisation, so NO_SHARD's gradients take the same
-    non-blocking path; the blocking copy stays where the host does read without it: NO_SHARD's
-    unshard copies the offloaded parameters into the device buffer with a blocking ``copy_``, so the
-    host may write them (an optimizer step after a forward with no backward, hence no end-of-step
-    synchronisation) as soon as the forward returns. On a CPU compute device nothing is copied."""
-    if handle.shard_device == handle.device or handle.device.type != "cuda":
-        return None
-    mp = handle.config.mixed_precision
-    dtype = reduced.dtype if mp is not None and mp.keep_low_precision_grads else handle.dtype
-    on_device = reduced if reduced.dtype == dtype else reduced.to(dtype)
-    host = torch.empty(reduced.shape, dtype=dtype, device=handle.shard_device, pin_memory=True)
-    host.copy_(on_device, non_blocking=True)
-    return host
 
 
 def finish_all(reductions: "list[PendingReduce]") -> None:

@@ -18,6 +18,15 @@ gradients of the module's *inputs* are computed. Pre-forward passes the inputs t
 through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
 triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
 trigger never runs reduce in the final callback.
+
+[Note: gradients before backward]
+A unit left unsharded after forward (the root unit, SHARD_GRAD_OP) may have a part of it run and
+backward on its own before the unit's own backward: a chunked loss calls the head (held by the root
+unit) on pieces of the root's output and runs backward on each, then backward through the root's
+output. Autograd accumulates those gradients into the unsharded parameters' ``.grad``, full-size.
+Pre-forward records each parameter's ``.grad`` object; at pre-backward a ``.grad`` that is another
+object is such a gradient (a user's edit between steps is made before forward): it is taken as the
+start of this backward's unsharded gradient, reduced with the rest, as in FSDP2.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _laz
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._prefetch import _prefetch_for_backward, _prefetch_for_forward, _unshard
 from fsdp_composable._reduce_utils import GradState
-from fsdp_composable._root_context import RootContext
+from fsdp_composable._root_context import RootContext, UnitStep
 from fsdp_composable.api import BackwardPrefetch
 
 __all__: list[str] = []
@@ -194,6 +203,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         step.forward_depth = 1
         if grouped:
             step.group_left.update(id(m) for m in handle.members)
+        step.grads_at_forward = [p.grad for p in handle.params]
         unit = ctx.unit_of(handle)
         ctx.exec_order.record_pre_forward(handle, list(unit))
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
@@ -295,7 +305,18 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
         lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
-        grads.begin_backward(handle, lazy=lazy)
+        grads.begin_backward(handle, lazy=lazy, early=_grads_before_backward(step, handle))
+
+
+def _grads_before_backward(step: UnitStep, handle: FlatParamHandle) -> list[Optional[torch.Tensor]]:
+    """Gradients a backward of part of the model accumulated into this unit's unsharded parameters
+    since its forward (a chunked loss: the head called alone and backward run on it before the root's
+    backward), by parameter; empty if none. See [Note: gradients before backward]."""
+    before = step.grads_at_forward
+    if not before:
+        return []
+    early = [g if g is not None and g is not b else None for g, b in zip((p.grad for p in handle.params), before)]
+    return early if any(g is not None for g in early) else []
 
 
 def _refuse_autograd_grad(ctx: RootContext) -> None:
