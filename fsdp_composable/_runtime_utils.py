@@ -133,8 +133,10 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     refuse_inside_ddp(module)  # see [Note: fully_shard inside an existing DDP]
     _lazy_init(state, module)
-    if not state.is_root or _in_backward():
+    if not state.is_root:
         return None
+    if _in_backward():  # recomputed by activation checkpointing: cast as the forward did
+        return _cast_inputs(args, kwargs, state.config.input_dtype(is_root=True))
     ctx = _ctx(state)
     if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in ctx.states):
         raise RuntimeError(
@@ -184,7 +186,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         _unshard(state, handle)
         handle.wait_unshard()
-        return None
+        return _cast_inputs(args, kwargs, handle.config.input_dtype(is_root=False))  # as the forward did
     if state.ctx is None:  # a unit called by itself before the root's first forward
         _lazy_init(state, state.module)
     ctx = _ctx(state)
@@ -444,6 +446,11 @@ def _tensors(structure: Any) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             out.extend(_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
     return out
+
+
+def _cast_inputs(args: Any, kwargs: Any, dtype: Optional[torch.dtype]) -> Optional[tuple[Any, Any]]:
+    """A forward pre-hook's result: the inputs cast to ``dtype`` (None: left as they are)."""
+    return None if dtype is None else (_cast_floating(args, dtype), _cast_floating(kwargs, dtype))
 
 
 def _cast_floating(structure: Any, dtype: torch.dtype) -> Any:
