@@ -429,6 +429,11 @@ class FlatParamHandle:
             changed = mine != shard.to(mine.dtype)
             shard.copy_(torch.where(changed, mine.to(shard.dtype), shard))
 
+    def drop_post_forward_shard(self) -> None:
+        """Forget the 1/k slice kept by `reshard_to_post_forward_group`: the next unshard gathers the
+        shard (which an optimizer step or a load may have changed since) over the whole group."""
+        self._post_forward_shard = None
+
     def reshard_to_post_forward_group(self) -> None:
         """Reshard, keeping this rank's 1/k of the unsharded flat parameter for the next unshard,
         which then gathers within `post_forward_group` only."""

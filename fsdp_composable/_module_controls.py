@@ -158,6 +158,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> Optional[UnshardHandle
     _refuse_inside_unshard_params(state, module, "unshard")
     handles = unit_handles(state, module)
     for handle in handles:
+        handle.drop_post_forward_shard()  # may predate a step or a load: gather the shard itself
         _unshard(state, handle)
     waiter = UnshardHandle(handles)
     if async_op:

@@ -17,8 +17,10 @@ this rank's k-group slice of the padded unsharded flat parameter (the padded siz
 hence of k) and frees the unsharded storage; the next unshard (backward's, or a second forward call
 of the unit) all-gathers those slices within the k-group into the unsharded buffer, which the
 ordinary reshard then frees, the kept slice with it. Every reshard that is not post-forward's
-(``no_grad`` forwards, the end of a step, an aborted step) drops the slice, so the next step starts
-from the shards. The root unit is resharded after forward only when the argument was given
+(``no_grad`` forwards, the end of a step, an aborted step) drops the slice, and so do the start of
+every root forward and an explicit ``unshard(module)``: a forward whose output was dropped leaves its
+slices behind, and an optimizer step or a ``load_state_dict`` may change the shards after it. So the
+next step starts from the shards. The root unit is resharded after forward only when the argument was given
 (`reshard_root_if_given`), as in FSDP2.
 """
 

@@ -216,6 +216,9 @@ class RootContext:
             _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in self.handles:
             _exposed_grads.release_cleared_grads(handle)
+            # a slice kept by a forward whose backward never ran (its output dropped) may predate an
+            # optimizer step or a load since: [Note: resharding to a smaller group]
+            handle.drop_post_forward_shard()
 
     def end_step(self) -> None:
         """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""
