@@ -92,6 +92,6 @@ def _adopt(handle: FlatParamHandle, dtype: torch.dtype, values: Optional[list[to
     if flat_grad is not None and flat_grad.dtype != grad_dtype:
         handle.flat_param.grad = None
         _exposed_grads.assign_grad(handle.flat_param, flat_grad.to(grad_dtype))
-    if grads.kept is not None and grads.kept.dtype != handle.compute_dtype:  # between no_sync micro-batches
-        grads.kept = grads.kept.to(handle.compute_dtype)
+    if grads.kept is not None and grads.kept.dtype != handle.reduce_dtype:  # between no_sync micro-batches
+        grads.kept = grads.kept.to(handle.reduce_dtype)
     _exposed_grads.expose_sharded_grads(handle)

@@ -421,6 +421,30 @@ class FlatParamHandle:
         self.is_unsharded = False
         self._post_forward_shard = self._post_forward_event = None
 
+    def keep_unsharded_writes(self) -> None:
+        """A unit left unsharded between steps ([Note: a unit left unsharded]): copy what was written in
+        place on its unsharded parameters (``p.mul_(0.5)``) into this rank's shard, so that a reshard or
+        the next all-gather keeps it. Under mixed precision only the elements a write changed are
+        copied (the others keep their full-precision value); no host synchronisation on one device."""
+        if not (self.is_unsharded and self._needs_buffer) or self._unshard_work is not None:
+            return
+        assert self._unsharded is not None
+        n = self.layout.shard_numel
+        mine = self._unsharded[self.layout.rank * n : (self.layout.rank + 1) * n]
+        shard = self.flat_param.data
+        with torch.no_grad():
+            if mine.dtype == shard.dtype and mine.device == shard.device:
+                shard.copy_(mine)
+                return
+            mine = mine.to(shard.device)
+            changed = mine != shard.to(mine.dtype)
+            shard.copy_(torch.where(changed, mine.to(shard.dtype), shard))
+
+    def drop_post_forward_shard(self) -> None:
+        """Forget the 1/k slice kept by `reshard_to_post_forward_group`: the next unshard gathers the
+        shard (which an optimizer step or a load may have changed since) over the whole group."""
+        self._post_forward_shard = None
+
     def reshard_to_post_forward_group(self) -> None:
         """Reshard, keeping this rank's 1/k of the unsharded flat parameter for the next unshard,
         which then gathers within `post_forward_group` only."""

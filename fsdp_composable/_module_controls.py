@@ -26,6 +26,9 @@ would run on the values from before the load, silently) and ``unshard_params`` (
 full-shape views then, not the shard the optimizer's state belongs to. Resharding between steps
 folds what the user left in ``.grad`` first, so a ``zero_grad()`` since the gradient was last shown
 drops it; a gradient never shown (kept unsharded after backward) cannot be cleared that way.
+In-place writes on the unsharded parameters (``p.mul_(0.5)`` under ``torch.no_grad()``) are copied
+into the shard (`FlatParamHandle.keep_unsharded_writes`) before such a reshard and at the root's next
+forward, so they are kept as writes on the sharded faces are.
 """
 
 from __future__ import annotations
@@ -155,6 +158,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> Optional[UnshardHandle
     _refuse_inside_unshard_params(state, module, "unshard")
     handles = unit_handles(state, module)
     for handle in handles:
+        handle.drop_post_forward_shard()  # may predate a step or a load: gather the shard itself
         _unshard(state, handle)
     waiter = UnshardHandle(handles)
     if async_op:
@@ -174,7 +178,9 @@ def reshard_left_unsharded(state: _FSDPState, handle: FlatParamHandle) -> None:
 
 
 def _reshard_idle(state: _FSDPState, handle: FlatParamHandle) -> None:
-    """Reshard ``handle`` between steps and show its sharded gradient as ``.grad`` again."""
+    """Reshard ``handle`` between steps (keeping in-place writes on its unsharded parameters) and
+    show its sharded gradient as ``.grad`` again."""
+    handle.keep_unsharded_writes()
     handle.reshard()
     # a zero_grad() since the gradient was last shown cleared it: drop it rather than show it again
     _exposed_grads.stash_sharded_grads(handle)

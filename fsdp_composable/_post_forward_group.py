@@ -17,14 +17,17 @@ this rank's k-group slice of the padded unsharded flat parameter (the padded siz
 hence of k) and frees the unsharded storage; the next unshard (backward's, or a second forward call
 of the unit) all-gathers those slices within the k-group into the unsharded buffer, which the
 ordinary reshard then frees, the kept slice with it. Every reshard that is not post-forward's
-(``no_grad`` forwards, the end of a step, an aborted step) drops the slice, so the next step starts
-from the shards. The root unit is not resharded after forward, as always.
+(``no_grad`` forwards, the end of a step, an aborted step) drops the slice, and so do the start of
+every root forward and an explicit ``unshard(module)``: a forward whose output was dropped leaves its
+slices behind, and an optimizer step or a ``load_state_dict`` may change the shards after it. So the
+next step starts from the shards. The root unit is resharded after forward only when the argument was given
+(`reshard_root_if_given`), as in FSDP2.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Optional, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -34,7 +37,7 @@ from fsdp_composable._composable_state import subgroup
 from fsdp_composable._config import ShardConfig
 from fsdp_composable.api import ShardingStrategy
 
-__all__ = ["init_post_forward_groups", "resolve_post_forward_ranks"]
+__all__ = ["init_post_forward_groups", "reshard_root_if_given", "resolve_post_forward_ranks"]
 
 
 def resolve_post_forward_ranks(module: nn.Module, args: ShardConfig, world_size: int) -> ShardConfig:
@@ -69,6 +72,17 @@ def init_post_forward_groups(state: _FSDPState, k: Optional[int]) -> None:
     for handle in state.handles:
         if handle.config.strategy is ShardingStrategy.FULL_SHARD and handle.layout.world_size > 1:
             handle.post_forward_group = mine
+
+
+def reshard_root_if_given(state: _FSDPState, given: Union[bool, int, None]) -> None:
+    """``reshard_after_forward`` given (True, or an int that still reshards) reshards the call's own
+    unit after forward even when it is the model's root, as FSDP2 does; left out (None), the root unit
+    stays unsharded after forward, since backward needs it first."""
+    if given is None or given is False:
+        return
+    for handle in state.handles:
+        if handle.module is state.module and handle.config.reshard_after_forward:
+            handle.switches.reshard_after_forward = True  # as set_reshard_after_forward(unit, True) does
 
 
 def _new_groups(group: dist.ProcessGroup, k: int, rank: int) -> dist.ProcessGroup:

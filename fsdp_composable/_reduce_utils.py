@@ -165,25 +165,35 @@ def takes_autograd_grads(handle: FlatParamHandle) -> bool:
 
 
 # ---------------------------------------------------------------------------- one backward
-def begin_backward(handle: FlatParamHandle, lazy: bool) -> None:
+def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[torch.Tensor]]) -> None:
     """Pre-backward of a trainable unit (parameters already unsharded): take the user's ``.grad``
-    edits into the sharded gradient, then let this backward's gradients land unsharded.
+    edits into the sharded gradient, then let this backward's gradients land unsharded, starting
+    from ``early`` (by parameter: what a backward of part of the model accumulated since forward).
 
     ``lazy``: autograd allocates each gradient as it is produced (AUTOGRAD) instead of a zeroed
     buffer being held from now on (FLAT); see [Note: gradients land in the flat buffer]."""
     grads = handle.grads
+    for param, grad in zip(handle.params, early):
+        if grad is not None:
+            param.grad = None  # not the user's edit of the sharded gradient: kept out of the stash
     stash_sharded_grads(handle)
     if lazy:
         _set_state(handle, GradState.AUTOGRAD)
+        for param, grad in zip(handle.params, early):
+            param.grad = grad if grad is not None else param.grad
         return
     _set_state(handle, GradState.FLAT)
     _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
     grads.buffer = _grad_buffer(handle, handle.compute_dtype)
     views = handle.views_of(grads.buffer)
     grads.views = (grads.buffer, views)
-    for param, view in zip(handle.params, views):
+    for i, (param, view) in enumerate(zip(handle.params, views)):
         if param.requires_grad:
             param.grad = view
+        grad = early[i] if i < len(early) else None
+        if grad is not None:
+            view.copy_(grad)
+            grads.touched[i] = True
 
 
 def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -315,7 +325,7 @@ def start_reduce(
         if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
             flat = _flat_of(handle, parts)
             if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
-                flat.add_(grads.kept)
+                flat = _plus_kept(handle, flat, grads.kept)
     _set_state(handle, GradState.REDUCING)
     grads.buffer = None
     if hook is not None:
@@ -344,7 +354,8 @@ def start_reduce(
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
         pending.partial_only = handle.replicate_group is not None and replicas is None
-        pending.hook = grads.controls.all_reduce_hook  # CPU: run in `wait`/`finish`; CUDA: on the last stream
+        # CPU: in `wait`/`finish`; CUDA: on the last stream; once, on the all-reduced sum (as FSDP2)
+        pending.hook = None if pending.partial_only else grads.controls.all_reduce_hook
         pending.got = got
         numel = pending.numel = handle.layout.shard_numel
         # how the flags travel: [Note: which parameters got a gradient]
@@ -532,13 +543,20 @@ class PendingReduce:
         accumulate_sharded_grad(handle, reduced[: self.numel], present)
 
 
+def _plus_kept(handle: FlatParamHandle, flat: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``flat`` plus the ``no_sync`` sum, in the sum's dtype: the reduce dtype, as FSDP2 accumulates."""
+    if flat.dtype == kept.dtype:
+        return flat.add_(kept)
+    return torch.add(kept, flat, out=_grad_buffer(handle, kept.dtype, zero=False))
+
+
 def commit_staged(handle: FlatParamHandle) -> None:
-    """End of a ``no_sync`` backward: add the staged gradient to the kept sum."""
+    """End of a ``no_sync`` backward: add the staged gradient to the kept sum (in the reduce dtype)."""
     grads = handle.grads
     staged, grads.buffer = grads.buffer, None
     assert staged is not None
     if grads.kept is None:
-        grads.kept = staged
+        grads.kept = staged.to(handle.reduce_dtype)
     else:
         grads.kept.add_(staged)
     grads.kept_got, grads.staged_got = _grad_presence.union(grads.kept_got, grads.staged_got), None

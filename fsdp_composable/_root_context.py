@@ -67,8 +67,12 @@ class UnitStep:
     # a unit of several modules: the members whose forward is still to run in this forward (see
     # [Note: several modules as one unit] in `_group_units`)
     group_left: set[int] = field(default_factory=set)
+    # each parameter's ``.grad`` when the unit's forward began: one that differs at its pre-backward
+    # was accumulated in this step into the unsharded parameter (see [Note: gradients before backward])
+    grads_at_forward: list[Optional[torch.Tensor]] = field(default_factory=list)
 
     def reset(self) -> None:
+        self.grads_at_forward = []
         self.ran_pre_backward = False
         self.pending_triggers = 0
         self.untriggered_calls = 0
@@ -214,6 +218,9 @@ class RootContext:
             _collectives.wait_for_compute(self.unshard_stream)  # once per root forward: see _collectives.issue
         for handle in self.handles:
             _exposed_grads.release_cleared_grads(handle)
+            # a slice kept by a forward whose backward never ran (its output dropped) may predate an
+            # optimizer step or a load since: [Note: resharding to a smaller group]
+            handle.drop_post_forward_shard()
 
     def end_step(self) -> None:
         """Close a step that succeeded: its gradients reach ``.grad`` (or no_sync's kept sums) now."""

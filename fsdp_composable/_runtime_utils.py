@@ -18,6 +18,15 @@ gradients of the module's *inputs* are computed. Pre-forward passes the inputs t
 through `_PostBackwardTrigger`, an identity whose backward runs then. A unit called k times gets k
 triggers and reduces after the last. Units whose inputs need no grad (the first unit) or whose
 trigger never runs reduce in the final callback.
+
+[Note: gradients before backward]
+A unit left unsharded after forward (the root unit, SHARD_GRAD_OP) may have a part of it run and
+backward on its own before the unit's own backward: a chunked loss calls the head (held by the root
+unit) on pieces of the root's output and runs backward on each, then backward through the root's
+output. Autograd accumulates those gradients into the unsharded parameters' ``.grad``, full-size.
+Pre-forward records each parameter's ``.grad`` object; at pre-backward a ``.grad`` that is another
+object is such a gradient (a user's edit between steps is made before forward): it is taken as the
+start of this backward's unsharded gradient, reduced with the rest, as in FSDP2.
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _laz
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._prefetch import _prefetch_for_backward, _prefetch_for_forward, _unshard
 from fsdp_composable._reduce_utils import GradState
-from fsdp_composable._root_context import RootContext
+from fsdp_composable._root_context import RootContext, UnitStep
 from fsdp_composable.api import BackwardPrefetch
 
 __all__: list[str] = []
@@ -124,8 +133,10 @@ def _is_root_unit(state: _FSDPState, handle: FlatParamHandle) -> bool:
 def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwargs: Any) -> Any:
     refuse_inside_ddp(module)  # see [Note: fully_shard inside an existing DDP]
     _lazy_init(state, module)
-    if not state.is_root or _in_backward():
+    if not state.is_root:
         return None
+    if _in_backward():  # recomputed by activation checkpointing: cast as the forward did
+        return _cast_inputs(args, kwargs, state.config.input_dtype(is_root=True))
     ctx = _ctx(state)
     if any(s.training_state is TrainingState.SUMMON_FULL_PARAMS for s in ctx.states):
         raise RuntimeError(
@@ -135,6 +146,9 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
         ctx.abort_step()
     if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
+        for handle in ctx.handles:  # left unsharded between steps: [Note: a unit left unsharded]
+            if handle.is_unsharded and handle.training_state is HandleTrainingState.IDLE:
+                handle.keep_unsharded_writes()
         check_model_unchanged(state)  # see [Note: edits of a sharded model]
         ctx.begin_step()
     moved = state.device.type != "cpu"
@@ -175,7 +189,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     if _in_backward() or handle.training_state in _BACKWARD_STATES:
         _unshard(state, handle)
         handle.wait_unshard()
-        return None
+        return _cast_inputs(args, kwargs, handle.config.input_dtype(is_root=False))  # as the forward did
     if state.ctx is None:  # a unit called by itself before the root's first forward
         _lazy_init(state, state.module)
     ctx = _ctx(state)
@@ -194,6 +208,7 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
         step.forward_depth = 1
         if grouped:
             step.group_left.update(id(m) for m in handle.members)
+        step.grads_at_forward = [p.grad for p in handle.params]
         unit = ctx.unit_of(handle)
         ctx.exec_order.record_pre_forward(handle, list(unit))
         for sibling in unit:  # a unit's groups gather together, then each waits for its own
@@ -287,14 +302,26 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
         handle.wait_unshard()
     else:  # full shapes without storage, as autograd checks gradients against the parameters' shapes
         handle.use_unsharded_views()
-    if handle.requires_grad:
+    # a unit frozen after sharding (every parameter's requires_grad_(False)) has nothing to reduce
+    if handle.requires_grad and any(p.requires_grad for p in handle.params):
         # Let autograd allocate the gradients as they come, instead of holding a whole buffer from
         # now on, when no trigger will fire (the unit reduces in the final callback) or when the
         # reduction sends them as they are (see [Note: gradients land in the flat buffer]).
         untriggered = step.pending_triggers == 0 or step.untriggered_calls > 0
         # a DTensor parameter's .grad cannot view a plain buffer: [Note: tensor-parallel parameters]
         lazy = untriggered or handle.tensor_parallel or grads.takes_autograd_grads(handle)
-        grads.begin_backward(handle, lazy=lazy)
+        grads.begin_backward(handle, lazy=lazy, early=_grads_before_backward(step, handle))
+
+
+def _grads_before_backward(step: UnitStep, handle: FlatParamHandle) -> list[Optional[torch.Tensor]]:
+    """Gradients a backward of part of the model accumulated into this unit's unsharded parameters
+    since its forward (a chunked loss: the head called alone and backward run on it before the root's
+    backward), by parameter; empty if none. See [Note: gradients before backward]."""
+    before = step.grads_at_forward
+    if not before:
+        return []
+    early = [g if g is not None and g is not b else None for g, b in zip((p.grad for p in handle.params), before)]
+    return early if any(g is not None for g in early) else []
 
 
 def _refuse_autograd_grad(ctx: RootContext) -> None:
@@ -422,6 +449,11 @@ def _tensors(structure: Any) -> list[torch.Tensor]:
         elif dataclasses.is_dataclass(leaf) and not isinstance(leaf, type):
             out.extend(_tensors([getattr(leaf, f.name) for f in dataclasses.fields(leaf)]))
     return out
+
+
+def _cast_inputs(args: Any, kwargs: Any, dtype: Optional[torch.dtype]) -> Optional[tuple[Any, Any]]:
+    """A forward pre-hook's result: the inputs cast to ``dtype`` (None: left as they are)."""
+    return None if dtype is None else (_cast_floating(args, dtype), _cast_floating(kwargs, dtype))
 
 
 def _cast_floating(structure: Any, dtype: torch.dtype) -> Any:

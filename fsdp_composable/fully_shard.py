@@ -15,7 +15,11 @@ from fsdp_composable._default_device import default_device_not_meta
 from fsdp_composable._fsdp1_names import as_ours
 from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
 from fsdp_composable._group_units import check_members
-from fsdp_composable._post_forward_group import init_post_forward_groups, resolve_post_forward_ranks
+from fsdp_composable._post_forward_group import (
+    init_post_forward_groups,
+    reshard_root_if_given,
+    resolve_post_forward_ranks,
+)
 from fsdp_composable._reduce_utils import init_grads
 from fsdp_composable._reset_params import install_reset_hooks
 from fsdp_composable._runtime_utils import _register_hooks
@@ -107,7 +111,8 @@ def fully_shard(
         )
         for member in members[1:]:
             _register_torch_api_hooks(member)
-        _build_state(module, args, members)
+        state = _build_state(module, args, members)
+        reshard_root_if_given(state, reshard_after_forward)
     return given
 
 

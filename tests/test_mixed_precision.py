@@ -4,16 +4,19 @@ from __future__ import annotations
 
 import copy
 import warnings
+from typing import Any, Callable
 
 import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from models import Block, TinyGPT, gpt_batch, gpt_loss
+import torch.nn.functional as F
+import torch.utils.checkpoint
+from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch
 from parity import global_mean, local_slice
 from torch import nn
 
-from fsdp_composable import CPUOffload, CustomPolicy, MixedPrecision, ModuleWrapPolicy, fully_shard
+from fsdp_composable import CPUOffload, CustomPolicy, MixedPrecision, ModuleWrapPolicy, fully_shard, unshard_params
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -231,3 +234,64 @@ def test_mixed_precision_validation() -> None:
     )
     with pytest.raises(ValueError, match="reduce_dtype"):
         MixedPrecision(reduce_dtype="bf16")  # type: ignore[arg-type]
+
+
+class _FloatTrunk(nn.Module):
+    """Blocks fed float32 activations (the embedding's output cast up), each optionally checkpointed."""
+
+    def __init__(self, checkpointed: bool) -> None:
+        super().__init__()
+        self.checkpointed = checkpointed
+        self.emb = nn.Embedding(37, 16)
+        self.blocks = nn.ModuleList(Block(16) for _ in range(2))
+        self.head = nn.Linear(16, 37)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.emb(idx).float()
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+def checkpointed_units_cast_again() -> float:
+    """Units casting their own inputs (``cast_forward_inputs``) inside ``torch.utils.checkpoint``: the
+    recomputed forward casts as the forward did, so gradients equal those of the model without it."""
+    torch.manual_seed(0)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32, cast_forward_inputs=True)
+    plain = _FloatTrunk(checkpointed=False)
+    models = [plain, copy.deepcopy(plain)]
+    models[1].checkpointed = True
+    idx, target = local_slice(gpt_batch(0, 2 * world), rank, world)
+    grads = []
+    for model in models:
+        fully_shard(model, ModuleWrapPolicy({Block}), mixed_precision=mp)
+        F.cross_entropy(model(idx).float().flatten(0, 1), target.flatten()).backward()
+        with unshard_params(model, with_grads=True, writeback=False):
+            grads.append([p.grad.clone() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+def test_checkpointed_units_cast_again(dist_run: Callable[..., Any]) -> None:
+    assert dist_run(2, checkpointed_units_cast_again) == [0.0, 0.0]
+
+
+def checkpointed_root_casts_again() -> float:
+    """The whole sharded model inside ``torch.utils.checkpoint``: its recomputed forward casts the
+    root's inputs again, so gradients equal those without the checkpoint."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mp = MixedPrecision(param_dtype=torch.bfloat16)
+    x, y = local_slice(mlp_batch(0, 2 * world), rank, world)
+    grads = []
+    for checkpointed in (False, True):
+        torch.manual_seed(0)
+        model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}), mixed_precision=mp)
+        out = torch.utils.checkpoint.checkpoint(model, x, use_reentrant=False) if checkpointed else model(x)
+        F.mse_loss(out.float(), y).backward()
+        with unshard_params(model, with_grads=True, writeback=False):
+            grads.append([p.grad.clone() for p in model.parameters()])
+    return max((a - b).abs().max().item() for a, b in zip(*grads))
+
+
+def test_checkpointed_root_casts_again(dist_run: Callable[..., Any]) -> None:
+    assert dist_run(2, checkpointed_root_casts_again) == [0.0, 0.0]

@@ -86,15 +86,16 @@ def _count_all_gathers(k: Any) -> dict[str, Any]:
 
 
 def test_backward_all_gathers_run_within_k_ranks(dist_run) -> None:
-    """World size 4, k = 2: the forward gathers over 4 ranks, the two blocks' backward gathers over 2
-    (the root unit stays unsharded to backward); after forward each block holds padded/2 elements and
-    no unsharded storage; nothing is kept after backward. With True, backward gathers over 4."""
+    """World size 4, k = 2: the forward gathers over 4 ranks, the backward of the two blocks and of the
+    root unit (resharded too, as the argument was given on the root's call) over 2; after forward each
+    block holds padded/2 elements and no unsharded storage; nothing is kept after backward. With True,
+    backward gathers over 4."""
     for r in dist_run(4, _count_all_gathers, 2):
-        assert r["sizes"] == {"forward": [4, 4, 4], "backward": [2, 2]}, r
+        assert r["sizes"] == {"forward": [4, 4, 4], "backward": [2, 2, 2]}, r
         assert all(n == padded // 2 for n, padded in r["kept"]) and r["freed"], r
         assert r["left"] == [False, False], r
     for r in dist_run(4, _count_all_gathers, True):
-        assert r["sizes"] == {"forward": [4, 4, 4], "backward": [4, 4]}, r
+        assert r["sizes"] == {"forward": [4, 4, 4], "backward": [4, 4, 4]}, r
 
 
 def _bad_values() -> dict[str, str]:
@@ -168,12 +169,13 @@ def _twice_and_no_grad() -> dict[str, Any]:
 
 
 def test_a_unit_called_twice_gathers_again_within_k_ranks_and_no_grad_keeps_nothing(dist_run) -> None:
-    """World size 4, k = 2: the block's second call in forward and its backward gather within 2 ranks
-    (parity on the same global batch); a no_grad forward reshards fully and keeps no slice; the two calls
-share one set of subgroups."""
+    """World size 4, k = 2: the block's second call in forward and its backward gather within 2 ranks,
+    and so does the root unit's backward (the argument was given on the root's call) (parity on the same
+    global batch); a no_grad forward reshards fully and keeps no slice; the two calls share one set of
+    subgroups."""
     for r in dist_run(4, _twice_and_no_grad):
         assert max(abs(a - b) for a, b in zip(r["ref_losses"], r["losses"])) < 1e-5, r
         assert r["max_weight_diff"] < 1e-5, r
-        assert r["forward"] == [4, 4, 2] and r["backward"] == [2], r
+        assert r["forward"] == [4, 4, 2] and r["backward"] == [2, 2], r
         assert r["no_grad"] == [4, 4, 4] and not r["kept_after_no_grad"], r
         assert r["groups_shared"], r  # one set of subgroups for every call with the same group and k

@@ -42,7 +42,7 @@ def ownership() -> dict:
     out["handles_derived"] = ctx.handles == [h for s in states for h in s.handles]
     out["non_root_are_blocks"] = [h.module for h in ctx.non_root_handles] == list(model.blocks)
     out["counters_per_handle"] = set(ctx.steps) == set(ctx.handles)
-    out["counters_reset"] = all(dataclasses.astuple(c) == (False, 0, 0, 0, set()) for c in ctx.steps.values())
+    out["counters_reset"] = all(dataclasses.astuple(c) == (False, 0, 0, 0, set(), []) for c in ctx.steps.values())
     out["on_handles"] = sorted({a for h in ctx.handles for a in _NOT_ON_HANDLES if hasattr(h, a)})
     out["state_fields"] = sorted({f.name for f in dataclasses.fields(_FSDPState)} & set(_NOT_STATE_FIELDS))
     out["context_fields"] = sorted({f.name for f in dataclasses.fields(RootContext)} & set(_NOT_CONTEXT_FIELDS))
