@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._header_fields import for_unit
 from fsdp_composable._rank_agreement import Op
 
 __all__: list[str] = []
@@ -44,7 +45,8 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
         return shard.clone()
     device = comm_device_of(handle)
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
-    work = _collectives.all_gather(full, shard.to(device), handle.process_group)
+    with for_unit(handle.root_fqn):
+        work = _collectives.all_gather(full, shard.to(device), handle.process_group)
     _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full.to(shard.device)
 

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _rank_agreement, _trace
+from fsdp_composable._header_fields import for_unit
 from fsdp_composable._rank_agreement import Op, agree
 from fsdp_composable.api import CollectiveError, RankMismatchError
 
@@ -423,6 +424,7 @@ def issue(
     after: Optional["torch.cuda.Stream"] = None,
     then: Optional[Callable[[], None]] = None,
     wait_first: bool = True,
+    unit: str = "",
 ) -> InFlight:
     """Run ``collective(async_op)`` on ``stream`` (CUDA) or asynchronously on the CPU (``stream`` is
     None). ``then``: work to run on the stream once the collective is done (CUDA only: on the CPU the
@@ -458,10 +460,11 @@ def issue(
     tests/test_device_paths.py checks these rules on CPU with recording streams and events."""
     if stream is None:
         assert then is None, "on the CPU the caller runs `then` once it waited"
-        return InFlight(work=collective(True))
+        with for_unit(unit):
+            return InFlight(work=collective(True))
     if wait_first:
         stream.wait_stream(after if after is not None else compute_stream(stream.device))
-    with on_stream(stream):
+    with on_stream(stream), for_unit(unit):
         work = collective(False)
         if work is not None:
             work.wait()  # a refused exchange raises; a native collective was already ordered

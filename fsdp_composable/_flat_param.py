@@ -173,6 +173,9 @@ class FlatParamHandle:
         self.name = name
         self.replicate_group = replicate_group
         self.unit_fqn = unit_fqn
+        # the unit's FQN from its root's module, for messages and headers: set at the root's lazy init
+        # (unit_fqn is relative to the module fully_shard was called on: "" for a unit sharded by hand)
+        self.root_fqn = unit_fqn or f"<{type(module).__name__}>"
         self.params = params
         self.process_group = process_group
         self.config = config
@@ -383,6 +386,7 @@ class FlatParamHandle:
             stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
             wait_first=kept is not None,
+            unit=self.root_fqn,
         )
 
     @_trace.method("wait_unshard")
