@@ -78,7 +78,7 @@ from fsdp_composable._header_fields import (
     _unit_code,
     current_unit,
 )
-from fsdp_composable.api import RankMismatchError
+from fsdp_composable.api import CollectiveError, RankMismatchError
 
 __all__: list[str] = []
 
@@ -335,7 +335,7 @@ def agree_before(
     except RankMismatchError as e:
         raise RankMismatchError(f"fully_shard: the {doing()} {what} was not run: {e}") from e
     except RuntimeError as e:
-        raise RuntimeError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
+        raise CollectiveError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
 
 
 def agree(
@@ -472,6 +472,12 @@ def _header_of(group: dist.ProcessGroup, record: _GroupRecord, peer: int, seq: i
 def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
     buffer = torch.empty(len(_FIELDS), dtype=torch.int64)
     return buffer, dist.irecv(buffer, group_ranks(group)[2][peer], group, _HEADER_TAG)
+
+
+def entry_hint() -> str:
+    """"; X is a collective: it must be called on every rank" for the entry point running now ("" in
+    training)."""
+    return _entry_hint({_purpose()})
 
 
 def _entry_hint(purposes: set[int]) -> str:

@@ -134,6 +134,8 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
         ctx.abort_step()
+    else:
+        ctx.close_skipped_backward()  # [Note: a skipped backward]
     if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
         check_model_unchanged(state)  # see [Note: edits of a sharded model]
         ctx.begin_step()
