@@ -116,6 +116,14 @@ def left_posted(flight: "InFlight") -> bool:
     return isinstance(flight.work, Exchange) and flight.work.unmatched
 
 
+def served_devices(group: dist.ProcessGroup) -> list[torch.device]:
+    """The device types ``group`` has a backend for (see [Note: the communication device])."""
+    served = [torch.device(d) for d in getattr(group, "_device_types", [])]
+    if not served:  # an old torch or a group without registered backends: go by the backend's name
+        served = [torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")]
+    return served
+
+
 def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device] = None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: every collective tensor of ours is built
     on, or copied to, this device (see [Note: the communication device]).
@@ -128,9 +136,7 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     device when the group serves its type, else the first non-CPU type the group serves (CUDA: the
     current device, as ``torch.cuda.set_device`` chose), else the CPU. CPU-offloaded shards and
     values read from the host are copied to this device before a collective and back after it."""
-    served = [torch.device(d) for d in getattr(group, "_device_types", [])]
-    if not served:  # an old torch or a group without registered backends: go by the backend's name
-        served = [torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")]
+    served = served_devices(group)
     if compute_device is None:  # no unit to ask: where this process computes by default
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if compute_device is not None and any(d.type == compute_device.type for d in served):

@@ -284,9 +284,9 @@ class FlatParamHandle:
         ([Note: casts after sharding] in `_dtype_casts`). ``values``: each original parameter's new
         value of its slice of the shard; None: cast the shard (or keep it, if it already is in ``dtype``).
         Only between steps."""
-        assert self.training_state is HandleTrainingState.IDLE and self._unshard_work is None
-        if self.is_unsharded:
-            self.reshard()
+        assert self.training_state is HandleTrainingState.IDLE
+        if self.is_unsharded or self._unshard_work is not None:  # an unshard(module, async_op=True) in flight:
+            self.reshard()  # its gather is of the old dtype, so it is dropped; the next use gathers anew
         self.release_freed()
         old = self.flat_param.data
         shard = old if old.dtype == dtype else old.to(dtype)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _init_utils as init
@@ -109,6 +110,17 @@ def fully_shard(
     return given
 
 
+def _check_placement_first(module: nn.Module, device_id: Any, group: dist.ProcessGroup, api: str) -> None:
+    """The placement check before the first collective (the ignored-modules check), which would fail
+    inside torch ("No backend type associated with device type cpu") for a model on a device the
+    group does not serve; the check runs again per unit once meta modules are materialised."""
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    if device_id is not None:
+        devices = {init._check_device_id(api, device_id)}
+    if len(devices) == 1:
+        init._check_comm_device(group, devices.pop(), api)
+
+
 def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module, ...] = ()) -> _FSDPState:
     """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``args.api``
     names the caller in error messages (see [Note: API names in messages] in `_init_utils`)."""
@@ -122,6 +134,7 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     unit_policy = init._validate_args(args)
     group, replicate_group, _, world_size = init._init_process_group_state(args.process_group, args.strategy, api)
     args = resolve_post_forward_ranks(module, args, world_size)  # reshard_after_forward=<int>
+    _check_placement_first(module, args.device_id, group, api)
     ignored_mods, ignored_params = init._init_ignored_module_states(
         module, args.ignored_modules, api, (group, replicate_group)
     )
