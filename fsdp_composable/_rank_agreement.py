@@ -8,10 +8,11 @@ gloo group, every rank sends every peer a small fixed-size header and receives t
 which collective (`Op`), what for (`purpose`: forward, backward, or a collective entry point such as
 ``state_dict()``), how many elements of which dtype (for an all-gather also the dtype the shard had
 before a mixed-precision cast, so ranks whose parameters were cast differently disagree: [Note: casts
-after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see
-below). Headers are all the same size, so they cannot abort; every rank sees every header, so every
-rank reaches the same verdict: all complete the collective, or all raise `RankMismatchError` naming
-the ranks and what each was doing, with no payload received anywhere.
+after sharding] in `_dtype_casts`), the unit whose collective it is ([Note: the unit in the header]
+in `_header_fields`), and the group's step (root forwards so far) and epoch (see below). Headers
+are all the same size, so they cannot abort; every rank sees every header, so every rank reaches
+the same verdict: all complete the collective, or all raise `RankMismatchError` naming the ranks
+and what each was doing, with no payload received anywhere.
 
 Native collectives (`agree`) are posted once the headers agreed: the check blocks until every peer
 reached the same collective. Our point-to-point exchanges do not wait ([Note: agreement without a
