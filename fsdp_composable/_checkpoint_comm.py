@@ -13,20 +13,48 @@ copied. The same holds outside this file: `reset_parameters`'s broadcasts of the
 are read on the host with `_collectives.host_values` only. Object collectives
 (``all_gather_object``) build their tensors on torch's *current* CUDA device when the group is NCCL,
 so they run with the unit's device made current.
+
+The blocking collectives here (torch's object, flag and all-to-all collectives) name what they were for
+when they fail (`_failure_named`), as `_collectives.wait` names the asynchronous ones: a survivor of a
+rank that died inside ``optim_state_dict()`` reads which entry point and which unit, not only gloo's
+"Connection closed by peer".
 """
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Iterator, Optional
 
 import torch
 import torch.distributed as dist
 
 from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._header_fields import for_unit
 from fsdp_composable._rank_agreement import Op
+from fsdp_composable.api import CollectiveError, FSDPError
 
 __all__: list[str] = []
+
+
+@contextlib.contextmanager
+def _failure_named(what: str) -> Iterator[None]:
+    """A collective inside that fails (a peer died, the group timed out) raises `CollectiveError` naming
+    the entry point running now and ``what`` (e.g. "all-to-all of unit 'blocks.1'")."""
+    try:
+        yield
+    except FSDPError:
+        raise
+    except RuntimeError as e:
+        raise CollectiveError(
+            f"fully_shard: the {_rank_agreement.doing()} {what} did not complete: {e}. Another rank probably "
+            "died, hung, or ran different modules; check the other ranks' logs (the process group timeout "
+            f"bounds the wait){_rank_agreement.entry_hint()}"
+        ) from e
+
+
+def _unit(handle: FlatParamHandle) -> str:
+    return f"unit '{handle.root_fqn}'"
 
 
 def comm_device_of(handle: FlatParamHandle) -> torch.device:
@@ -43,7 +71,8 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
         return shard.clone()
     device = comm_device_of(handle)
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
-    work = _collectives.all_gather(full, shard.to(device), handle.process_group)
+    with for_unit(handle.root_fqn):
+        work = _collectives.all_gather(full, shard.to(device), handle.process_group)
     _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full.to(shard.device)
 
@@ -58,8 +87,9 @@ def all_to_all(
     send_flat = torch.cat(send).to(device) if send else like.new_empty(0, device=device)
     recv = like.new_empty(sum(out_splits), device=device)
     group, numel = handle.process_group, handle.layout.padded_numel
-    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, "all-to-all")
-    dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=group)
+    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, f"all-to-all of {_unit(handle)}")
+    with _failure_named(f"all-to-all of {_unit(handle)}"):
+        dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=group)
     return recv.to(like.device)
 
 
@@ -69,20 +99,23 @@ def gather_flags(handle: FlatParamHandle, flags: list[bool]) -> torch.Tensor:
     mine = torch.tensor(flags, dtype=torch.int32, device=device)
     world = dist.get_world_size(handle.process_group)
     everyone = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(everyone, mine, group=handle.process_group)
+    with _failure_named(f"all-gather of the flags of {_unit(handle)}"):
+        dist.all_gather(everyone, mine, group=handle.process_group)
     return _collectives.host_values(torch.stack(everyone)) if flags else torch.zeros((world, 0), dtype=torch.int32)
 
 
 def any_rank(handle: FlatParamHandle, flag: bool) -> bool:
     """Whether ``flag`` holds on some rank of the unit's process group."""
     has = torch.tensor([int(flag)], device=comm_device_of(handle))
-    dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
+    with _failure_named(f"all-reduce of a flag of {_unit(handle)}"):
+        dist.all_reduce(has, op=dist.ReduceOp.MAX, group=handle.process_group)
     return bool(_collectives.host_values(has)[0])
 
 
-def all_gather_object(group: dist.ProcessGroup, obj: Any, device: torch.device) -> list[Any]:
-    """Every rank's ``obj`` over ``group`` (``device``: the compute device of the unit asking)."""
+def all_gather_object(group: dist.ProcessGroup, obj: Any, device: torch.device, what: str) -> list[Any]:
+    """Every rank's ``obj`` over ``group`` (``device``: the compute device of the unit asking; ``what``:
+    what it is for, in errors)."""
     out: list[Any] = [None] * dist.get_world_size(group)
-    with _collectives.comm_device_current(group, device):
+    with _collectives.comm_device_current(group, device), _failure_named(what):
         dist.all_gather_object(out, obj, group=group)
     return out

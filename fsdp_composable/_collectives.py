@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_composable import _rank_agreement, _trace
+from fsdp_composable._header_fields import for_unit
 from fsdp_composable._rank_agreement import Op, agree
 from fsdp_composable.api import CollectiveError, RankMismatchError
 
@@ -115,6 +116,14 @@ def left_posted(flight: "InFlight") -> bool:
     return isinstance(flight.work, Exchange) and flight.work.unmatched
 
 
+def served_devices(group: dist.ProcessGroup) -> list[torch.device]:
+    """The device types ``group`` has a backend for (see [Note: the communication device])."""
+    served = [torch.device(d) for d in getattr(group, "_device_types", [])]
+    if not served:  # an old torch or a group without registered backends: go by the backend's name
+        served = [torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")]
+    return served
+
+
 def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device] = None) -> torch.device:
     """The device whose tensors ``group``'s collectives take: every collective tensor of ours is built
     on, or copied to, this device (see [Note: the communication device]).
@@ -127,9 +136,7 @@ def comm_device(group: dist.ProcessGroup, compute_device: Optional[torch.device]
     device when the group serves its type, else the first non-CPU type the group serves (CUDA: the
     current device, as ``torch.cuda.set_device`` chose), else the CPU. CPU-offloaded shards and
     values read from the host are copied to this device before a collective and back after it."""
-    served = [torch.device(d) for d in getattr(group, "_device_types", [])]
-    if not served:  # an old torch or a group without registered backends: go by the backend's name
-        served = [torch.device("cuda" if "nccl" in str(dist.get_backend(group)) else "cpu")]
+    served = served_devices(group)
     if compute_device is None:  # no unit to ask: where this process computes by default
         compute_device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
     if compute_device is not None and any(d.type == compute_device.type for d in served):
@@ -432,6 +439,7 @@ def issue(
     after: Optional["torch.cuda.Stream"] = None,
     then: Optional[Callable[[], None]] = None,
     wait_first: bool = True,
+    unit: str = "",
 ) -> InFlight:
     """Run ``collective(async_op)`` on ``stream`` (CUDA) or asynchronously on the CPU (``stream`` is
     None). ``then``: work to run on the stream once the collective is done (CUDA only: on the CPU the
@@ -472,10 +480,11 @@ def issue(
     tests/test_device_paths.py checks these rules on CPU with recording streams and events."""
     if stream is None:
         assert then is None, "on the CPU the caller runs `then` once it waited"
-        return InFlight(work=collective(True))
+        with for_unit(unit):
+            return InFlight(work=collective(True))
     if wait_first:
         stream.wait_stream(after if after is not None else compute_stream(stream.device))
-    with on_stream(stream):
+    with on_stream(stream), for_unit(unit):
         work = collective(False)
         if work is not None:
             work.wait()  # a refused exchange raises; a native collective was already ordered

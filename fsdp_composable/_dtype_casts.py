@@ -13,7 +13,10 @@ floating-point dtype and rebuilds it (`FlatParamHandle.change_dtype`): the shard
 (from the parameters' cast values), its views, the unsharded buffer in the compute dtype the unit's
 mixed precision now implies (a ``param_dtype`` still applies), and the sharded gradient in the
 gradient dtype. The parameter objects stay the same, so an optimizer built after the cast steps the
-new views; one built before keeps its state in the old dtype, as with a plain model.
+new views; one built before keeps its state in the old dtype, as with a plain model. A unit whose
+``unshard(module, async_op=True)`` was still in flight when the model was cast is resharded first:
+its gather is of the old dtype, so it is dropped (waiting on that handle then does nothing) and the
+unit's next use gathers the new one.
 
 A cast is local to a rank. Ranks whose shards end up in different dtypes disagree at their next
 all-gather: on gloo the collective header carries the dtype the shard had before any mixed-precision

@@ -173,6 +173,9 @@ class FlatParamHandle:
         self.name = name
         self.replicate_group = replicate_group
         self.unit_fqn = unit_fqn
+        # the unit's FQN from its root's module, for messages and headers: set at the root's lazy init
+        # (unit_fqn is relative to the module fully_shard was called on: "" for a unit sharded by hand)
+        self.root_fqn = unit_fqn or f"<{type(module).__name__}>"
         self.params = params
         self.process_group = process_group
         self.config = config
@@ -286,9 +289,9 @@ class FlatParamHandle:
         ([Note: casts after sharding] in `_dtype_casts`). ``values``: each original parameter's new
         value of its slice of the shard; None: cast the shard (or keep it, if it already is in ``dtype``).
         Only between steps."""
-        assert self.training_state is HandleTrainingState.IDLE and self._unshard_work is None
-        if self.is_unsharded:
-            self.reshard()
+        assert self.training_state is HandleTrainingState.IDLE
+        if self.is_unsharded or self._unshard_work is not None:  # an unshard(module, async_op=True) in flight:
+            self.reshard()  # its gather is of the old dtype, so it is dropped; the next use gathers anew
         self.release_freed()
         old = self.flat_param.data
         shard = old if old.dtype == dtype else old.to(dtype)
@@ -394,6 +397,7 @@ class FlatParamHandle:
             stream,
             lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
             wait_first=kept is not None and kept_event is None,
+            unit=self.root_fqn,
         )
 
     @_trace.method("wait_unshard")

@@ -402,7 +402,7 @@ def _init_param_handles_from_module(
         _retie_and_refresh(sub)
         if not move:
             _adopt_materialised_device(state, sub)
-        _check_comm_device(state, api)
+        _check_comm_device(state.process_group, state.device, api)
         if move:
             _move_unit_params(sub, state.device)
         if sync_module_states:
@@ -433,7 +433,7 @@ def _init_param_handles_from_module(
             handle.tp_group = tp_group
     if move:
         _move_rest(module, state.device)
-    _check_comm_device(state, api)
+    _check_comm_device(state.process_group, state.device, api)
     if sync_module_states:
         buffers = [b for n, b in module.named_buffers() if not _in_ignored(module, n, state)]
         _broadcast_from_rank0(state, buffers)
@@ -455,18 +455,17 @@ def _adopt_materialised_device(state: _FSDPState, sub: SubmoduleState) -> None:
         state.device = devices.pop()
 
 
-def _check_comm_device(state: _FSDPState, api: str) -> None:
+def _check_comm_device(group: dist.ProcessGroup, device: torch.device, api: str) -> None:
     """A model on a device its process group does not serve (e.g. left on the CPU with an NCCL
     group) is refused before any collective, with the fix, instead of failing inside one."""
-    served = _collectives.comm_device(state.process_group, state.device)
-    if served.type == state.device.type or state.device.type == "meta":
+    types = sorted({d.type for d in _collectives.served_devices(group)})
+    if device.type in types or device.type == "meta":
         return
-    backend = dist.get_backend(state.process_group)
-    fix = "torch.cuda.current_device()" if served.type == "cuda" else f"torch.device({served.type!r})"
+    fix = "torch.cuda.current_device()" if "cuda" in types else f"torch.device({types[0]!r})"
     raise ValueError(
-        f"{api}: the module's parameters are on {state.device}, but its process group (backend {backend!r}) "
-        f"communicates {served.type} tensors only; pass device_id={fix} (it moves the model "
-        "one unit at a time) or move the model there first"
+        f"{api}: the module's parameters are on {device}, but its process group (backend "
+        f"{dist.get_backend(group)!r}) communicates {' and '.join(types)} tensors only; pass device_id={fix} "
+        "(it moves the model one unit at a time) or move the model there first"
     )
 
 

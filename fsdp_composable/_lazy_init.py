@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from fsdp_composable import _comm_hooks
+from fsdp_composable import _comm_hooks, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -48,7 +48,11 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     fqn_of = _clean_module_fqns(root_module)
     for h in handles:  # a unit sharded by its own call is named from the root now, in messages and logs
         h.unit_fqn = fqn_of.get(h.module, h.unit_fqn)
-    ctx.exec_order.set_units(handles, [h.unit_fqn or "<root>" for h in handles])
+    names = [h.unit_fqn or "<root>" for h in handles]
+    ctx.exec_order.set_units(handles, names)
+    for handle, name in zip(handles, names):
+        handle.root_fqn = name
+        _rank_agreement.name_units(handle.process_group, [name])
     buffers, dtypes = _get_buffers_and_dtypes_for_computation(state)
     _cast_buffers_to_dtype_and_device(buffers, dtypes, state.device)
 

@@ -39,6 +39,7 @@ from torch import nn
 
 from fsdp_composable import _exposed_grads
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
+from fsdp_composable._dtype_casts import adopt_cast
 from fsdp_composable._flat_param import FSDP_FLATTENED, FlatParamHandle, HandleTrainingState
 from fsdp_composable._prefetch import _unshard
 from fsdp_composable.api import _check_bool
@@ -143,6 +144,7 @@ class UnshardHandle:
     def wait(self) -> None:
         handles, self._handles = self._handles, []
         for handle in handles:
+            adopt_cast(handle)  # a cast since: the gather (of the old dtype) is dropped ([Note: casts after sharding])
             # a pre-forward may have waited (and a post-forward resharded) since: nothing to do then
             if handle.unshard_in_flight or handle.is_unsharded:
                 handle.wait_unshard()
@@ -159,6 +161,7 @@ def unshard(module: nn.Module, async_op: bool = False) -> Optional[UnshardHandle
     handles = unit_handles(state, module)
     for handle in handles:
         handle.drop_post_forward_shard()  # may predate a step or a load: gather the shard itself
+        adopt_cast(handle)  # a cast since the last step: gather the new dtype
         _unshard(state, handle)
     waiter = UnshardHandle(handles)
     if async_op:

@@ -180,7 +180,10 @@ def _exchange(units: list[_Unit], mine: list[Any], what: str) -> list[tuple[list
     for ranks in sorted(by_group):
         entries = [mine[i] for i in by_group[ranks]]
         _rank_agreement.agree_before(groups[ranks], Op.ALL_GATHER_OBJECT, len(entries), None, what)
-        everyone = all_gather_object(groups[ranks], entries, units[by_group[ranks][0]].handle.device)
+        names = ", ".join(repr(units[i].handle.root_fqn) for i in by_group[ranks])
+        everyone = all_gather_object(
+            groups[ranks], entries, units[by_group[ranks][0]].handle.device, f"exchange for the {what} (units {names})"
+        )
         if any(len(theirs) != len(entries) for theirs in everyone):
             raise RuntimeError(
                 "fully_shard: the optimizer holds parameters of different units on different ranks "

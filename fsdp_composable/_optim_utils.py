@@ -6,13 +6,16 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _rank_agreement
+from fsdp_composable._checkpoint_comm import all_gather_object
 from fsdp_composable._common_utils import _get_fsdp_states
+from fsdp_composable._header_fields import Op
 from fsdp_composable._optim_convert import (
     _check_same_on_all_ranks,
     _collect,
@@ -176,20 +179,63 @@ def _check_osd(osd: Any) -> tuple[Mapping[str, Any], list[Any]]:
     return osd["state"], list(groups)
 
 
-def _check_groups(saved: list[Any], current: list[list[str]]) -> None:
+def _match_groups(saved: list[Any], current: list[list[str]]) -> list[Any]:
+    """The saved param group of each of the optimizer's groups: the one at its position if it holds the
+    same parameters, else the one that does (ranks may list their groups in other orders, while a
+    checkpoint holds one rank's list); raises if a group has none."""
     if len(saved) != len(current):
         raise ValueError(
             f"the checkpoint has {len(saved)} param groups but the optimizer has {len(current)}; build the "
             "optimizer with the same param groups as the one that was saved"
         )
-    for i, (group, fqns) in enumerate(zip(saved, current)):
-        missing, extra = sorted(set(fqns) - set(group["params"])), sorted(set(group["params"]) - set(fqns))
-        if missing or extra:
+    sets = [frozenset(g["params"]) for g in saved]
+    matched = []
+    for i, fqns in enumerate(current):
+        mine = frozenset(fqns)
+        j = i if sets[i] == mine else next((j for j, other in enumerate(sets) if other == mine), None)
+        if j is None:
+            closest = max(range(len(sets)), key=lambda k: (len(sets[k] & mine), k == i))
+            missing, extra = sorted(mine - sets[closest]), sorted(sets[closest] - mine)
             raise ValueError(
-                f"param group {i} differs from the checkpoint's: parameters only in the optimizer: "
-                f"{_some(missing)}, only in the checkpoint: {_some(extra)}. Build the optimizer with the same "
-                "param groups"
+                f"param group {i} differs from every param group of the checkpoint; against the closest, group "
+                f"{closest}: parameters only in the optimizer: {_some(missing)}, only in the checkpoint: "
+                f"{_some(extra)}. Build the optimizer with the same param groups (listed in any order)"
             )
+        matched.append(saved[j])
+    return matched
+
+
+def _agree_on_refusal(index: _Index, refusal: Optional[Exception]) -> None:
+    """Every rank learns which ranks refused the state dict (``refusal``: this rank's error) and all
+    raise the same error: a rank raising alone would leave the others waiting in the conversion's
+    collectives or in the optimizer's load."""
+    groups: dict[tuple[int, ...], tuple[dist.ProcessGroup, torch.device]] = {}
+    for unit in index.units:
+        group = unit.handle.process_group
+        if dist.get_world_size(group) > 1:
+            groups.setdefault(tuple(dist.get_process_group_ranks(group)), (group, unit.handle.device))
+    if not groups:
+        if refusal is not None:
+            raise refusal
+        return
+    mine = None if refusal is None else (type(refusal).__name__, str(refusal))
+    refused: dict[int, tuple[str, str]] = {}
+    what = "check of the state dict on every rank"
+    for ranks in sorted(groups):
+        group, device = groups[ranks]
+        _rank_agreement.agree_before(group, Op.ALL_GATHER_OBJECT, 1, None, what)
+        for rank, theirs in zip(ranks, all_gather_object(group, mine, device, what)):
+            if theirs is not None:
+                refused[rank] = theirs
+    if not refused:
+        return
+    first = min(refused)
+    kind, text = refused[first]
+    error = (TypeError if kind == "TypeError" else ValueError)(
+        f"optim_state_dict_to_load: rank(s) {sorted(refused)} cannot load this optimizer state dict, so no rank "
+        f"converts it (rank {first}: {text})"
+    )
+    raise error from refusal
 
 
 def _some(names: list[str], limit: int = 3) -> str:
@@ -207,22 +253,28 @@ def optim_state_dict_to_load(
     collective when it holds DTensors. The param groups must hold the same parameters as ``optim``'s.
     """
     _check_args("optim_state_dict_to_load", module, optim)
-    saved_state, saved_groups = _check_osd(optim_state_dict)
     index = _index(module)
     params = _optimizer_params(optim)
-    current = [[fqn for p in g["params"] for fqn in _param_fqns(index, p, i)] for i, g in enumerate(optim.param_groups)]
-    known = {fqn for fqns in current for fqn in fqns}
-    unknown = sorted(set(saved_state) - known)
-    if unknown:
-        raise ValueError(
-            f"the optimizer state dict has state for {unknown}, which the optimizer does not hold (unknown "
-            "FQNs, or parameters left out of it); load a checkpoint of the same model and param groups"
-        )
-    _check_groups(saved_groups, current)
+    refusal: Optional[Exception] = None
+    try:
+        saved_state, saved_groups = _check_osd(optim_state_dict)
+        current = [
+            [fqn for p in g["params"] for fqn in _param_fqns(index, p, i)] for i, g in enumerate(optim.param_groups)
+        ]
+        known = {fqn for fqns in current for fqn in fqns}
+        unknown = sorted(set(saved_state) - known)
+        if unknown:
+            raise ValueError(
+                f"the optimizer state dict has state for {unknown}, which the optimizer does not hold (unknown "
+                "FQNs, or parameters left out of it); load a checkpoint of the same model and param groups"
+            )
+        saved_groups = _match_groups(saved_groups, current)
+    except (TypeError, ValueError) as e:
+        refusal = e
+    _agree_on_refusal(index, refusal)  # also the check-in: a collective on every rank
     _install_optimizer_hooks(optim)
     ids = {id(p): i for i, p in enumerate(params)}
     out: dict[int, Any] = {}
-    _rank_agreement.check_in(u.handle.process_group for u in _units_in(index, params))
     # Original parameters keep the global form: optim.load_state_dict's hook takes their slices.
     for p in params:
         fqns = [index.orig[id(p)][0].fqns[index.orig[id(p)][1]]] if id(p) in index.orig else []

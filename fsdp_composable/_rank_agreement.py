@@ -8,10 +8,11 @@ gloo group, every rank sends every peer a small fixed-size header and receives t
 which collective (`Op`), what for (`purpose`: forward, backward, or a collective entry point such as
 ``state_dict()``), how many elements of which dtype (for an all-gather also the dtype the shard had
 before a mixed-precision cast, so ranks whose parameters were cast differently disagree: [Note: casts
-after sharding] in `_dtype_casts`), and the group's step (root forwards so far) and epoch (see
-below). Headers are all the same size, so they cannot abort; every rank sees every header, so every
-rank reaches the same verdict: all complete the collective, or all raise `RankMismatchError` naming
-the ranks and what each was doing, with no payload received anywhere.
+after sharding] in `_dtype_casts`), the unit whose collective it is ([Note: the unit in the header]
+in `_header_fields`), and the group's step (root forwards so far) and epoch (see below). Headers
+are all the same size, so they cannot abort; every rank sees every header, so every rank reaches
+the same verdict: all complete the collective, or all raise `RankMismatchError` naming the ranks
+and what each was doing, with no payload received anywhere.
 
 Native collectives (`agree`) are posted once the headers agreed: the check blocks until every peer
 reached the same collective. Our point-to-point exchanges do not wait ([Note: agreement without a
@@ -56,7 +57,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import enum
 import operator
 import struct
 import zlib
@@ -69,7 +69,17 @@ import torch.distributed as dist
 
 from fsdp_composable import _safety
 from fsdp_composable._composable_state import group_record, group_records
-from fsdp_composable.api import RankMismatchError
+from fsdp_composable._header_fields import (
+    _DTYPES,
+    _FIRST_ENTRY_POINT,
+    _OP_TEXT,
+    _PURPOSES,
+    Op,
+    _dtype_code,
+    _unit_code,
+    current_unit,
+)
+from fsdp_composable.api import CollectiveError, RankMismatchError
 
 __all__: list[str] = []
 
@@ -82,67 +92,10 @@ _PAYLOAD_TAGS = 0x50000000
 _PAYLOAD_TAG_SPAN = 1 << 29
 
 
-class Op(enum.IntEnum):
-    ALL_GATHER = 1
-    REDUCE_SCATTER = 2
-    ALL_REDUCE = 3
-    ALL_TO_ALL = 4
-    ALL_GATHER_OBJECT = 5
-    BROADCAST = 6
-    START = 7  # an entry point that moves no data (load_state_dict of a FULL state dict) checks in
-    LEFT = 8  # not a collective: the sender left its step (see `leave_step`)
-
-
-_OP_TEXT = {
-    Op.ALL_GATHER: "an all-gather",
-    Op.REDUCE_SCATTER: "a reduce-scatter",
-    Op.ALL_REDUCE: "an all-reduce",
-    Op.ALL_TO_ALL: "an all-to-all",
-    Op.ALL_GATHER_OBJECT: "an all_gather_object",
-    Op.BROADCAST: "a broadcast",
-    Op.START: "its start",
-    Op.LEFT: "nothing (it left the step)",
-}
-
-# Index = purpose code in the header. The first two are training; the rest are entry points that
-# must be called on every rank.
-_PURPOSES = (
-    "forward",
-    "backward",
-    "the execution-order check",
-    "state_dict()",
-    "load_state_dict()",
-    "optim_state_dict()",
-    "optim_state_dict_to_load()",
-    "unshard_params()",
-    "clip_grad_norm_()",
-    "sync_module_states",
-    "reset_parameters()",
-    "fully_shard()",
-    "optimizer.state_dict()",
-    "optimizer.load_state_dict()",
-    "GradScaler.unscale_()",
-)
-_FIRST_ENTRY_POINT = 3
-
-_DTYPES = (
-    torch.float32,
-    torch.float64,
-    torch.float16,
-    torch.bfloat16,
-    torch.int64,
-    torch.int32,
-    torch.int16,
-    torch.int8,
-    torch.uint8,
-    torch.bool,
-    torch.complex64,
-    torch.complex128,
-)
-
 # ``origin``: an all-gather's shard dtype before a mixed-precision cast (see [Note: casts after sharding])
-_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin", "seq")
-_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin")
+# ``unit``: a checksum of the unit's FQN (0: no unit), see [Note: the unit in the header]
+_FIELDS = ("magic", "op", "purpose", "epoch", "step", "numel", "dtype", "world", "origin", "unit", "seq")
+_COMPARED = ("op", "purpose", "step", "numel", "dtype", "world", "origin", "unit")
 _SAME = operator.itemgetter(*_COMPARED, "epoch")  # what every peer's header must share with this rank's
 _PACK = struct.Struct(f"{len(_FIELDS)}q")  # a header's bytes (native int64s, as the tensor holds them)
 
@@ -172,6 +125,7 @@ class _GroupRecord:
     rank: int = 0
     global_ranks: tuple[int, ...] = ()  # by group rank (filled by `group_ranks` when first needed)
     peers: tuple[int, ...] = ()  # the other ranks' group ranks
+    unit_names: dict[int, str] = field(default_factory=dict)  # unit checksum -> FQN, to name a peer's unit
 
 
 # the entry points running now, innermost last (a context variable: no shared mutable container)
@@ -233,6 +187,13 @@ def entry_point(name: str) -> Iterator[None]:
         yield
     finally:
         _ENTRY.reset(token)
+
+
+def name_units(group: Optional[dist.ProcessGroup], names: Iterable[str]) -> None:
+    """Remember the units' names for ``group``'s messages: a peer's header carries only a checksum."""
+    if checks(group):
+        assert group is not None
+        _record(group).unit_names.update((_unit_code(n), n) for n in names)
 
 
 def doing() -> str:
@@ -309,12 +270,6 @@ def settled(group: dist.ProcessGroup, created: int) -> bool:
     return checks(group) and _record(group).generation != created
 
 
-def _dtype_code(dtype: Optional[torch.dtype]) -> int:
-    if dtype is None:
-        return -1
-    return _DTYPES.index(dtype) if dtype in _DTYPES else 99
-
-
 def _new_epoch(record: _GroupRecord) -> None:
     """The step was left or refused on every rank: what was posted in it belongs to no later step."""
     record.epoch += 1
@@ -341,6 +296,7 @@ def _header(
         _dtype_code(dtype),
         record.size,
         _dtype_code(origin if origin != dtype else None),
+        _unit_code(current_unit()),
         seq,
     )
 
@@ -350,7 +306,8 @@ def _tensor(header: tuple[int, ...]) -> torch.Tensor:
     return torch.frombuffer(bytearray(_PACK.pack(*header)), dtype=torch.int64)
 
 
-def _describe(h: dict[str, int]) -> str:
+def _describe(h: dict[str, int], units: Optional[dict[int, str]] = None) -> str:
+    """``units`` (checksum -> name): also name the unit, where the ranks' units differ."""
     if h["op"] == Op.LEFT:
         return f"left step {h['step']} (it raised an exception there)"
     purpose = _PURPOSES[h["purpose"]] if 0 <= h["purpose"] < len(_PURPOSES) else f"<purpose {h['purpose']}>"
@@ -362,7 +319,10 @@ def _describe(h: dict[str, int]) -> str:
     )
     if 0 <= h.get("origin", -1) < len(_DTYPES):
         size += f" cast from {str(_DTYPES[h['origin']]).replace('torch.', '')}"
-    return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{size} (step {h['step']})"
+    unit = ""
+    if units is not None:
+        unit = " of no unit" if not h["unit"] else f" of unit {units.get(h['unit'], '<unknown>')!r}"
+    return f"{purpose}: {_OP_TEXT[Op(h['op'])]}{unit}{size} (step {h['step']})"
 
 
 def agree_before(
@@ -376,7 +336,7 @@ def agree_before(
     except RankMismatchError as e:
         raise RankMismatchError(f"fully_shard: the {doing()} {what} was not run: {e}") from e
     except RuntimeError as e:
-        raise RuntimeError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
+        raise CollectiveError(f"fully_shard: the {doing()} {what} did not complete: {e}") from e
 
 
 def agree(
@@ -427,6 +387,8 @@ def begin(
     record.pending = [w for w in record.pending if not w.is_completed()]
     record.unmatched = [w for w in record.unmatched if not w.is_completed()]
     header = _header(record, op, numel, dtype, origin, record.seq)
+    if current_unit():
+        record.unit_names.setdefault(header[_FIELDS.index("unit")], current_unit())
     mine = _tensor(header)
     record.seq += 1
     peers = list(record.peers)
@@ -450,7 +412,7 @@ def payload_tag(agreement: Optional[Agreement], tag: int) -> int:
     if agreement is None:
         return tag
     h = agreement.mine
-    key = struct.pack("<7q", tag, h["epoch"], h["op"], h["purpose"], h["numel"], h["dtype"], h["origin"])
+    key = struct.pack("<8q", tag, h["epoch"], h["op"], h["purpose"], h["numel"], h["dtype"], h["origin"], h["unit"])
     return _PAYLOAD_TAGS + zlib.crc32(key) % _PAYLOAD_TAG_SPAN
 
 
@@ -513,6 +475,12 @@ def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
     return buffer, dist.irecv(buffer, group_ranks(group)[2][peer], group, _HEADER_TAG)
 
 
+def entry_hint() -> str:
+    """"; X is a collective: it must be called on every rank" for the entry point running now ("" in
+    training)."""
+    return _entry_hint({_purpose()})
+
+
 def _entry_hint(purposes: set[int]) -> str:
     entries = sorted(_PURPOSES[p] for p in purposes if _FIRST_ENTRY_POINT <= p < len(_PURPOSES))
     if not entries:
@@ -548,7 +516,9 @@ def _verdict(
     if not left and all(_SAME(h) == same for h in theirs.values()):
         return
     ranks = sorted(everyone)
-    detail = "; ".join(f"rank {g}: {_describe(everyone[r])}" for r, g in zip(ranks, _global(group, ranks)))
+    units = {h["unit"] for h in everyone.values() if h["op"] != Op.LEFT}
+    names = record.unit_names if len(units) > 1 else None
+    detail = "; ".join(f"rank {g}: {_describe(everyone[r], names)}" for r, g in zip(ranks, _global(group, ranks)))
     if left:
         steps = {theirs[r]["step"] for r in left}
         named = _global(group, left)
@@ -571,7 +541,12 @@ def _verdict(
         record.abandoned = "the ranks reached different collectives"
     record.step = max(h["step"] for h in everyone.values())
     hint = _entry_hint({h["purpose"] for h in everyone.values()})
-    if all(h[k] == mine[k] for h in theirs.values() for k in _COMPARED if k not in ("dtype", "origin")):
+    if all(h[k] == mine[k] for h in theirs.values() for k in _COMPARED if k != "unit"):
+        hint += (
+            "; the ranks ran different units: look for data-dependent branches or modules skipped on some "
+            "ranks (the units run in every iteration must be the same on every rank)"
+        )
+    elif all(h[k] == mine[k] for h in theirs.values() for k in _COMPARED if k not in ("dtype", "origin")):
         hint += (
             "; the ranks' parameters have different dtypes: cast the model alike on every rank "
             "(model.half(), model.to(dtype), ...)"

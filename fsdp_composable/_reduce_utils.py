@@ -57,6 +57,7 @@ from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
 from fsdp_composable._common_utils import NoGrad
 from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._header_fields import for_unit
 from fsdp_composable._offload_copies import offload_copy, sync_offload_copies
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import as_local_grad
@@ -397,12 +398,13 @@ def start_reduce(
         pending.out = out
         pending.send = send  # read on the reduce stream (CUDA): kept until the compute stream waited
         if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
-            pending.work = _collectives.issue(None, collective)
+            pending.work = _collectives.issue(None, collective, unit=handle.root_fqn)
             return pending
         pending.post_divide = 1  # divided on the reduce stream
         last = replicas is None or all_reduce_stream is None
+        unit = handle.root_fqn
         pending.work = _collectives.issue(
-            stream, collective, then=lambda: _after_reduce(pending, post, copy_out=last)
+            stream, collective, then=lambda: _after_reduce(pending, post, copy_out=last), unit=unit
         )
         if not last:
             assert replicas is not None and all_reduce_stream is not None
@@ -411,6 +413,7 @@ def start_reduce(
                 lambda async_op: _collectives.all_reduce(out, replicas, dist.ReduceOp.SUM, async_op),
                 after=stream,
                 then=lambda: _after_reduce(pending, 1, copy_out=True),
+                unit=unit,
             )
             pending.replicate_group = None  # issued
     return pending
@@ -501,7 +504,8 @@ class PendingReduce:
             # HYBRID_SHARD on the CPU: the shard's sum over replicas is issued now and left in flight, so
             # it overlaps the next units' backward; `finish` waits for it (the end of backward)
             group, self.replicate_group = self.replicate_group, None
-            self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
+            with for_unit(self.handle.root_fqn):
+                self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
         if self.replica is None:  # nothing more in flight (CUDA: `_after_reduce` ran it on the last stream)
             _run_hook(self)
 

@@ -178,6 +178,24 @@ class RootContext:
         holding its pre-backward hooks is still alive (a dropped graph frees them)."""
         return not self.final_callback_queued and any(ref() is not None for ref in self.backward_hooks)
 
+    def close_skipped_backward(self) -> None:
+        """At a root pre-forward: if the last forward finished with gradients enabled, no backward
+        started and none can come (its graph was dropped), abort that step (telling the peers).
+
+        [Note: a skipped backward]
+        A rank whose loss raised after its forward skips that backward while its peers run it. Told
+        nothing, the peers would refuse this rank's next forward at their first backward collective,
+        so this rank would lose that iteration too and the ranks' loops would end one step apart. So
+        it aborts the step it skipped, as a failed step's recovery does ([Note: a step that stops
+        midway]), and leaves it ([Note: collective headers]): a peer inside that backward raises
+        there, on every rank the step is over, every unit is resharded, and this forward runs in the
+        next epoch. Where every rank dropped its forward (a forward whose output was not used), every
+        rank does the same and skips the others' notice as stale."""
+        if self.open_forwards or self.final_callback_queued or self.backward_may_come():
+            return
+        if any(s.training_state is TrainingState.FORWARD_BACKWARD for s in self.states):
+            self.abort_step()
+
     def unfinished(self) -> bool:
         """A previous step stopped midway (see the Note); call only when no forward/backward runs."""
         return self.open_forwards > self.method_calls or self.final_callback_queued

@@ -35,7 +35,7 @@ import dataclasses
 import functools
 import sys
 import weakref
-from typing import Any, Callable, Optional
+from typing import Any, Callable, NoReturn, Optional
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from fsdp_composable import _exposed_grads, _trace
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._cast_inputs import cast_floating, to_device
 from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_state
+from fsdp_composable._copy_guard import refusal
 from fsdp_composable._ddp_guard import refuse_inside_ddp
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
@@ -63,10 +64,26 @@ _BACKWARD_STATES = (HandleTrainingState.BACKWARD_PRE, HandleTrainingState.BACKWA
 
 
 # ---------------------------------------------------------------------------- registration
-def _eager(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Hooks run eagerly even inside ``torch.compile(module)``: they issue collectives, wait on work
-    and flip state, which dynamo cannot trace; the module's own forward still compiles whole."""
-    return torch._dynamo.disable(fn)  # type: ignore[no-any-return]
+class _EagerHook:
+    """A forward hook that runs eagerly even inside ``torch.compile(module)``: it issues collectives,
+    waits on work and flips state, which dynamo cannot trace; the module's own forward still compiles
+    whole. Pickled with its module (``torch.save(model)``), it refuses as the unit's state does ([Note:
+    copying a sharded model]): the hooks come before the submodules in a module's ``__dict__``, so a
+    top module with no parameters of its own reaches them first."""
+
+    def __init__(self, state: _FSDPState, fn: Callable[..., Any]) -> None:
+        self._fn = torch._dynamo.disable(fn)
+        self._what = f"the state of '{type(state.module).__name__}'"
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._fn(*args, **kwargs)
+
+    def __reduce_ex__(self, protocol: object) -> NoReturn:
+        raise refusal(self._what)
+
+
+def _eager(state: _FSDPState, fn: Callable[..., Any]) -> Callable[..., Any]:
+    return _EagerHook(state, fn)
 
 
 def _register_hooks(state: _FSDPState) -> None:
@@ -74,19 +91,19 @@ def _register_hooks(state: _FSDPState) -> None:
     module = state.module
     state.hook_handles.append(
         module.register_forward_pre_hook(
-            _eager(functools.partial(_fsdp_root_pre_forward, state)), prepend=True, with_kwargs=True
+            _eager(state, functools.partial(_fsdp_root_pre_forward, state)), prepend=True, with_kwargs=True
         )
     )
     for handle in state.handles:
-        pre = _eager(functools.partial(_pre_forward, state, handle))
-        post = _eager(functools.partial(_post_forward, state, handle))
+        pre = _eager(state, functools.partial(_pre_forward, state, handle))
+        post = _eager(state, functools.partial(_post_forward, state, handle))
         for unit_module in handle.members:  # several for fully_shard([m1, m2])
             state.hook_handles.append(
                 unit_module.register_forward_pre_hook(pre, prepend=unit_module is not module, with_kwargs=True)
             )
             state.hook_handles.append(unit_module.register_forward_hook(post))
     state.hook_handles.append(
-        module.register_forward_hook(_eager(functools.partial(_fsdp_root_post_forward, state)), always_call=True)
+        module.register_forward_hook(_eager(state, functools.partial(_fsdp_root_post_forward, state)), always_call=True)
     )
     _register_direct_call_checks(state)
     state.hook_handles.append(module._register_state_dict_hook(functools.partial(_buffer_dtype_state_dict_hook, state)))
@@ -145,6 +162,8 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
         ctx.abort_step()
+    else:
+        ctx.close_skipped_backward()  # [Note: a skipped backward]
     if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
         for handle in ctx.handles:  # left unsharded between steps: [Note: a unit left unsharded]
             if handle.is_unsharded and handle.training_state is HandleTrainingState.IDLE:
@@ -204,6 +223,8 @@ def _pre_forward(state: _FSDPState, handle: FlatParamHandle, module: nn.Module, 
     if nested:  # the unit's module calls itself inside a registered method: it is already whole
         step.forward_depth += 1
     elif not (grouped and step.group_left):
+        if not handle.switches.unshard_in_backward and torch.is_grad_enabled():
+            _refuse_input_grads_without_params(handle, args, kwargs)
         handle.set_training_state(HandleTrainingState.FORWARD)
         step.forward_depth = 1
         if grouped:
@@ -286,6 +307,14 @@ def _pre_backward_hook(state: _FSDPState, handle: FlatParamHandle, grad: torch.T
     step = ctx.steps[handle]
     if step.ran_pre_backward:
         return
+    if torch.is_grad_enabled():  # backward(create_graph=True): autograd records the gradients' graph
+        raise RuntimeError(
+            f"fully_shard: unit '{handle.root_fqn}' ran a backward with create_graph=True (a double backward, "
+            "such as a gradient penalty): its unsharded parameters are freed after its backward, so the graph "
+            "of the gradients could not be differentiated again. Leave the modules the penalty differentiates "
+            "through out of the units (fully_shard(..., ignored_modules=[...])), or compute the term without "
+            "create_graph"
+        )
     if not ctx.final_callback_queued:
         _refuse_autograd_grad(ctx)
         ctx.final_callback_queued = True
@@ -322,6 +351,19 @@ def _grads_before_backward(step: UnitStep, handle: FlatParamHandle) -> list[Opti
         return []
     early = [g if g is not None and g is not b else None for g, b in zip((p.grad for p in handle.params), before)]
     return early if any(g is not None for g in early) else []
+
+
+def _refuse_input_grads_without_params(handle: FlatParamHandle, args: Any, kwargs: Any) -> None:
+    """``set_unshard_in_backward(module, False)``: the unit's backward gets its parameters' shapes
+    without storage. The gradient of an input that requires grad (a linear's, a norm's) needs the
+    parameters themselves: refuse in forward, on every rank, instead of a storage error in backward."""
+    if any(isinstance(t, torch.Tensor) and t.requires_grad for t in pytree.tree_leaves((args, kwargs))):
+        raise RuntimeError(
+            f"fully_shard: set_unshard_in_backward(False) was set on unit '{handle.root_fqn}', but its forward "
+            "got an input that requires grad: that input's gradient needs the unit's parameters in backward, "
+            "which it would not gather. Call set_unshard_in_backward(module, True) for this unit; False is for "
+            "units whose backward needs no parameters (an embedding of the model's input)"
+        )
 
 
 def _refuse_autograd_grad(ctx: RootContext) -> None:

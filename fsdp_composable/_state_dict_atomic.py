@@ -113,8 +113,8 @@ def decide_after_load(state: _FSDPState, incompatible_keys: Any) -> None:
 
 def _every_rank(state: _FSDPState, failed: bool) -> list[tuple[int, bool]]:
     """(global rank, its verdict) for every rank of the state's shard group and its replicas."""
-    shard = all_gather_object(state.process_group, (dist.get_rank(), failed), state.device)
+    shard = all_gather_object(state.process_group, (dist.get_rank(), failed), state.device, "exchange of load verdicts")
     if state.replicate_group is not None and dist.get_world_size(state.replicate_group) > 1:
-        replicas = all_gather_object(state.replicate_group, shard, state.device)
+        replicas = all_gather_object(state.replicate_group, shard, state.device, "exchange of load verdicts")
         return [entry for replica in replicas for entry in replica]
     return list(shard)

@@ -50,7 +50,6 @@ from fsdp_composable.api import StateDictConfig, StateDictType
 __all__: list[str] = ["state_dict_type"]
 
 
-
 # ---------------------------------------------------------------------------- state_dict_type
 @contextlib.contextmanager
 def state_dict_type(
@@ -334,9 +333,9 @@ def _compare_keys_across_ranks(
 def _keys_of_every_rank(state: _FSDPState, mine: list[str]) -> dict[int, set[str]]:
     """Global rank -> its keys, for every rank of the state's groups (HYBRID_SHARD: the shard group's
     lists, then those of every replica)."""
-    shard = all_gather_object(state.process_group, (dist.get_rank(), mine), state.device)
+    shard = all_gather_object(state.process_group, (dist.get_rank(), mine), state.device, "exchange of state-dict keys")
     lists = shard
     if state.replicate_group is not None and dist.get_world_size(state.replicate_group) > 1:
-        replicas = all_gather_object(state.replicate_group, shard, state.device)
+        replicas = all_gather_object(state.replicate_group, shard, state.device, "exchange of state-dict keys")
         lists = [entry for replica in replicas for entry in replica]
     return {rank: set(keys) for rank, keys in lists}

@@ -177,7 +177,7 @@ def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:
         if not unsharded or (not first and handle.training_state is not HandleTrainingState.IDLE):
             continue
         raise RuntimeError(
-            f"optimizer.step() was called while the parameters of unit '{handle.unit_fqn or '<root>'}' are "
+            f"optimizer.step() was called while the parameters of unit '{handle.root_fqn}' are "
             "unsharded (between a forward and its backward, inside unshard_params, after unshard(module), or "
             "kept by set_reshard_after_backward(False)), so it would step their full-shape copies instead of "
             "the shard. Call reshard(module) on that unit (or step after backward); to get a state-dict "

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any, Callable, Iterable, Optional, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_composable import _init_utils as init
@@ -116,6 +117,24 @@ def fully_shard(
     return given
 
 
+def _check_placement_first(
+    module: nn.Module, device_id: Any, group: dist.ProcessGroup, api: str
+) -> Optional[torch.device]:
+    """The placement check before the first collective (the ignored-modules check), which would fail
+    inside torch ("No backend type associated with device type cpu") for a model on a device the
+    group does not serve; the check runs again per unit once meta modules are materialised. Returns
+    the device the unit computes on as far as it is known now (``device_id``'s, else the first
+    materialised parameter's), which that collective communicates on."""
+    if device_id is not None:
+        given = init._check_device_id(api, device_id)
+        init._check_comm_device(group, given, api)
+        return given
+    devices = {p.device for p in module.parameters() if not p.is_meta}
+    if len(devices) == 1:
+        init._check_comm_device(group, next(iter(devices)), api)
+    return _first_device(module)
+
+
 def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module, ...] = ()) -> _FSDPState:
     """The constructor shared with the wrapper class: a short sequence of `_init_*` calls. ``args.api``
     names the caller in error messages (see [Note: API names in messages] in `_init_utils`)."""
@@ -129,8 +148,8 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     unit_policy = init._validate_args(args)
     group, replicate_group, _, world_size = init._init_process_group_state(args.process_group, args.strategy, api)
     args = resolve_post_forward_ranks(module, args, world_size)  # reshard_after_forward=<int>
-    # the check that every rank ignores the same modules communicates on the unit's device (as known so far)
-    hint = init._check_device_id(api, args.device_id) if args.device_id is not None else _first_device(module)
+    # before the first collective, and the device that collective communicates on (as known so far)
+    hint = _check_placement_first(module, args.device_id, group, api)
     ignored_mods, ignored_params = init._init_ignored_module_states(
         module, args.ignored_modules, api, (group, replicate_group), hint
     )

@@ -1,7 +1,9 @@
 """A 2-rank job in which rank 1 dies in the middle of its second step (run by test_reliability).
 
 ``dead_rank_job.py state_dict``: rank 1 is SIGKILLed inside ``state_dict()`` instead;
-``dead_rank_job.py optim_state_dict``: inside ``optim_state_dict()``, after the first unit's gather."""
+``dead_rank_job.py optim_state_dict``: inside ``optim_state_dict()``, after the first unit's gather;
+``dead_rank_job.py optim_state_dict_check``: inside ``optim_state_dict()``, in its first exchange (the
+check that every rank holds the same state), after the ranks agreed on it."""
 
 from __future__ import annotations
 
@@ -57,6 +59,21 @@ def main() -> None:
             return gather(*args)  # type: ignore[arg-type]
 
         _optim_convert._gather_full_flat = gather_then_die  # type: ignore[assignment]
+        optim_state_dict(model, optim)
+        print("finished without noticing", flush=True)
+        return
+    if sys.argv[1:] == ["optim_state_dict_check"]:
+        optim = torch.optim.Adam(model.parameters())
+        gpt_loss(model, gpt_batch(0, 2)).backward()
+        optim.step()
+        exchange = _optim_convert.all_gather_object
+
+        def die_then_exchange(*args: object) -> list:
+            if rank == 1:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return exchange(*args)  # type: ignore[arg-type]
+
+        _optim_convert.all_gather_object = die_then_exchange  # type: ignore[assignment]
         optim_state_dict(model, optim)
         print("finished without noticing", flush=True)
         return

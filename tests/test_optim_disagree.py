@@ -6,11 +6,13 @@ rank, is an error on every rank. Never a gloo abort (a collective mismatch kills
 from __future__ import annotations
 
 import copy
+import tempfile
 from typing import Any
 
 import expecttest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from harness import error_of
 from hypothesis import HealthCheck, given, settings
@@ -23,7 +25,16 @@ from test_property import _batch as property_batch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard, optim_state_dict
+from fsdp_composable import (
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    StateDictType,
+    fully_shard,
+    init_optim_state,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    state_dict_type,
+)
 
 GLOBAL_BATCH = 4
 
@@ -146,6 +157,67 @@ def test_load_given_other_state_on_one_rank(dist_run) -> None:
     assert r0 == r1, (r0, r1)
     assert r0.startswith("RuntimeError: fully_shard: optimizer.load_state_dict() got different state for parameter"), r0
     assert "use optim_state_dict_to_load" in r0, r0
+
+
+def _groups_by_block(model: nn.Module, swapped: bool, lr: float) -> torch.optim.Optimizer:
+    """Adam with one param group per block (learning rates 0.01 and 0.02) and one for the rest; the
+    block groups listed in the other order when ``swapped``."""
+    blocks = [list(model.blocks[i].parameters()) for i in range(2)]  # type: ignore[index]
+    held = {id(p) for block in blocks for p in block}
+    groups = [{"params": blocks[0], "lr": lr}, {"params": blocks[1], "lr": 2 * lr}]
+    rest = {"params": [p for p in model.parameters() if id(p) not in held]}
+    return torch.optim.Adam([*(groups[::-1] if swapped else groups), rest], lr=lr)
+
+
+def sharded_load_with_groups_in_another_order(case: str) -> dict[str, Any]:
+    """Rank 1 lists its param groups in another order. Saved under SHARDED_STATE_DICT with
+    torch.distributed.checkpoint (whose param groups are one rank's), loaded back with
+    optim_state_dict_to_load: exact on every rank ("same"), or with rank 1's groups split otherwise
+    ("split"), an error on every rank, after which training goes on."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
+    optim = _groups_by_block(model, swapped=rank == 1, lr=0.01)
+    _train(model, optim, range(2))
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        saved = optim_state_dict(model, optim)
+    where = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(where, src=0)
+    dcp.save(saved, checkpoint_id=where[0])
+    fresh = _groups_by_block(model, swapped=rank == 1, lr=1.0)
+    if case == "split" and rank == 1:  # one parameter moved from the second block's group to the first's
+        fresh.param_groups[0]["params"].append(fresh.param_groups[1]["params"].pop())
+    init_optim_state(fresh)
+    with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
+        template = optim_state_dict(model, fresh)
+        dcp.load(template, checkpoint_id=where[0])
+        message = error_of(lambda: fresh.load_state_dict(optim_state_dict_to_load(model, fresh, template)))
+    out: dict[str, Any] = {"message": message}
+    if not message:
+        out["same"] = all(
+            torch.equal(optim.state[p][key], fresh.state[p][key]) for p in optim.state for key in optim.state[p]
+        )
+        out["lrs"] = sorted((g["lr"], len(g["params"])) for g in fresh.param_groups)
+        # each group's learning rate is that of the saved group with its parameters
+        out["lr_by_param"] = all(g["lr"] == h["lr"] for g, h in zip(optim.param_groups, fresh.param_groups))
+    _train(model, optim, range(2, 3))  # the ranks are still in step
+    return out
+
+
+def test_sharded_load_with_param_groups_in_another_order_on_one_rank(dist_run) -> None:
+    """The checkpoint's param groups are rank 0's: rank 1's groups are matched by their parameters.
+    Before, rank 1 alone refused them (a different group at its position), the others waited."""
+    for r in dist_run(2, sharded_load_with_groups_in_another_order, "same"):
+        assert r == {"message": "", "same": True, "lrs": [(0.01, 5), (0.01, 10), (0.02, 10)], "lr_by_param": True}, r
+
+
+def test_sharded_load_with_other_param_groups_on_one_rank(dist_run) -> None:
+    r0, r1 = dist_run(2, sharded_load_with_groups_in_another_order, "split")
+    assert r0 == r1, (r0, r1)
+    expecttest.TestCase().assertExpectedInline(
+        r0["message"],
+        """ValueError: optim_state_dict_to_load: rank(s) [1] cannot load this optimizer state dict, so no rank converts it (rank 1: param group 0 differs from every param group of the checkpoint; against the closest, group 0: parameters only in the optimizer: ['blocks.0.fc2.bias'], only in the checkpoint: []. Build the optimizer with the same param groups (listed in any order))""",  # noqa: E501
+    )
 
 
 # ---------------------------------------------------------------------------- random models (property soak)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -142,6 +143,23 @@ def test_rank_killed_during_optim_state_dict_is_named_by_the_survivor() -> None:
     last = outputs[0][1].strip().splitlines()[-1]
     assert "CollectiveError: fully_shard: the optim_state_dict() all-gather of unit" in last, last
     assert "did not complete" in last and "optim_state_dict() is a collective" in last, last
+    assert elapsed < 90
+
+
+def test_rank_killed_in_the_optim_state_dict_check_is_named_by_the_survivor() -> None:
+    """A rank SIGKILLed inside optim_state_dict()'s first exchange (torch's all_gather_object), after the
+    ranks agreed on it: the survivor's error names optim_state_dict() and its units, not only gloo's."""
+    procs, outputs, elapsed = _run_dead_rank_job("optim_state_dict_check")
+    assert procs[1].returncode == -9
+    assert procs[0].returncode not in (0, None), outputs[0]
+    assert "finished without noticing" not in outputs[0][0]
+    last = outputs[0][1].strip().splitlines()[-1]
+    gloo = re.search(r"did not complete: (.*)\. Another rank", last)
+    assert gloo is not None, last
+    expecttest.TestCase().assertExpectedInline(
+        last.replace(gloo[1], "<gloo's error>"),
+        """[rank0]: fsdp_composable.api.CollectiveError: fully_shard: the optim_state_dict() exchange for the optimizer state check (units '<root>', 'blocks.0', 'blocks.1') did not complete: <gloo's error>. Another rank probably died, hung, or ran different modules; check the other ranks' logs (the process group timeout bounds the wait); optim_state_dict() is a collective: it must be called on every rank""",  # noqa: E501
+    )
     assert elapsed < 90
 
 

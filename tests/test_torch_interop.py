@@ -144,7 +144,12 @@ def comm_devices() -> dict[str, list[str]]:
     shard = torch.arange(4.0)
     layout = SimpleNamespace(world_size=2, padded_numel=8)
     handle = SimpleNamespace(
-        layout=layout, flat_param=shard, process_group=dist.group.WORLD, device=torch.device("cpu"), unit_fqn="u"
+        layout=layout,
+        flat_param=shard,
+        process_group=dist.group.WORLD,
+        device=torch.device("cpu"),
+        unit_fqn="u",
+        root_fqn="u",
     )
     saved = (comm.comm_device_of, collectives._all_gather, dist.all_to_all_single, dist.all_gather, dist.all_reduce)
     comm.comm_device_of = lambda h: torch.device("meta")  # type: ignore[assignment]
