@@ -162,13 +162,13 @@ def _fsdp_root_pre_forward(state: _FSDPState, module: nn.Module, args: Any, kwar
         )
     if ctx.unfinished():  # the previous step stopped midway ([Note: a step that stops midway])
         ctx.abort_step()
-    else:
-        ctx.close_skipped_backward()  # [Note: a skipped backward]
-    if ctx.enter_forward():  # else nested: a registered method (e.g. generate) calling self(...)
+    if not ctx.open_forwards:  # else nested: a registered method (e.g. generate) calling self(...)
         for handle in ctx.handles:  # left unsharded between steps: [Note: a unit left unsharded]
             if handle.is_unsharded and handle.training_state is HandleTrainingState.IDLE:
                 handle.keep_unsharded_writes()
-        check_model_unchanged(state)  # see [Note: edits of a sharded model]
+        check_model_unchanged(state)  # see [Note: edits of a sharded model]; before a reshard hides one
+        ctx.close_skipped_backward()  # [Note: a skipped backward]
+    if ctx.enter_forward():
         ctx.begin_step()
     moved = state.device.type != "cpu"
     if moved:  # the root's inputs on the compute device, as FSDP1/FSDP2 do

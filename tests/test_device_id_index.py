@@ -73,7 +73,7 @@ def test_object_collectives_run_with_the_units_device_current(monkeypatch: pytes
     with two_fake_cuda_devices(monkeypatch) as seen:
         monkeypatch.setattr(dist, "get_world_size", lambda group=None: 2)
         monkeypatch.setattr(dist, "all_gather_object", record_collective(seen, "all_gather_object"))
-        _checkpoint_comm.all_gather_object(CudaGroup(), "unit", _unit_device())  # type: ignore[arg-type]
+        _checkpoint_comm.all_gather_object(CudaGroup(), "unit", _unit_device(), "the test")  # type: ignore[arg-type]
         with _collectives.comm_device_current(CudaGroup(), _unit_device()):  # type: ignore[arg-type]
             dist.all_gather_object([None, None], "described")
     assert seen.collectives == [("all_gather_object", 1)] * 2

@@ -194,7 +194,7 @@ def _placement_order() -> list[str]:
         return next((b for b in ("blocks.0", "blocks.1") if fqn.startswith(b + ".")), "<root>")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_init_utils, "_check_comm_device", lambda state, api: None)  # the pool's gloo serves the CPU
+        mp.setattr(_init_utils, "_check_comm_device", lambda *args: None)  # the pool's gloo serves the CPU
         mp.setattr(torch.nn.Module, "_apply", apply)
         with two_fake_cuda_devices(mp, target=torch.device("cpu")) as seen:
             seen.context = lambda: sum(1 for p in params if getattr(p, FSDP_FLATTENED, False))
