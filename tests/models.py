@@ -74,3 +74,18 @@ def mlp_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torc
 def mlp_batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
     g = torch.Generator().manual_seed(2000 + step)
     return torch.randn(global_batch, 5, generator=g), torch.randn(global_batch, 1, generator=g)
+
+
+class Branchy(nn.Module):
+    """Three blocks of one size run in ``order``, chosen per rank (a data-dependent branch, a router,
+    a skipped layer)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
+        self.order = [0, 1, 2]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for i in self.order:
+            x = torch.tanh(self.blocks[i](x))
+        return x

@@ -126,3 +126,12 @@ def mlp_sgd_diff(model: nn.Module, ref: nn.Module, steps: int = 3) -> float:
             o.zero_grad()
     sd, ref_sd = model.state_dict(), ref.state_dict()
     return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
+
+
+def train_gpt(model: nn.Module, optim: torch.optim.Optimizer, steps: range, global_batch: int) -> None:
+    """Train ``steps`` of the GPT batches, each rank on its slice of the global batch."""
+    for step in steps:
+        batch = local_slice(gpt_batch(step, global_batch), dist.get_rank(), dist.get_world_size())
+        gpt_loss(model, batch).backward()
+        optim.step()
+        optim.zero_grad()

@@ -18,7 +18,7 @@ from harness import error_of
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from models import Block, TinyGPT, gpt_batch, gpt_loss
-from parity import local_slice
+from parity import train_gpt
 from test_property import EXAMPLES, ModelSpec, build_model, build_policy, model_specs
 from test_property import GLOBAL_BATCH as GLOBAL_BATCH_PROPERTY
 from test_property import _batch as property_batch
@@ -50,14 +50,6 @@ def _per_rank_optimizer(model: nn.Module, kind: str, lr: float = 0.01) -> torch.
     return torch.optim.Adam([{"params": params[:cut]}, {"params": params[cut:]}], lr=lr)
 
 
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        batch = local_slice(gpt_batch(step, GLOBAL_BATCH), dist.get_rank(), dist.get_world_size())
-        gpt_loss(model, batch).backward()
-        optim.step()
-        optim.zero_grad()
-
-
 def _reference_state() -> dict[str, dict[str, torch.Tensor]]:
     torch.manual_seed(0)
     ref = TinyGPT()
@@ -83,7 +75,7 @@ def through_torch_api(kind: str, full: bool) -> dict[str, float]:
     torch.manual_seed(0)
     model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
     optim = _per_rank_optimizer(model, kind)
-    _train(model, optim, range(2))
+    train_gpt(model, optim, range(2), GLOBAL_BATCH)
     options = StateDictOptions(full_state_dict=full)
     msd, osd = get_state_dict(model, optim, options=options)
     out = {"saved": _diff({k: {n: _full(v) for n, v in s.items()} for k, s in osd["state"].items()}, ref)}
@@ -92,7 +84,7 @@ def through_torch_api(kind: str, full: bool) -> dict[str, float]:
     fresh_optim = _per_rank_optimizer(fresh, kind, lr=1.0)
     set_state_dict(fresh, fresh_optim, model_state_dict=msd, optim_state_dict=osd, options=options)
     out["loaded"] = _diff(optim_state_dict(fresh, fresh_optim)["state"], ref)
-    _train(fresh, fresh_optim, range(2, 3))  # the ranks are still in step
+    train_gpt(fresh, fresh_optim, range(2, 3), GLOBAL_BATCH)  # the ranks are still in step
     return out
 
 
@@ -116,14 +108,14 @@ def other_parameters(api: str) -> list[str]:
     model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
     params = list(model.parameters())
     optim = torch.optim.Adam(params if dist.get_rank() == 0 else params[:-2], lr=0.01)
-    _train(model, optim, range(1))
+    train_gpt(model, optim, range(1), GLOBAL_BATCH)
     if api == "ours":
         message = error_of(lambda: optim_state_dict(model, optim))
     elif api == "torch":
         message = error_of(lambda: get_state_dict(model, optim))
     else:
         message = error_of(optim.state_dict)
-    _train(model, optim, range(1, 2))
+    train_gpt(model, optim, range(1, 2), GLOBAL_BATCH)
     return [message]
 
 
@@ -143,12 +135,12 @@ def other_state_on_one_rank() -> str:
     torch.manual_seed(0)
     model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
-    _train(model, optim, range(1))
+    train_gpt(model, optim, range(1), GLOBAL_BATCH)
     osd = optim.state_dict()  # DTensors of the full shapes
     if dist.get_rank() == 1:
         del osd["state"][3]
     message = error_of(lambda: optim.load_state_dict(osd))
-    _train(model, optim, range(1, 2))
+    train_gpt(model, optim, range(1, 2), GLOBAL_BATCH)
     return message
 
 
@@ -178,7 +170,7 @@ def sharded_load_with_groups_in_another_order(case: str) -> dict[str, Any]:
     torch.manual_seed(0)
     model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
     optim = _groups_by_block(model, swapped=rank == 1, lr=0.01)
-    _train(model, optim, range(2))
+    train_gpt(model, optim, range(2), GLOBAL_BATCH)
     with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         saved = optim_state_dict(model, optim)
     where = [tempfile.mkdtemp() if rank == 0 else None]
@@ -200,7 +192,7 @@ def sharded_load_with_groups_in_another_order(case: str) -> dict[str, Any]:
         out["lrs"] = sorted((g["lr"], len(g["params"])) for g in fresh.param_groups)
         # each group's learning rate is that of the saved group with its parameters
         out["lr_by_param"] = all(g["lr"] == h["lr"] for g, h in zip(optim.param_groups, fresh.param_groups))
-    _train(model, optim, range(2, 3))  # the ranks are still in step
+    train_gpt(model, optim, range(2, 3), GLOBAL_BATCH)  # the ranks are still in step
     return out
 
 

@@ -10,22 +10,13 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import error_of
-from models import Block, TinyGPT, gpt_batch, gpt_loss
-from parity import local_slice
-from torch import nn
+from models import Block, TinyGPT
+from parity import train_gpt
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
 from fsdp_composable import ModuleWrapPolicy, fully_shard, optim_state_dict, optim_state_dict_to_load
 
 GLOBAL_BATCH = 4
-
-
-def _train(model: nn.Module, optim: torch.optim.Optimizer, steps: range) -> None:
-    for step in steps:
-        batch = local_slice(gpt_batch(step, GLOBAL_BATCH), dist.get_rank(), dist.get_world_size())
-        gpt_loss(model, batch).backward()
-        optim.step()
-        optim.zero_grad()
 
 
 def _snapshot(optim: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -38,9 +29,9 @@ def load_other_values(how: str) -> dict[str, Any]:
     model = fully_shard(TinyGPT(), ModuleWrapPolicy({Block}))
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     full = how != "optimizer"
-    _train(model, optim, range(1))
+    train_gpt(model, optim, range(1), GLOBAL_BATCH)
     first = optim_state_dict(model, optim) if full else optim.state_dict()
-    _train(model, optim, range(1, 2))
+    train_gpt(model, optim, range(1, 2), GLOBAL_BATCH)
     second = optim_state_dict(model, optim) if full else optim.state_dict()
     mine = first if dist.get_rank() == 0 else second  # each rank another step's checkpoint
     if how == "one value":  # the same step everywhere, one value changed on rank 1
@@ -56,7 +47,7 @@ def load_other_values(how: str) -> dict[str, Any]:
     else:
         message = error_of(lambda: optim.load_state_dict(optim_state_dict_to_load(model, optim, mine)))
     kept = all(torch.equal(a, b) for a, b in zip(before, _snapshot(optim)))
-    _train(model, optim, range(2, 3))
+    train_gpt(model, optim, range(2, 3), GLOBAL_BATCH)
     return {"message": message, "kept": kept}
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from harness import DistPool, error_of, shared_pool
+from models import Branchy
 from torch import nn
 
 from fsdp_composable import fully_shard
@@ -26,20 +27,6 @@ PG_TIMEOUT_S = 4.0
 @pytest.fixture(scope="module")
 def pool() -> DistPool:
     return shared_pool(2, pg_timeout_s=PG_TIMEOUT_S)
-
-
-class Paths(nn.Module):
-    """Three blocks of one size; ``order`` picks which run (a router, a skipped layer)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-        self.order = [0, 1, 2]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i in self.order:
-            x = torch.tanh(self.blocks[i](x))
-        return x
 
 
 def _step(model: nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
@@ -53,7 +40,7 @@ def _other_path(forward_prefetch: Optional[bool]) -> dict[str, Any]:
     """Iteration 0 runs every block on both ranks; in iteration 1 rank 0 runs blocks 0 and 1, rank 1
     blocks 0 and 2; then both run every block again."""
     torch.manual_seed(0)
-    model = Paths()
+    model = Branchy()
     fully_shard(model, lambda m: isinstance(m, nn.Linear), forward_prefetch=forward_prefetch)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     _step(model, opt, 0)

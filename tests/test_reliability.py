@@ -13,27 +13,13 @@ import expecttest
 import torch
 import torch.distributed as dist
 from harness import free_port
-from models import Block, TinyGPT, gpt_batch, gpt_loss
+from models import Block, Branchy, TinyGPT, gpt_batch, gpt_loss
 from torch import nn
 
 from fsdp_composable import ModuleWrapPolicy, fully_shard
 from fsdp_composable._common_utils import TrainingState
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
-
-
-class Branchy(nn.Module):
-    """Runs its blocks in an order (or a subset) chosen per rank: a data-dependent branch."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(nn.Linear(4, 4) for _ in range(3))
-        self.order = [0, 1, 2]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for i in self.order:
-            x = torch.tanh(self.blocks[i](x))
-        return x
 
 
 def divergent(kind: str) -> dict:
