@@ -330,7 +330,10 @@ def run_rank(rank: int, args: argparse.Namespace, init_method: str, local_rank: 
 def spawned_rank(rank: int, args: argparse.Namespace, init_method: str) -> None:
     """A rank that ``python -m fsdp_composable`` started; it ends as `end_trained_rank` says. An error
     still propagates to ``python -m fsdp_composable`` as usual (`fsdp_composable._job_processes`)."""
-    print(f"rank {rank} (pid {os.getpid()}) imported torch after {_since_start(args)}; joining", flush=True)
+    # every rank prints this line: one write, so that two ranks' lines cannot interleave mid-line (print
+    # writes the text and its newline apart where stdout writes through)
+    sys.stdout.write(f"rank {rank} (pid {os.getpid()}) imported torch after {_since_start(args)}; joining\n")
+    sys.stdout.flush()
     run_rank(rank, args, init_method)
     end_trained_rank()
 
