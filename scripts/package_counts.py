@@ -372,6 +372,12 @@ def import_cycles(counts: list[FileCounts], package: str) -> list[list[str]]:
     return sorted(cycles)
 
 
+def _listed(counts: list[FileCounts], title: str, field_name: str, form: str) -> list[str]:
+    """A section of (line, text, function) findings: its count, then one line each, file by file."""
+    found = [(c.path, *item) for c in counts for item in getattr(c, field_name)]
+    return [f"{title}: {len(found)}"] + [f"  {path}:{line}: {form.format(text, fn)}" for path, line, text, fn in found]
+
+
 def report(package_dir: Path) -> str:
     counts = count_package(package_dir)
     long_files = sorted((c for c in counts if c.lines > MAX_LINES), key=lambda c: -c.lines)
@@ -388,18 +394,10 @@ def report(package_dir: Path) -> str:
         for k in c.containers:
             where = ", ".join(dict.fromkeys(k.changed_in))
             lines.append(f"  {c.path}:{k.line}: {k.name} ({k.kind}) changed in {where}")
-    n_globals = sum(len(c.globals_) for c in counts)
-    lines.append(f"global statements: {n_globals}")
-    lines += [f"  {c.path}:{line}: global {names} in {fn}" for c in counts for line, names, fn in c.globals_]
-    n_imports = sum(len(c.imports) for c in counts)
-    lines.append(f"function-level imports of the package: {n_imports}")
-    lines += [f"  {c.path}:{line}: {stmt} in {fn}" for c in counts for line, stmt, fn in c.imports]
-    n_frames = sum(len(c.frame_reads) for c in counts)
-    lines.append(f"stack-frame reads: {n_frames}")
-    lines += [f"  {c.path}:{line}: {expr} in {fn}" for c in counts for line, expr, fn in c.frame_reads]
-    n_patches = sum(len(c.patches) for c in counts)
-    lines.append(f"patches (torch, another object's __dict__, closure cells): {n_patches}")
-    lines += [f"  {c.path}:{line}: {stmt} in {fn}" for c in counts for line, stmt, fn in c.patches]
+    lines += _listed(counts, "global statements", "globals_", "global {} in {}")
+    lines += _listed(counts, "function-level imports of the package", "imports", "{} in {}")
+    lines += _listed(counts, "stack-frame reads", "frame_reads", "{} in {}")
+    lines += _listed(counts, "patches (torch, another object's __dict__, closure cells)", "patches", "{} in {}")
     return "\n".join(lines)
 
 
