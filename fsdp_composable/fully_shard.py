@@ -129,10 +129,10 @@ def _check_placement_first(
         given = init._check_device_id(api, device_id)
         init._check_comm_device(group, given, api)
         return given
-    devices = {p.device for p in module.parameters() if not p.is_meta}
-    if len(devices) == 1:
-        init._check_comm_device(group, next(iter(devices)), api)
-    return _first_device(module)
+    found = [p.device for p in module.parameters() if not p.is_meta]
+    if len(set(found)) == 1:
+        init._check_comm_device(group, found[0], api)
+    return found[0] if found else None
 
 
 def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module, ...] = ()) -> _FSDPState:
@@ -176,11 +176,6 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
     install_to_empty(state)  # see [Note: to_empty after sharding]
     return state
-
-
-def _first_device(module: nn.Module) -> Optional[torch.device]:
-    """The device of the module's first materialised parameter (None: none)."""
-    return next((p.device for p in module.parameters() if not p.is_meta), None)
 
 
 def mesh_device(mesh: Any, module: nn.Module) -> Optional[torch.device]:
