@@ -12,7 +12,7 @@ import torch.distributed as dist
 from device_index_fake import CudaGroup, record_collective, two_fake_cuda_devices
 from models import TinyGPT
 
-from fsdp_composable import _checkpoint_comm, _collectives, _ignored_checks, _init_utils, _lazy_init
+from fsdp_composable import _checkpoint_comm, _collectives, _ignored_checks, _init_utils, _lazy_init, _tensor_parallel
 
 fully_shard_module = sys.modules["fsdp_composable.fully_shard"]  # the package exports the function by that name
 
@@ -92,3 +92,23 @@ def test_fsdp2_mesh_moves_a_cpu_model_to_the_meshs_device(monkeypatch: pytest.Mo
     assert fully_shard_module.mesh_device(None, TinyGPT()) is None
     with torch.device("meta"):
         assert fully_shard_module.mesh_device(cuda_mesh, TinyGPT()) is None
+
+
+def test_tensor_parallel_full_tensor_on_the_units_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-offloaded DTensor value on a CUDA mesh is gathered on the caller's (the unit's) device:
+    ``device_id=1`` moves it to cuda:1, not to the current device 0."""
+    from_local: list[Any] = []
+
+    def fake_from_local(local: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from_local.append(local.device)
+        return SimpleNamespace(full_tensor=lambda: torch.zeros(4, device=local.device))
+
+    mesh = SimpleNamespace(device_type="cuda")
+    value: Any = SimpleNamespace(
+        _local_tensor=torch.ones(2), device_mesh=mesh, placements=(), shape=torch.Size([4]), stride=lambda: (1,)
+    )
+    monkeypatch.setattr(_tensor_parallel, "DTensor", SimpleNamespace(from_local=fake_from_local))
+    with two_fake_cuda_devices(monkeypatch, torch.device("cpu")) as seen:
+        whole = _tensor_parallel.full_tensor(value, _unit_device())
+    assert whole.device == torch.device("cpu")
+    assert seen.tensors == [1], seen.tensors
