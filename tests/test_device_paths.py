@@ -261,6 +261,7 @@ _ALLOWED = {
     "_checkpoint_comm.py:gather_flags torch.zeros": "the result when there are no flags: not communicated",
     "_rank_agreement.py:begin .tolist()": "this rank's header, on the CPU (gloo groups only)",
     "demo.py:train_step .item()": "the demo's reported loss, read once per step for printing",
+    "_host_flags.py:issue torch.tensor": "the presence flags are summed over a CPU group, on the CPU",
 }
 _COLLECTIVES = {
     "all_reduce", "broadcast", "all_gather", "all_to_all_single", "isend", "irecv", "send", "recv",
@@ -349,7 +350,7 @@ def _full_tensor_devices() -> dict[str, Any]:
 
     DTensor.full_tensor = spy  # type: ignore[method-assign]
     try:
-        out = _tensor_parallel.full_tensor(value)
+        out = _tensor_parallel.full_tensor(value, torch.device("meta"))  # the unit's device
     finally:
         DTensor.full_tensor = real  # type: ignore[method-assign]
         mesh._device_type = "cpu"
