@@ -10,8 +10,15 @@ only, so the one place where the library reads a collective's result on the host
 torch's object collectives (which choose the group's device themselves) return this rank's objects.
 
 Three init functions treat ``meta`` as "not materialised yet" (a real concern for real devices);
-they are patched so that ``meta`` is this world's compute device. Each check runs in isolation and
-its outcome ("ok" or the error) is printed as one JSON object on the last line.
+they are patched so that ``meta`` is this world's compute device, and cannot be otherwise: for the
+library a meta parameter means deferred initialisation (`_meta_modules` would materialise it on the
+current device, the CPU here, and `_check_unit_params` refuses one left on meta), and
+``device_id=meta`` is refused by `_check_device_id` as the user's mistake it is. Meta has no device
+index either. So the construction path with a real device id (``device_id=torch.device("cuda")`` is
+the current device, with its index) is pinned elsewhere, with two fake CUDA devices that hold data on
+the CPU: tests/test_device_id_index.py (`_check_device_id` unpatched, the whole of ``fully_shard``).
+Each check runs in isolation and its outcome ("ok" or the error) is printed as one JSON object on
+the last line.
 """
 
 from __future__ import annotations
