@@ -145,12 +145,6 @@ class TestPlacementError(TestCase):
         )
 
 
-def test_offloaded_gradients_copied_during_backward_with_one_sync(audit: dict[str, str]) -> None:
-    """CPU offload: each unit's reduced gradient starts its copy to the host on the side stream that
-    produced it, during backward; the host synchronises once per step, before the commit."""
-    assert audit["offload_copies_one_sync"] == "ok", audit["offload_copies_one_sync"]
-
-
 def test_offload_entry_points_communicate_on_the_comm_device(dist_run) -> None:
     """CPU offload with a group serving another device than the shards' ([Note: the offload spy] in
     offload_comm_spy.py): every entry point copies its CPU values to the communication device for
