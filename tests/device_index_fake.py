@@ -41,7 +41,7 @@ class Seen:
 
     def index(self, device: Any) -> Optional[int]:
         """The CUDA index ``device`` resolves to (None: not a CUDA device)."""
-        if isinstance(device, int):
+        if isinstance(device, int) and not isinstance(device, bool):  # (a positional non_blocking is no index)
             return device
         try:
             d = torch.device(device) if isinstance(device, str) else device
