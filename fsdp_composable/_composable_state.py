@@ -40,7 +40,7 @@ class _Registry:
         self.subgroups: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
         # default group -> {global ranks: the CPU group over them made for the presence flags}
         # (`_host_flags`; weak: a world torn down and initialised again gets new groups)
-        self.companions: "weakref.WeakKeyDictionary[Any, dict[tuple[int, ...], Any]]" = weakref.WeakKeyDictionary()
+        self.companions: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]]" = weakref.WeakKeyDictionary()
         self.registrations = 0
         self.safety: Any = None  # a frozen `_safety.SafetyChecks`, replaced whole, or None
 
@@ -72,8 +72,9 @@ def subgroup(group: Any, k: int, new: Callable[[], _S]) -> _S:
     return per_size[k]  # type: ignore[no-any-return]
 
 
-def companion_group(world: Any, ranks: tuple[int, ...], new: Callable[[], _S]) -> _S:
-    """The CPU group over ``ranks`` of the default group ``world`` (made by ``new`` the first time)."""
+def companion_group(world: Any, ranks: tuple[Any, ...], new: Callable[[], _S]) -> _S:
+    """The CPU group over ``ranks`` of the default group ``world`` (made by ``new`` the first time;
+    ``ranks`` may also be a (shard ranks, replicate ranks) pair, for the group over their mesh)."""
     per_world = _REGISTRY.companions.get(world)
     if per_world is None:
         per_world = _REGISTRY.companions[world] = {}

@@ -46,7 +46,7 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
         s.ctx = ctx
     handles = ctx.handles
     if _host_flags.on_host(state.device):  # [Note: presence flags agreed on the host]
-        _host_flags.init_companions([g for h in handles for g in (h.process_group, h.replicate_group)])
+        _host_flags.init_companions([(h.process_group, h.replicate_group) for h in handles])
     fqn_of = _clean_module_fqns(root_module)
     for h in handles:  # a unit sharded by its own call is named from the root now, in messages and logs
         h.unit_fqn = fqn_of.get(h.module, h.unit_fqn)

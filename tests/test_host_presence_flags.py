@@ -70,7 +70,7 @@ def companion_sums() -> dict[str, Any]:
     real = _collectives.served_devices
     _collectives.served_devices = lambda group: [torch.device("cuda")]  # type: ignore[assignment]
     try:
-        _host_flags.init_companions([mine, None])
+        _host_flags.init_companions([(mine, None)])
         companion = _host_flags.cpu_group(mine)
         flags = _host_flags.issue([rank == 0, rank == 3, False], mine, None)
         _host_flags.finish_many([flags])
