@@ -347,23 +347,26 @@ def _export_entries(
         for info, entry in zip(layout.infos, out):
             if entry is not None:
                 value = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
-                entry[key] = value if info.tp is None else _full_tp_value(info.tp, value, config)
+                entry[key] = value if info.tp is None else _full_tp_value(handle, info.tp, value, config)
     return out
 
 
-def _full_tp_value(spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: StateDictConfig) -> torch.Tensor:
+def _full_tp_value(
+    handle: FlatParamHandle, spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: StateDictConfig
+) -> torch.Tensor:
     """FULL: a tensor-parallel parameter's state as the model's FULL state dict gives the parameter (a
     DTensor full over dp; with ``rank0_only`` the plain global tensor, gathered on every rank)."""
     value = _tensor_parallel.as_param_grad(spec, local)
     assert isinstance(value, DTensor)
     if _rank0_only(config):
-        return _tensor_parallel.full_tensor(value)
+        return _tensor_parallel.full_tensor(value, handle.device)
     return value
 
 
-def _full_value(value: torch.Tensor) -> torch.Tensor:
+def _full_value(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` whole (``device``: where its parameter computes)."""
     if isinstance(value, DTensor):
-        return _tensor_parallel.full_tensor(value)  # a collective over the DTensor's mesh
+        return _tensor_parallel.full_tensor(value, device)  # a collective over the DTensor's mesh
     return value
 
 
@@ -446,7 +449,7 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             local = value.to_local()
             if local.shape == (layout.shard_numel,):
                 return local.clone()
-        value = _tensor_parallel.full_tensor(value)
+        value = _tensor_parallel.full_tensor(value, unit.handle.device)
     if value.shape != (layout.padded_numel,):
         raise ValueError(
             f"optimizer state {key!r} of the flat parameter of unit '{unit.handle.unit_fqn or '<root>'}' has shape "

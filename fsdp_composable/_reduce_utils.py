@@ -53,7 +53,7 @@ from typing import Any, Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
+from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _host_flags, _trace
 from fsdp_composable._common_utils import NoGrad
 from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
@@ -397,6 +397,9 @@ def start_reduce(
 
         pending.out = out
         pending.send = send  # read on the reduce stream (CUDA): kept until the compute stream waited
+        if _host_flags.on_host(handle.device) and not (pending.own_flags or pending.partial_only):
+            # no device read at the end of backward: [Note: presence flags agreed on the host]
+            pending.host_flags = _host_flags.issue(got, group, replicas)
         if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
             pending.work = _collectives.issue(None, collective, unit=handle.root_fqn)
             return pending
@@ -439,10 +442,15 @@ def _run_hook(pending: "PendingReduce") -> None:
 
 def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle]") -> None:
     """End of a step: the compute stream waits for every reduction's last collective, the host for
-    the offload copies, once; the flags of units where this rank lacked a gradient are read at once."""
+    the offload copies, once, and for the flags summed on the host (off the CPU); the flags of units
+    where this rank lacked a gradient are read at once on the CPU."""
     for reduction in reductions:
         reduction.finish()
     sync_offload_copies(reductions, handles)
+    on_host = [(r, r.host_flags) for r in reductions if r.host_flags is not None]
+    _host_flags.finish_many([summed for _, summed in on_host])
+    for reduction, summed in on_host:
+        reduction.present = _host_flags.present(summed)
     unknown = [r for r in reductions if _reads_flags(r)]
     flags = [(r.host if r.host is not None else r.out)[r.numel :] for r in unknown]
     for reduction, present in zip(unknown, _grad_presence.present_of_many(flags)):
@@ -450,8 +458,9 @@ def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle
 
 
 def _reads_flags(r: "PendingReduce") -> bool:
-    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read)."""
-    return not (r.partial_only or r.own_flags or r.got is None or all(r.got))
+    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read), and
+    they were not summed on the host."""
+    return not (r.partial_only or r.own_flags or r.got is None or all(r.got) or r.host_flags is not None)
 
 
 def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
@@ -485,6 +494,7 @@ class PendingReduce:
     got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
     own_flags: bool = False  # no other rank: ``got`` is the answer, no reduced flags follow ``numel``
     present: Optional[list[bool]] = None  # read by `finish_all` (None: all present, or not read there)
+    host_flags: Optional[_host_flags.HostFlags] = None  # off the CPU: the flags summed on the host
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:

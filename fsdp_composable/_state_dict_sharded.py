@@ -78,7 +78,8 @@ def _match_sharded_placements(
             and value.placements == target.placements
         ):
             continue
-        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
+        chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
+        chunk = chunk.view(_chunk_shape(info, layout, layout.rank))
         state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
 
 
@@ -94,12 +95,12 @@ def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
                 continue
             with torch.no_grad():
                 if opened.full is not None:
-                    value = _whole(current.detach(), info)
+                    value = _whole(current.detach(), info, handle.device)
                     opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
                 else:
                     target = expected.data
                     assert isinstance(target, DTensor)
-                    chunk = _local_chunk(current.detach(), info, layout, handle.process_group)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
                     target.to_local().copy_(chunk.view(target.to_local().shape))
             module._parameters[attr] = expected
 
@@ -216,21 +217,26 @@ def _is_replicated(value: DTensor) -> bool:
 # the unit's full value of the parameter, `_local_chunk` this rank's ``Shard(0)`` chunk of it (without
 # communication when it already is one), and `to_flat_shard` this rank's flat shard from the values of
 # several parameters: the one conversion of global values, built on `_flat_layout`.
-def _whole(value: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+def _whole(value: torch.Tensor, info: ParamInfo, device: torch.device) -> torch.Tensor:
     """``info``'s whole value (a tensor-parallel parameter's: this rank's tensor-parallel piece) from
     a full tensor or a DTensor of any placement (a collective for a sharded DTensor)."""
     if info.tp is not None:
-        return _tensor_parallel.tp_local_of(value, info.tp)
+        return _tensor_parallel.tp_local_of(value, info.tp, device)
     if isinstance(value, DTensor):
-        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value)
+        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value, device)
     return value
 
 
 def _local_chunk(
-    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
+    value: torch.Tensor,
+    info: ParamInfo,
+    layout: FlatLayout,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement.
-    A tensor-parallel parameter's value has the global shape; ``group`` is then the unit's process group."""
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement
+    (``device``: the unit's). A tensor-parallel parameter's value has the global shape; ``group`` is then
+    the unit's process group."""
     if info.tp is not None:
         assert group is not None
         replicated = _is_replicated_info(info, layout)
@@ -244,7 +250,7 @@ def _local_chunk(
     ):
         return value.to_local().reshape(-1)
     lo, hi = _chunk_range(info, layout, layout.rank)
-    return _whole(value, info).reshape(-1)[lo - info.offset : hi - info.offset]
+    return _whole(value, info, device).reshape(-1)[lo - info.offset : hi - info.offset]
 
 
 def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
@@ -258,13 +264,13 @@ def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]
             for info in layout.infos
         ]
         for k, value in values:
-            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
+            chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
             chunks[k] = chunk.to(dtype=dtype, device=device)
         return _chunks_to_flat(handle, chunks)
     flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
     for k, value in values:
         start, end, begin = _shard_piece(layout.infos[k], layout)
-        flat[start:end] = _whole(value, layout.infos[k]).reshape(-1)[begin : begin + end - start]
+        flat[start:end] = _whole(value, layout.infos[k], handle.device).reshape(-1)[begin : begin + end - start]
     return flat
 
 
