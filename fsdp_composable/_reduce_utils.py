@@ -275,7 +275,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
     at = 0
     with NoGrad():
         for info, grad in zip(handle.layout.infos, parts):
-            if info.offset > at:
+            if info.offset > at:  # the padding of the previous parameter's region
                 pieces.append(_zeros(handle, info.offset - at, dtype))
             if grad is None:
                 pieces.append(_zeros(handle, info.numel, dtype))
@@ -337,14 +337,15 @@ def start_reduce(
         return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
-        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
-            send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
-            padding = handle.layout.padded_numel - handle.layout.unpadded_numel
-            if padding:
-                send.append(_zeros(handle, padding, rdtype))
+        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are, in rank-major order
+            layout = handle.layout
+            padding = _zeros(handle, max([i.chunk_numel for i in layout.infos] + [layout.tail]), rdtype)
+            send = layout.rank_major_pieces([_part(handle, g, i, pre) for i, g in enumerate(parts)], padding)
         else:
             one = flat
-            if flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
+            if not handle.layout.same_order_in:  # the one copy-in: [Note: rank-major flat shards]
+                one = handle.layout.copy_in(flat, out=_grad_buffer(handle, rdtype, zero=False))
+            elif flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
                 one = _grad_buffer(handle, rdtype, zero=False)
                 one.copy_(flat)
             if pre != 1:

@@ -1,0 +1,76 @@
+"""The rank-major layout ([Note: rank-major flat shards]): each rank's flat shard holds exactly its
+``torch.chunk`` piece of every parameter, and the copy-out / copy-in between the gathered flat and
+the param-major buffer are exact inverses, checked on one process for every rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from fsdp_composable._rank_major import FlatLayout, build_layout
+
+SHAPES = [(5, 3), (), (2,), (7,), (1, 4), (0, 3)]  # uneven rows, a 0-dim value, fewer rows than ranks, empty
+
+
+def _layouts(world: int) -> tuple[list[nn.Parameter], list[FlatLayout]]:
+    torch.manual_seed(0)
+    params = [nn.Parameter(torch.randn(s)) for s in SHAPES]
+    holders = [[(nn.Module(), f"p{k}", f"p{k}")] for k in range(len(params))]
+    return params, [build_layout(params, holders, r, world) for r in range(world)]  # type: ignore[arg-type]
+
+
+def _param_major(params: list[nn.Parameter], layout: FlatLayout) -> torch.Tensor:
+    full = torch.zeros(layout.padded_numel)
+    for p, info in zip(params, layout.infos):
+        full[info.offset : info.offset + info.numel] = p.detach().reshape(-1)
+    return full
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_each_shard_holds_torch_chunks(world: int) -> None:
+    params, layouts = _layouts(world)
+    full = _param_major(params, layouts[0])
+    shards = [layout.shard_of(full) for layout in layouts]
+    assert {s.numel() for s in shards} == {layouts[0].shard_numel}
+    for r, (layout, shard) in enumerate(zip(layouts, shards)):
+        for p, info in zip(params, layout.infos):
+            start, end = layout.shard_range(info)
+            local = shard[start:end].view(layout.local_shape(info))
+            if p.dim() == 0 or world == 1:
+                expected = p.detach()
+            else:
+                expected = (list(p.detach().chunk(world)) + [p.detach()[:0]] * world)[r]
+            assert torch.equal(local, expected), (world, r, info.fqn)
+            lo, hi = layout.param_range(info)
+            assert torch.equal(p.detach().reshape(-1)[lo:hi], local.reshape(-1))
+    # rank-major: the gathered flat is the shards in rank order; copy-out lays it out by parameter
+    gathered = torch.cat(shards)
+    out = torch.full_like(full, float("nan"))
+    layouts[0].copy_out(gathered, out)
+    for p, info in zip(params, layouts[0].infos):
+        assert torch.equal(out[info.offset : info.offset + info.numel].view(info.shape), p.detach())
+    assert torch.equal(layouts[0].copy_in(out), gathered)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_copy_in_repeats_a_replicated_gradient_and_pieces_agree(world: int) -> None:
+    params, layouts = _layouts(world)
+    layout = layouts[0]
+    grads = [torch.randn(p.shape) for p in params]
+    full = torch.zeros(layout.padded_numel)  # a gradient buffer: each parameter at its front only
+    for g, info in zip(grads, layout.infos):
+        full[info.offset : info.offset + info.numel] = g.reshape(-1)
+    flat = layout.copy_in(full)
+    scalar = next(i for i in layout.infos if i.replicated)
+    for r in range(world):  # every rank's chunk carries the 0-dim gradient, so every rank's sum is right
+        assert flat[r * layout.shard_numel + scalar.shard_offset] == grads[1]
+    pieces = layout.rank_major_pieces([g.reshape(-1) for g in grads], torch.zeros(layout.shard_numel))
+    assert torch.equal(torch.cat(pieces), flat)
+    assert layout.same_order == layout.same_order_in == False  # noqa: E712
+
+
+def test_one_parameter_units_need_no_copy() -> None:
+    one = [nn.Parameter(torch.randn(5, 3))]
+    layout = build_layout(one, [[(nn.Module(), "w", "w")]], 0, 4)  # type: ignore[list-item]
+    assert layout.same_order and layout.same_order_in and layout.padded_numel == 6 * 4
