@@ -440,6 +440,7 @@ class FlatParamHandle:
             self._unshard_src = None
             if _collectives.left_posted(work):
                 self._abandon_buffer()
+                gathered = None  # never written: nothing to copy out
         if gathered is not None:  # CPU: the copy-out after the wait (CUDA: on the unshard stream)
             assert self._unsharded is not None
             self.layout.copy_out(gathered, self._unsharded)
