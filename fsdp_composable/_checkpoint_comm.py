@@ -72,11 +72,9 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
     device = comm_device_of(handle)
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
     with for_unit(handle.root_fqn):
-        work = _collectives.all_gather(full, shard.to(device), handle.process_group)
+        chunks = None if layout.same_order else layout.chunk_sizes  # [Note: rank-major flat shards]
+        work = _collectives.all_gather(full, shard.to(device), handle.process_group, chunks=chunks)
     _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
-    if not layout.same_order:  # laid out by parameter: [Note: rank-major flat shards]
-        gathered, full = full, torch.empty_like(full)
-        layout.copy_out(gathered, full)
     return full.to(shard.device)
 
 

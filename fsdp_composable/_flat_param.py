@@ -163,8 +163,6 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
-        # CPU: the rank-major all-gather output, until the wait copies it out (None: same order, or CUDA)
-        self._gathered: Optional[torch.Tensor] = None
         # CUDA: the side stream that allocated the unsharded storage (None: the compute stream), and
         # the event reshard recorded after the storage's last use, set while it is not yet freed
         self._storage_stream: Optional[torch.cuda.Stream] = None
@@ -342,21 +340,18 @@ class FlatParamHandle:
                 src = kept
                 if stream is not None and kept_event is not None:
                     stream.wait_event(kept_event)
-            # the all-gather writes the rank-major flat; one copy-out lays it out by parameter
-            # ([Note: rank-major flat shards]), unless both orders are one tensor
-            gathered = self._unsharded if self.layout.same_order else torch.empty_like(self._unsharded)
         if allocated:  # storage kept from before stays the allocating stream's: its free must wait as before
             self._storage_stream = stream
         self._unshard_src = src
         unsharded, origin = self._unsharded, shard.dtype
         group = self.process_group if kept is None else self.post_forward_group
         assert group is not None
-        copy_out = None if gathered is unsharded else (lambda: self.layout.copy_out(gathered, unsharded))
-        self._gathered = gathered if gathered is not unsharded and stream is None else None
+        # laid out by parameter as it lands ([Note: rank-major flat shards]): unless both orders are one
+        # tensor, gloo receives each chunk where it goes and a native all-gather is copied out once
+        chunks = None if self.layout.same_order else self.layout.chunk_sizes
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(gathered, src, group, async_op, origin),
-            then=copy_out if stream is not None else None,
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, chunks),
             wait_first=kept is not None and kept_event is None,
             unit=self.root_fqn,
         )
@@ -433,17 +428,12 @@ class FlatParamHandle:
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None
         work, self._unshard_work = self._unshard_work, None
-        gathered, self._gathered = self._gathered, None
         try:
             work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
         finally:  # refused (raised, or discarded after its step was left) with a receive still posted
             self._unshard_src = None
             if _collectives.left_posted(work):
                 self._abandon_buffer()
-                gathered = None  # never written: nothing to copy out
-        if gathered is not None:  # CPU: the copy-out after the wait (CUDA: on the unshard stream)
-            assert self._unsharded is not None
-            self.layout.copy_out(gathered, self._unsharded)
 
     def _abandon_buffer(self) -> None:
         """A refused all-gather left a receive posted into the unsharded buffer, which gloo cannot

@@ -34,6 +34,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from fsdp_composable import _param_major
 from fsdp_composable._tensor_parallel import TPSpec, local_of, spec_of
 
 __all__ = ["FlatLayout", "ParamInfo", "build_layout"]
@@ -111,27 +112,25 @@ class FlatLayout:
         """Whether gradients need no copy-in (as `same_order`, and no replicated parameter to repeat)."""
         return self.same_order and (self.world_size == 1 or not any(i.replicated for i in self.infos))
 
-    def _regions(self, full: torch.Tensor, expand: bool) -> list[torch.Tensor]:
-        w = self.world_size
-        out = []
-        for info in self.infos:
-            region = full[info.offset : info.offset + w * info.chunk_numel]
-            if expand and info.replicated:
-                out.append(region[: info.numel].view(1, info.numel).expand(w, info.numel))
-            else:
-                out.append(region.view(w, info.chunk_numel))
-        if self.tail:
-            at = self.padded_numel - w * self.tail
-            out.append(full[at:].view(w, self.tail))
-        return out
-
-    def _chunk_sizes(self) -> list[int]:
+    @property
+    def chunk_sizes(self) -> list[int]:
+        """Every parameter's chunk (and the tail, if any): the columns of the rank-major flat."""
         return [i.chunk_numel for i in self.infos] + ([self.tail] if self.tail else [])
+
+    def _regions(self, full: torch.Tensor, expand: bool) -> list[torch.Tensor]:
+        """Each region of the param-major ``full`` as (world, chunk); ``expand``: a replicated
+        parameter's front repeated (gradients live in the front only)."""
+        out = _param_major.regions(full, self.chunk_sizes, self.world_size)
+        if expand:
+            for k, info in enumerate(self.infos):
+                if info.replicated:
+                    front = full[info.offset : info.offset + info.numel]
+                    out[k] = front.view(1, info.numel).expand(self.world_size, info.numel)
+        return out
 
     def copy_out(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Rank-major ``gathered`` into the param-major ``out`` (both 1-D, ``padded_numel``): one kernel."""
-        rows = gathered.view(self.world_size, self.shard_numel)
-        torch.split_with_sizes_copy(rows, self._chunk_sizes(), dim=1, out=self._regions(out, expand=False))
+        _param_major.copy_out(gathered, out, self.chunk_sizes)
 
     def copy_in(self, full: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The param-major ``full`` (gradients: a replicated parameter's front only) as a rank-major

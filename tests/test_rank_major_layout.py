@@ -4,10 +4,14 @@ the param-major buffer are exact inverses, checked on one process for every rank
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from fsdp_composable import _collectives
 from fsdp_composable._rank_major import FlatLayout, build_layout
 
 SHAPES = [(5, 3), (), (2,), (7,), (1, 4), (0, 3)]  # uneven rows, a 0-dim value, fewer rows than ranks, empty
@@ -74,3 +78,30 @@ def test_one_parameter_units_need_no_copy() -> None:
     one = [nn.Parameter(torch.randn(5, 3))]
     layout = build_layout(one, [[(nn.Module(), "w", "w")]], 0, 4)  # type: ignore[list-item]
     assert layout.same_order and layout.same_order_in and layout.padded_numel == 6 * 4
+
+
+def _gather_by_param(native: bool) -> bool:
+    """Each rank's rank-major shard, all-gathered with the layout's chunks, lands laid out by
+    parameter: point-to-point receives each chunk where it goes, a native all-gather is copied out."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    params, layouts = _layouts(world)
+    layout = layouts[rank]
+    full = _param_major(params, layout)
+    expected = torch.empty_like(full)
+    layout.copy_out(torch.cat([layouts[r].shard_of(full) for r in range(world)]), expected)
+    out = torch.full_like(full, float("nan"))
+    real = _collectives.point_to_point
+    if native:
+        _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
+    try:
+        work = _collectives.all_gather(out, layout.shard_of(full), dist.group.WORLD, chunks=layout.chunk_sizes)
+        _collectives.wait(work, "test")
+    finally:
+        _collectives.point_to_point = real  # type: ignore[assignment]
+    return torch.equal(out, expected)
+
+
+@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_all_gather_lands_by_parameter(dist_run: Any, world_size: int, native: bool) -> None:
+    assert dist_run(world_size, _gather_by_param, native) == [True] * world_size
