@@ -344,31 +344,36 @@ def all_gather(
     async_op: bool = True,
     origin: Optional[torch.dtype] = None,
     chunks: Optional[Sequence[int]] = None,
+    direct: bool = True,
 ) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work; with
     ``async_op=False``, on a CUDA side stream, see `issue`). ``origin``: the dtype ``shard`` was
     cast from, checked across ranks with the header (see [Note: casts after sharding]).
 
     ``chunks``: ``output`` is laid out by parameter and each shard is rank-major with these chunks
-    ([Note: rank-major flat shards] in `_rank_major`). Point-to-point receives each chunk where it
-    goes; a native collective gathers into a rank-major buffer and copies it out (one kernel, on the
-    same stream)."""
+    ([Note: rank-major flat shards] in `_rank_major`). With ``direct``, point-to-point receives each
+    chunk where it goes; otherwise (and always for a native collective) the shards are gathered into
+    one rank-major buffer and copied out (one kernel, on the same stream)."""
     with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
-        if point_to_point(group, output.device):
+        p2p = point_to_point(group, output.device)
+        if p2p and (chunks is None or direct):
             return _all_gather_exchange(output, shard, group, origin, chunks)
         target = output if chunks is None else torch.empty_like(output)
-        work = _checked(
-            group,
-            Op.ALL_GATHER,
-            output,
-            output.numel(),
-            lambda: _all_gather(target, shard, group=group, async_op=async_op),
-            origin,
-        )
+        if p2p:
+            work: Optional[Waitable] = _all_gather_exchange(target, shard, group, origin)
+        else:
+            work = _checked(
+                group,
+                Op.ALL_GATHER,
+                output,
+                output.numel(),
+                lambda: _all_gather(target, shard, group=group, async_op=async_op),
+                origin,
+            )
         if chunks is None or (isinstance(work, Exchange) and work.error is not None):
             return work
-        copy = CopiedOut(work if async_op else None, lambda: _param_major.copy_out(target, output, chunks))
-        if not async_op:
+        copy = CopiedOut(work if async_op or p2p else None, lambda: _param_major.copy_out(target, output, chunks))
+        if not async_op and not p2p:
             copy.wait()  # queued on the stream after the collective
             return work
         return copy

@@ -348,10 +348,10 @@ class FlatParamHandle:
         assert group is not None
         # laid out by parameter as it lands ([Note: rank-major flat shards]): unless both orders are one
         # tensor, gloo receives each chunk where it goes and a native all-gather is copied out once
-        chunks = None if self.layout.same_order else self.layout.chunk_sizes
+        chunks, direct = (None if self.layout.same_order else self.layout.chunk_sizes), self.layout.direct
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, chunks),
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, chunks, direct),
             wait_first=kept is not None and kept_event is None,
             unit=self.root_fqn,
         )

@@ -28,6 +28,7 @@ collective is ever of size zero.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -38,6 +39,15 @@ from fsdp_composable import _param_major
 from fsdp_composable._tensor_parallel import TPSpec, local_of, spec_of
 
 __all__ = ["FlatLayout", "ParamInfo", "build_layout"]
+
+# [Note: moving chunks]
+# On gloo our all-gather and reduce-scatter are point-to-point messages, and a rank-major shard can
+# travel as one message per parameter chunk, each received into (or sent from) where the param-major
+# buffer holds it: no copy and no second buffer, at the cost of more messages. Each message costs
+# tens of microseconds of fixed work, a copy costs per byte: a unit whose chunks average at least
+# DIRECT_CHUNK_NUMEL elements moves them directly, a smaller one through one rank-major buffer, one
+# message per peer and one copy (benchmarks/README.md, "rank-major shards", has the measurements).
+DIRECT_CHUNK_NUMEL = 16384
 
 
 @dataclass(frozen=True)
@@ -102,17 +112,24 @@ class FlatLayout:
         row = info.numel // rows if rows else 0
         return torch.Size((numel // row if row else 0, *info.shape[1:]))
 
-    @property
+    @functools.cached_property
+    def direct(self) -> bool:
+        """Whether gloo moves each chunk where it goes, one message per chunk ([Note: moving chunks]);
+        otherwise through one rank-major buffer and one copy."""
+        chunks = sum(1 for c in self.chunk_sizes if c)
+        return self.shard_numel >= DIRECT_CHUNK_NUMEL * max(chunks, 1)
+
+    @functools.cached_property
     def same_order(self) -> bool:
         """Whether the rank-major flat and the param-major buffer are the same tensor (no copy-out)."""
         return self.world_size == 1 or sum(1 for i in self.infos if i.chunk_numel) + (self.tail > 0) <= 1
 
-    @property
+    @functools.cached_property
     def same_order_in(self) -> bool:
         """Whether gradients need no copy-in (as `same_order`, and no replicated parameter to repeat)."""
         return self.same_order and (self.world_size == 1 or not any(i.replicated for i in self.infos))
 
-    @property
+    @functools.cached_property
     def chunk_sizes(self) -> list[int]:
         """Every parameter's chunk (and the tail, if any): the columns of the rank-major flat."""
         return [i.chunk_numel for i in self.infos] + ([self.tail] if self.tail else [])

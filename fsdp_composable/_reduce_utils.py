@@ -338,9 +338,11 @@ def start_reduce(
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
         layout = handle.layout
-        pieces = not layout.same_order_in and _collectives.point_to_point(group, handle.device)
-        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are, in rank-major order
+        # gloo sends each parameter's rows from where they are: [Note: moving chunks]
+        pieces = not layout.same_order_in and layout.direct and _collectives.point_to_point(group, handle.device)
+        if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
             send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
+            send = send if layout.direct else [torch.cat(send)]
         else:
             one = flat
             if not (layout.same_order_in or pieces):  # the one copy-in: [Note: rank-major flat shards]
@@ -351,7 +353,7 @@ def start_reduce(
             if pre != 1:
                 one.div_(pre)
             send = [one]
-            if pieces:  # gloo sends each parameter's rows from where they are
+            if pieces:
                 send = _rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
         assert got is not None
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart

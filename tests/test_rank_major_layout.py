@@ -9,9 +9,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from models import Block, TinyGPT, gpt_batch, gpt_loss
+from parity import train_side_by_side
+from test_grad_semantics import no_sync_after_synced
 from torch import nn
 
-from fsdp_composable import _collectives
+from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, _collectives, _rank_major, fully_shard
 from fsdp_composable._rank_major import FlatLayout, build_layout
 
 SHAPES = [(5, 3), (), (2,), (7,), (1, 4), (0, 3)]  # uneven rows, a 0-dim value, fewer rows than ranks, empty
@@ -80,7 +83,7 @@ def test_one_parameter_units_need_no_copy() -> None:
     assert layout.same_order and layout.same_order_in and layout.padded_numel == 6 * 4
 
 
-def _gather_by_param(native: bool) -> bool:
+def _gather_by_param(native: bool, direct: bool) -> bool:
     """Each rank's rank-major shard, all-gathered with the layout's chunks, lands laid out by
     parameter: point-to-point receives each chunk where it goes, a native all-gather is copied out."""
     world, rank = dist.get_world_size(), dist.get_rank()
@@ -94,14 +97,41 @@ def _gather_by_param(native: bool) -> bool:
     if native:
         _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
     try:
-        work = _collectives.all_gather(out, layout.shard_of(full), dist.group.WORLD, chunks=layout.chunk_sizes)
+        shard = layout.shard_of(full)
+        work = _collectives.all_gather(out, shard, dist.group.WORLD, chunks=layout.chunk_sizes, direct=direct)
         _collectives.wait(work, "test")
     finally:
         _collectives.point_to_point = real  # type: ignore[assignment]
     return torch.equal(out, expected)
 
 
-@pytest.mark.parametrize("native", [False, True])
+@pytest.mark.parametrize("native,direct", [(False, True), (False, False), (True, True)])
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_all_gather_lands_by_parameter(dist_run: Any, world_size: int, native: bool) -> None:
-    assert dist_run(world_size, _gather_by_param, native) == [True] * world_size
+def test_all_gather_lands_by_parameter(dist_run: Any, world_size: int, native: bool, direct: bool) -> None:
+    assert dist_run(world_size, _gather_by_param, native, direct) == [True] * world_size
+
+
+def _train_moving_chunks(direct: bool, strategy: str) -> dict[str, Any]:
+    """TinyGPT's units are small (one copy through a rank-major buffer); with the threshold at 0 every
+    unit moves its chunks directly ([Note: moving chunks]): both train in parity, and so do no_sync
+    micro-batches (their kept sum is sent from the param-major buffer)."""
+    _rank_major.DIRECT_CHUNK_NUMEL = 0 if direct else 1 << 30
+    torch.manual_seed(0)
+    ref = TinyGPT(tied=True)
+
+    def shard(m: nn.Module) -> nn.Module:
+        return fully_shard(m, ModuleWrapPolicy({Block}), strategy=ShardingStrategy[strategy])
+
+    out = train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=3, optim="adamw")
+    out["no_sync_diff"] = no_sync_after_synced(strategy)
+    return out
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("strategy,world_size", [("FULL_SHARD", 2), ("FULL_SHARD", 4), ("SHARD_GRAD_OP", 4)])
+def test_moving_chunks_directly_or_through_one_copy_trains_alike(
+    dist_run: Any, direct: bool, strategy: str, world_size: int
+) -> None:
+    for r in dist_run(world_size, _train_moving_chunks, direct, strategy):
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-5)
+        assert r["max_weight_diff"] < 1e-5 and r["no_sync_diff"] < 1e-12, r

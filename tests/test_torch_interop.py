@@ -142,7 +142,7 @@ def comm_devices() -> dict[str, list[str]]:
         raise _Audited
 
     shard = torch.arange(4.0)
-    layout = SimpleNamespace(world_size=2, padded_numel=8)
+    layout = SimpleNamespace(world_size=2, padded_numel=8, same_order=True)
     handle = SimpleNamespace(
         layout=layout,
         flat_param=shard,
