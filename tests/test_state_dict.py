@@ -295,6 +295,15 @@ def local_roundtrip() -> dict[str, Any]:
             other.load_state_dict(bad)
         except RuntimeError as e:
             errors["layout"] = str(e)
+    # saved before shards were rank-major: no "order" in the record; refused, never loaded reordered
+    old = dict(loaded)
+    record = loaded["blocks.1._flat_param_layout"]
+    old["blocks.1._flat_param_layout"] = {k: v for k, v in record.items() if k != "order"}
+    with state_dict_type(other, LOCAL):
+        try:
+            other.load_state_dict(old)
+        except RuntimeError as e:
+            errors["old"] = str(e)
     return {
         "keys": list(sd),
         "layout": sd["blocks.0._flat_param_layout"],
@@ -327,6 +336,10 @@ def test_local_state_dict(dist_run) -> None:
 Error(s) in loading state_dict for TinyGPT:
 	Missing key(s) in state_dict: "blocks.0._flat_param". 
 	LOCAL_STATE_DICT layout mismatch for unit 'blocks.1' (key blocks.1._flat_param): the checkpoint was saved with rank=1, world_size=4, padded_numel=3216, 10 parameters, this model has rank=1, world_size=2, padded_numel=3216, 10 parameters. A local state dict only loads at the same rank, world size and policy; use SHARDED_STATE_DICT to change them.""",  # noqa: E501, W291
+    )
+    tc.assertExpectedInline(r1["errors"]["old"], """\
+Error(s) in loading state_dict for TinyGPT:
+	LOCAL_STATE_DICT of unit 'blocks.1' (key blocks.1._flat_param) was saved by an earlier version of fsdp_composable, whose flat shards hold the parameters' elements in another order: it cannot be loaded as it is. Load it with that version and save a FULL_STATE_DICT or SHARDED_STATE_DICT, which load here.""",  # noqa: E501
     )
 
 
