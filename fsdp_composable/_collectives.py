@@ -325,15 +325,21 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
 
 @dataclass
 class CopiedOut:
-    """A native all-gather into a rank-major buffer, copied out into the param-major output once done."""
+    """An all-gather into the rank-major ``buffer``, copied out into the param-major ``output`` once
+    done (``chunks``: the layout's; see [Note: rank-major flat shards] in `_rank_major`)."""
 
     work: Optional[Waitable]
-    copy_out: Callable[[], None]
+    buffer: torch.Tensor
+    output: torch.Tensor
+    chunks: Sequence[int]
+
+    def __post_init__(self) -> None:
+        pass  # the moment the buffer exists: what a memory account counts from
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        self.copy_out()
+        _param_major.copy_out(self.buffer, self.output, self.chunks)
         return True
 
 
@@ -372,7 +378,7 @@ def all_gather(
             )
         if chunks is None or (isinstance(work, Exchange) and work.error is not None):
             return work
-        copy = CopiedOut(work if async_op or p2p else None, lambda: _param_major.copy_out(target, output, chunks))
+        copy = CopiedOut(work if async_op or p2p else None, target, output, chunks)
         if not async_op and not p2p:
             copy.wait()  # queued on the stream after the collective
             return work

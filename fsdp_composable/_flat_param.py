@@ -163,6 +163,7 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
+        self._alloc_at_wait = False  # the pending unshard allocates the unsharded storage at its wait
         # CUDA: the side stream that allocated the unsharded storage (None: the compute stream), and
         # the event reshard recorded after the storage's last use, set while it is not yet freed
         self._storage_stream: Optional[torch.cuda.Stream] = None
@@ -330,8 +331,11 @@ class FlatParamHandle:
         self._wait_freed(stream)
         kept, self._post_forward_shard = self._post_forward_shard, None
         kept_event, self._post_forward_event = self._post_forward_event, None
+        # CPU through one copy ([Note: moving chunks]): the unsharded storage is allocated at the copy-out,
+        # so a prefetched unit holds one buffer (its gathered shards) while the previous one computes
+        self._alloc_at_wait = stream is None and not self.layout.same_order and not self.layout.direct
         with _collectives.on_stream(stream):
-            allocated = self._alloc_unsharded()
+            allocated = False if self._alloc_at_wait else self._alloc_unsharded()
             if kept is None:
                 src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
                 self.upload_pending |= shard.device != self.device
@@ -428,6 +432,9 @@ class FlatParamHandle:
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None
         work, self._unshard_work = self._unshard_work, None
+        if self._alloc_at_wait:  # the copy-out the wait runs writes into it
+            self._alloc_at_wait = False
+            self._alloc_unsharded()
         try:
             work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
         finally:  # refused (raised, or discarded after its step was left) with a receive still posted
