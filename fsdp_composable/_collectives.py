@@ -333,9 +333,6 @@ class CopiedOut:
     output: torch.Tensor
     chunks: Sequence[int]
 
-    def __post_init__(self) -> None:
-        pass  # the moment the buffer exists: what a memory account counts from
-
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()

@@ -88,10 +88,10 @@ def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
     chunks]; on the CPU the unsharded buffer itself is allocated at the copy-out)."""
     live = {"now": 0, "peak": 0}
     alloc, free = FlatParamHandle._alloc_unsharded, FlatParamHandle._free_unsharded
-    made, wait = _collectives.CopiedOut.__post_init__, _collectives.CopiedOut.wait
+    made, wait = _collectives.CopiedOut.__init__, _collectives.CopiedOut.wait
 
-    def counted_made(copy: _collectives.CopiedOut) -> None:
-        made(copy)
+    def counted_made(copy: _collectives.CopiedOut, *args: Any) -> None:
+        made(copy, *args)
         live["now"] += copy.buffer.numel() * copy.buffer.element_size()
         live["peak"] = max(live["peak"], live["now"])
 
@@ -121,7 +121,7 @@ def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
     fully_shard(model, POLICY, strategy=strategy)
     with mock.patch.object(FlatParamHandle, "_alloc_unsharded", counted_alloc):
         with mock.patch.object(FlatParamHandle, "_free_unsharded", counted_free):
-            with mock.patch.object(_collectives.CopiedOut, "__post_init__", counted_made):
+            with mock.patch.object(_collectives.CopiedOut, "__init__", counted_made):
                 with mock.patch.object(_collectives.CopiedOut, "wait", counted_wait):
                     _step(model)
                     _step(model)
