@@ -11,9 +11,9 @@ The optimizer steps the original parameters, each a 1-D view of its slice of thi
 empty), so every per-parameter state tensor (Adam's ``exp_avg``, ...) has that slice's shape. For each
 unit and state key we write the slices of all its parameters into one tensor laid out like the unit's
 flat shard; the unit's layout then moves them like parameters: an all-gather gives full tensors
-(FULL_STATE_DICT), the all-to-all of `_state_dict_sharded` gives ``Shard(0)`` DTensors
-(SHARDED_STATE_DICT). Loading goes back: slice a full value, or run the inverse all-to-all for
-DTensors, and hand each parameter its slice. With the wrapper's flat parameters
+(FULL_STATE_DICT), cutting this rank's chunks from it gives ``Shard(0)`` DTensors
+(SHARDED_STATE_DICT). Loading goes back: slice a full value, or take a DTensor's chunk, and hand each
+parameter its slice. With the wrapper's flat parameters
 (``use_orig_params=False``) the optimizer's state already is such a flat tensor. ``step`` and other
 scalars are the same on every rank and pass through unchanged. The saved form names parameters by
 FQN (in ``state`` and in each param group's ``params``), so it loads at any world size, with either
@@ -457,7 +457,11 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             "of the same wrapping and world size. To move optimizer state between wrappings or world sizes, "
             "save with optim_state_dict(model, optim) and load with optim_state_dict_to_load"
         )
-    # the flat value holds every parameter's full value at its offset (and zero padding)
+    # the flat value is every rank's shard in turn: laid out by parameter, each is at its offset
+    if not layout.same_order:
+        value, by_param = value.contiguous(), torch.empty_like(value)
+        layout.copy_out(value, by_param)
+        value = by_param
     values = [(k, value[i.offset : i.offset + i.numel].view(i.shape)) for k, i in enumerate(layout.infos)]
     return to_flat_shard(unit.handle, values, value.dtype)
 

@@ -275,7 +275,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
     at = 0
     with NoGrad():
         for info, grad in zip(handle.layout.infos, parts):
-            if info.offset > at:
+            if info.offset > at:  # the padding of the previous parameter's region
                 pieces.append(_zeros(handle, info.offset - at, dtype))
             if grad is None:
                 pieces.append(_zeros(handle, info.numel, dtype))
@@ -337,19 +337,24 @@ def start_reduce(
         return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
-        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
-            send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
-            padding = handle.layout.padded_numel - handle.layout.unpadded_numel
-            if padding:
-                send.append(_zeros(handle, padding, rdtype))
+        layout = handle.layout
+        # gloo sends each parameter's rows from where they are: [Note: moving chunks]
+        pieces = not layout.same_order_in and layout.direct and _collectives.point_to_point(group, handle.device)
+        if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
+            send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
+            send = send if layout.direct else [torch.cat(send)]
         else:
             one = flat
-            if flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
+            if not (layout.same_order_in or pieces):  # the one copy-in: [Note: rank-major flat shards]
+                one = layout.copy_in(flat, out=_grad_buffer(handle, rdtype, zero=False))
+            elif flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
                 one = _grad_buffer(handle, rdtype, zero=False)
                 one.copy_(flat)
             if pre != 1:
                 one.div_(pre)
             send = [one]
+            if pieces:
+                send = _rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
         assert got is not None
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
@@ -461,6 +466,14 @@ def _reads_flags(r: "PendingReduce") -> bool:
     """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read), and
     they were not summed on the host."""
     return not (r.partial_only or r.own_flags or r.got is None or all(r.got) or r.host_flags is not None)
+
+
+def _rank_major_pieces(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """The rank-major reduce-scatter input as views of ``parts`` (each parameter's flat gradient) and
+    of one zero tensor for the padding: what gloo's point-to-point exchange sends as it is."""
+    layout = handle.layout
+    padding = _zeros(handle, max([i.chunk_numel for i in layout.infos] + [layout.tail]), handle.reduce_dtype)
+    return layout.rank_major_pieces(parts, padding)
 
 
 def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:

@@ -101,6 +101,5 @@ def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     assert opened.full is not None
     _take_assigned(handle, opened)
     layout = handle.layout
-    lo = layout.rank * layout.shard_numel
     with torch.no_grad():
-        handle.flat_param.data.copy_(opened.full[lo : lo + layout.shard_numel])
+        handle.flat_param.data.copy_(layout.shard_of(opened.full))
