@@ -32,7 +32,8 @@ from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, 
 
 __all__ = ["IMPLS", "Built", "build"]
 
-IMPLS = ("ours", "ours-before", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
+IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
+BEFORE = "ours-before"  # only paired against ours: `bench_before_after.py`
 # the package `bench_before_after.py` exported from an earlier commit under another name
 BEFORE_PACKAGE = "BENCH_BEFORE_PACKAGE"
 
@@ -139,7 +140,7 @@ def build(
 ) -> Built:
     """The model (seeded identically for every impl) prepared for ``impl``, with its AdamW;
     ``forward_prefetch`` applies to ours (None: the library's default)."""
-    if impl not in IMPLS:
+    if impl not in IMPLS and impl != BEFORE:
         raise ValueError(f"impl={impl!r} is not one of {', '.join(IMPLS)}")
     if impl == "floor" and device.type != "cpu":  # its messages are CPU tensors: gloo's transport only
         raise ValueError(f"impl='floor' measures gloo on the CPU; got device {device}")
@@ -154,7 +155,7 @@ def build(
         raise RuntimeError(f"impl={impl!r} needs an initialised process group")
     if impl == "ours":
         return _build_ours(model, strategy, bf16, device, forward_prefetch)
-    if impl == "ours-before":
+    if impl == BEFORE:
         return _build_ours_before(model, strategy, device)
     if impl == "floor":
         optimizer = build_floor(model, Block, _optimizer)

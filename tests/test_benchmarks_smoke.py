@@ -395,7 +395,7 @@ bench_collectives.py: error: --numel and --reps must be positive and --warmup no
 bench_overhead.py: error: --world-size must be at least 2, got 1
 bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
-bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,torch-fsdp2,ddp,local,local-ranks,floor
+bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,ours-before,torch-fsdp2,ddp,local,local-ranks,floor
 bench_paired.py: error: --impls lists one more than once: ours,ours
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501
