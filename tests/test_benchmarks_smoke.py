@@ -53,6 +53,10 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_paired.py", "--small", "--impls", "ours,ours-no-forward-prefetch,local-ranks", "--rounds", "3"],
         120,
     ),
+    "test_bench_before_after_small_runs": (
+        ["bench_before_after.py", "--before", "HEAD", "--small", "--rounds", "2"],
+        150,
+    ),
 }
 
 
@@ -355,6 +359,13 @@ def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:
     assert rows[0]["ratio_to_first"] == 1.0 and all(r["ratio_to_first"] > 0 for r in rows)
     assert all(len(r["minor_faults_by_rank"]) == 2 and min(r["minor_faults_by_rank"]) >= 0 for r in rows)
     assert "| ours-no-forward-prefetch |" in proc.stdout and "| page faults/step by rank |" in proc.stdout
+
+
+def test_bench_before_after_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_before_after_small_runs")
+    assert [r["impl"] for r in rows] == ["ours", "ours-before", "floor"]
+    assert all(len(r["step_times_s"]) == 2 and r["median_s"] > 0 for r in rows)
+    assert "(ours-before: HEAD, exported to" in proc.stdout, proc.stdout  # built by the exported package
 
 
 def test_command_line_carries_the_allocator_environment(monkeypatch: pytest.MonkeyPatch) -> None:
