@@ -6,7 +6,9 @@ Usage (see benchmarks/README.md, "gloo collectives"):
 The payload is one block of the step benchmark's model (3,150,336 fp32 values, 12.0 MiB) unless
 ``--numel`` says otherwise. Each op runs ``--warmup`` times, then ``--reps`` times after a barrier;
 an op's time is the slowest rank's median. The reduce-scatter "parts" row splits the input at the
-block's parameter boundaries, as the runtime does with autograd's gradients.
+block's parameter boundaries, as the runtime does with autograd's gradients. The "by parameter" rows
+(a block's payload, ``--d`` sets its width) move the block's rank-major shards as the runtime does:
+each chunk straight where it goes, or through one buffer and one copy.
 Writes a JSON file, a PNG chart next to it, and prints a markdown table.
 """
 
@@ -29,22 +31,53 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
+from torch import nn  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
 from benchmarks._ranks import free_port  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable import _collectives  # noqa: E402
+from fsdp_composable._rank_major import build_layout  # noqa: E402
 
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 MIB = 2**20
 
 
-def _block_sizes() -> list[int]:
-    return [p.numel() for p in Block(DEFAULT.d, DEFAULT.heads).parameters()]
+def _block_sizes(d: int = DEFAULT.d) -> list[int]:
+    return [p.numel() for p in Block(d, DEFAULT.heads).parameters()]
 
 
-def _ops(numel: int, world: int) -> dict[str, tuple[str, Callable[[], Any]]]:
+def _by_parameter(d: int, world: int) -> dict[str, tuple[str, Callable[[], Any]]]:
+    """A block's rank-major layout ([Note: rank-major flat shards]): its all-gather laid out by
+    parameter and its reduce-scatter from a param-major gradient, each chunk moved where it goes
+    (one message per chunk) or through one rank-major buffer and one copy ([Note: moving chunks])."""
+    params = list(Block(d, DEFAULT.heads).parameters())
+    holders = [[(nn.Module(), "p", f"p{k}")] for k in range(len(params))]
+    layout = build_layout(params, holders, dist.get_rank(), world)  # type: ignore[arg-type]
+    group, rs = dist.group.WORLD, _collectives.reduce_scatter
+    shard, by_param = torch.randn(layout.shard_numel), torch.empty(layout.padded_numel)
+    grad, out = torch.randn(layout.padded_numel), torch.empty(layout.shard_numel)
+    zeros = torch.zeros(max(layout.chunk_sizes))
+    grads = [grad[i.offset : i.offset + i.numel] for i in layout.infos]
+
+    def gather(direct: bool) -> Callable[[], Any]:
+        work = lambda: _collectives.all_gather(by_param, shard, group, chunks=layout.chunk_sizes, direct=direct)  # noqa: E731
+        return lambda: _collectives.wait(work(), "benchmark")
+
+    def reduce(pieces: bool) -> Callable[[], Any]:
+        send = lambda: layout.rank_major_pieces(grads, zeros) if pieces else [layout.copy_in(grad)]  # noqa: E731
+        return lambda: _collectives.wait(rs(out, send(), group), "benchmark")
+
+    return {
+        "all-gather by parameter, ours (each chunk where it goes)": ("all_gather", gather(True)),
+        "all-gather by parameter, ours (one buffer + copy-out)": ("all_gather", gather(False)),
+        "reduce-scatter by parameter, ours (each chunk from where it is)": ("reduce_scatter", reduce(True)),
+        "reduce-scatter by parameter, ours (one copy-in)": ("reduce_scatter", reduce(False)),
+    }
+
+
+def _ops(numel: int, world: int, d: int) -> dict[str, tuple[str, Callable[[], Any]]]:
     """name -> (kind, one call that returns once the collective completed)."""
     group = dist.group.WORLD
     shard_numel = -(-numel // world)
@@ -52,7 +85,8 @@ def _ops(numel: int, world: int) -> dict[str, tuple[str, Callable[[], Any]]]:
     gathered = torch.empty(shard_numel * world)
     full = torch.randn(shard_numel * world)
     out = torch.empty(shard_numel)
-    sizes = _block_sizes() if numel == sum(_block_sizes()) else [numel]
+    block = numel == sum(_block_sizes(d))
+    sizes = _block_sizes(d) if block else [numel]
     sizes.append(shard_numel * world - numel)  # the padding part
     parts = list(full.split(sizes))
 
@@ -67,6 +101,7 @@ def _ops(numel: int, world: int) -> dict[str, tuple[str, Callable[[], Any]]]:
         "reduce-scatter, ours (one tensor)": ("reduce_scatter", ours(lambda: rs(out, full, group))),
         "reduce-scatter, ours (parts)": ("reduce_scatter", ours(lambda: rs(out, parts, group))),
         "all-reduce, gloo (reference)": ("all_reduce", lambda: dist.all_reduce(full)),
+        **(_by_parameter(d, world) if block else {}),
     }
 
 
@@ -77,7 +112,7 @@ def _rank_main(rank: int, args: argparse.Namespace, port: int, out_dir: str) -> 
     dist.init_process_group("gloo", init_method=address, rank=rank, world_size=args.world_size, timeout=timeout)
     times: dict[str, list[float]] = {}
     kinds: dict[str, str] = {}
-    for name, (kind, call) in _ops(args.numel, args.world_size).items():
+    for name, (kind, call) in _ops(args.numel, args.world_size, args.d).items():
         kinds[name] = kind
         for _ in range(args.warmup):
             call()
@@ -127,11 +162,16 @@ _COLORS = {"all_gather": "tab:blue", "reduce_scatter": "tab:orange", "all_reduce
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_collectives.py", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks on 127.0.0.1 (at least 2)")
-    p.add_argument("--numel", type=int, default=sum(_block_sizes()), help="fp32 values per unit (default: one block)")
+    p.add_argument("--d", type=int, default=DEFAULT.d, help="width of the block whose parameters are the payload")
+    p.add_argument("--numel", type=int, default=None, help="fp32 values per unit (default: one block)")
     p.add_argument("--reps", type=int, default=20, help="timed calls per op")
     p.add_argument("--warmup", type=int, default=3, help="untimed calls per op first")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "collectives.json"), help="JSON path")
     args = p.parse_args(argv)
+    if args.d < 1 or args.d % DEFAULT.heads:
+        p.error(f"--d must be a positive multiple of {DEFAULT.heads} (the block's heads), got {args.d}")
+    if args.numel is None:
+        args.numel = sum(_block_sizes(args.d))
     if args.world_size < 2:
         p.error(f"--world-size must be at least 2, got {args.world_size}")
     if args.numel < 1 or args.reps < 1 or args.warmup < 0:
@@ -142,7 +182,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
-    config = {"world_size": args.world_size, "numel": args.numel, "reps": args.reps, "warmup": args.warmup}
+    config = {"world_size": args.world_size, "d": args.d, "numel": args.numel, "reps": args.reps, "warmup": args.warmup}
     png = save_run(__file__, config, rows, args.out)
     title = f"{args.numel:,} fp32 values, world size {args.world_size}, gloo, torch {torch.__version__}"
     millis = [r["median_s"] * 1e3 for r in rows]
