@@ -37,10 +37,12 @@ import argparse
 import ast
 import importlib.util
 import io
+import os
 import re
 import shutil
 import subprocess
 import sys
+import textwrap
 import tokenize
 from pathlib import Path
 from types import ModuleType
@@ -115,8 +117,10 @@ def _init_text(counts: ModuleType, folder: Path) -> str:
         if key in folders:
             children = sorted(f for f in folders if f.startswith(key + "/"))
             subs = f" Subfolders: {', '.join(c.rpartition('/')[2] + '/' for c in children)}." if children else ""
-            return f'"""The {name} layer: {what}.{subs}\n\nSee `LAYERS` in scripts/package_counts.py."""\n'
-    return '"""See `LAYERS` in scripts/package_counts.py."""\n'
+            text = f"The {name} layer, {what}.{subs} Nothing here imports a higher layer: the layers, bottom "
+            text += "first, are `LAYERS` in scripts/package_counts.py."
+            return '"""' + "\n".join(textwrap.wrap(text, 110)) + '\n"""\n'
+    return '"""The layers, bottom first, are `LAYERS` in scripts/package_counts.py."""\n'
 
 
 # ----------------------------------------------------------------------------------------------- rewriting
@@ -277,7 +281,8 @@ def check(counts: ModuleType, renamed_ever: dict[str, str]) -> list[str]:
         "        if (e.name or '').startswith('fsdp_composable'):\n"
         "            raise\n"  # an optional framework (lightning) not installed is fine
     )
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}  # this checkout's package, not an installed one
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, env=env)
     if proc.returncode:
         problems.append(f"importing every module failed:\n{proc.stderr[-3000:]}")
     pattern = _dotted_pattern(renamed_ever)
