@@ -2,7 +2,7 @@
 containers changed at run time, ``global`` statements, function-level imports of the package, stack-frame
 reads, and patches (stores into torch, into another object's ``__dict__``, into a closure's cells); for
 fsdp_composable also its layers (`LAYERS`): modules in no layer, modules outside their layer's folder,
-and imports against the layers.
+names in the layers with no module, and imports against the layers.
 
     python scripts/package_counts.py [PACKAGE_DIR]      # default: fsdp_composable next to this script
 
@@ -493,8 +493,9 @@ def layer_places(layers: Layers) -> dict[str, tuple[int, str]]:
 
 
 def layer_report(counts: list[FileCounts], package: str, layers: Layers) -> list[str]:
-    """The three layer sections: modules in no layer, modules outside their layer's folder, imports
-    against the layers (see the module docstring)."""
+    """The layer sections: modules in no layer, modules outside their layer's folder, names in the
+    layers with no module (a module removed: strike it), imports against the layers (see the module
+    docstring)."""
     places = layer_places(layers)
     modules = {_module_name(c.path, package): c for c in counts}
     is_folder = {m: c.path.endswith("__init__.py") and m != package for m, c in modules.items()}
@@ -532,6 +533,12 @@ def layer_report(counts: list[FileCounts], package: str, layers: Layers) -> list
             outside.append(f"  {modules[m].path}: belongs in {place[1] or 'the top level'}/ ({layers[place[0]][0]})")
     lines.append(f"modules outside their layer's folder: {len(outside)}")
     lines += outside
+    known = {key(m)[0] for m in modules}
+    stale = [
+        name for _, _, folders in layers for names in folders.values() for name in names.split() if name not in known
+    ]
+    lines.append(f"names in the layers with no module: {len(stale)}")
+    lines += [f"  {name}" for name in stale]
     against = []
     for m, c in sorted(modules.items()):
         mine = layer(m)

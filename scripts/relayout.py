@@ -1,6 +1,10 @@
 """Move fsdp_composable's modules into the folders of their layers and rewrite every reference to them.
 
-    python scripts/relayout.py [--dry-run] [--allow-dirty] [--skip-checks]
+    python scripts/package_counts.py | grep -A9 "modules in no layer"   # 0? else place them in LAYERS
+    python scripts/relayout.py --dry-run      # the moves and the files it would rewrite
+    python scripts/relayout.py                # moves, rewrites, checks; exit status 0 when all hold
+    ruff check fsdp_composable tests scripts && mypy fsdp_composable
+    git add -A && git commit -m "the package in the folders of its layers (scripts/relayout.py)"
 
 Run at the repository root, on a clean tree (it refuses a dirty one: the moves and rewrites should be one
 commit of their own, ``git add -A && git commit``). It is re-runnable: a module already in its folder is
@@ -23,8 +27,8 @@ What it does:
    ``fsdp_composable._a`` (``import fsdp_composable._a``, strings such as monkeypatch targets and
    ``mock.patch("fsdp_composable._a.f")``, ``python -m fsdp_composable._a``, docs) and each file path
    ``fsdp_composable/_a.py``; and single-line ``from fsdp_composable import ...`` that is text
-   (Markdown, or a script inside a Python string). A name
-   that is not a moved module (``fsdp_composable.lightning``, ``fsdp_composable.api``) is left alone.
+   (Markdown, or a script inside a Python string). A name that is not a moved module
+   (``fsdp_composable.lightning``, ``fsdp_composable.api``) is left alone.
 3. Sorts and wraps the rewritten import blocks (``ruff check --select I --fix``, when ruff is installed).
 4. Checks (unless ``--skip-checks``): scripts/package_counts.py reports no import cycle, no module in no
    layer, none outside its folder and no import against the layers; every module of the package

@@ -204,6 +204,7 @@ def test_runs_on_this_package() -> None:
         "patches (torch, another object's __dict__, closure cells)",
         "modules in no layer",
         "modules outside their layer's folder",
+        "names in the layers with no module",
         "imports against the layers",
     ], proc.stdout
     # the registry is the one container the design allows; the script must see it
@@ -233,7 +234,7 @@ LAYERED = {
 }
 FIXTURE_LAYERS = [
     ("low", "", {"": "base"}),
-    ("mid", "", {"mid": "work misplaced"}),
+    ("mid", "", {"mid": "work misplaced gone"}),
     ("high", "", {"": "top __init__"}),
 ]
 
@@ -252,6 +253,8 @@ modules in no layer: 1
   pkg.stray: fits layers mid..high
 modules outside their layer's folder: 1
   misplaced.py: belongs in mid/ (mid)
+names in the layers with no module: 1
+  gone
 imports against the layers: 1
   base.py:4: pkg.top (low imports high)""",
     )
