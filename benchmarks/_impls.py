@@ -13,6 +13,8 @@ Everything that binds a collective is imported here, at import time, so that `Co
 
 from __future__ import annotations
 
+import importlib
+import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Iterator, Optional
 
@@ -30,7 +32,9 @@ from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, 
 
 __all__ = ["IMPLS", "Built", "build"]
 
-IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
+IMPLS = ("ours", "ours-before", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
+# the package `bench_before_after.py` exported from an earlier commit under another name
+BEFORE_PACKAGE = "BENCH_BEFORE_PACKAGE"
 
 
 @dataclass
@@ -87,6 +91,24 @@ def _build_ours(
     return Built(model, _optimizer(model.parameters()), notes, flat_tensors)
 
 
+def _build_ours_before(model: nn.Module, strategy: str, device: torch.device) -> Built:
+    """``ours`` as an earlier commit built it: its package, exported under another name by
+    `bench_before_after.py`, named by the environment."""
+    name = os.environ.get(BEFORE_PACKAGE)
+    if not name:
+        raise ValueError(f"impl='ours-before' needs {BEFORE_PACKAGE}: run it through benchmarks/bench_before_after.py")
+    lib = importlib.import_module(name)
+    lib.fully_shard(
+        model,
+        lib.ModuleWrapPolicy({Block}),
+        strategy=lib.ShardingStrategy[strategy],
+        device_id=device if device.type == "cuda" else None,
+    )
+    units = len(list(lib.fully_shard.state(model).handles))
+    notes = [f"{name}.fully_shard(ModuleWrapPolicy({{Block}})) -> {units} units"]
+    return Built(model, _optimizer(model.parameters()), notes)
+
+
 def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size: int) -> Built:
     mesh = init_device_mesh(device.type, (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
@@ -132,6 +154,8 @@ def build(
         raise RuntimeError(f"impl={impl!r} needs an initialised process group")
     if impl == "ours":
         return _build_ours(model, strategy, bf16, device, forward_prefetch)
+    if impl == "ours-before":
+        return _build_ours_before(model, strategy, device)
     if impl == "floor":
         optimizer = build_floor(model, Block, _optimizer)
         return Built(model, optimizer, ["unsharded compute, a FULL_SHARD step's gloo messages, AdamW over shards"])

@@ -46,6 +46,7 @@ from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 CHOICES: dict[str, tuple[str, Optional[bool]]] = {
     "ours": ("ours", None),
     "ours-no-forward-prefetch": ("ours", False),
+    "ours-before": ("ours-before", None),  # an earlier commit's package: bench_before_after.py
     "torch-fsdp2": ("torch-fsdp2", None),
     "ddp": ("ddp", None),
     "local": ("local", None),

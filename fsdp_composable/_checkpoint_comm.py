@@ -31,7 +31,6 @@ import torch.distributed as dist
 from fsdp_composable import _collectives, _rank_agreement
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._header_fields import for_unit
-from fsdp_composable._rank_agreement import Op
 from fsdp_composable.api import CollectiveError, FSDPError
 
 __all__: list[str] = []
@@ -64,7 +63,8 @@ def comm_device_of(handle: FlatParamHandle) -> torch.device:
 
 def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The unit's whole flat parameter (or flat ``shard`` of the same layout, e.g. its gradient) in
-    full precision, on the shard's device: a new tensor, never the unshard buffer."""
+    full precision, on the shard's device, laid out by parameter (each at ``info.offset``): a new
+    tensor, never the unshard buffer."""
     layout = handle.layout
     shard = handle.flat_param.detach() if shard is None else shard
     if layout.world_size == 1:
@@ -72,25 +72,10 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
     device = comm_device_of(handle)
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
     with for_unit(handle.root_fqn):
-        work = _collectives.all_gather(full, shard.to(device), handle.process_group)
+        chunks = None if layout.same_order else layout.chunk_sizes  # [Note: rank-major flat shards]
+        work = _collectives.all_gather(full, shard.to(device), handle.process_group, chunks=chunks)
     _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full.to(shard.device)
-
-
-def all_to_all(
-    handle: FlatParamHandle, send: list[torch.Tensor], in_splits: list[int], out_splits: list[int], like: torch.Tensor
-) -> torch.Tensor:
-    """Send ``send`` (``in_splits[r]`` elements to rank r) and receive ``out_splits[r]`` from each rank,
-    over the unit's process group; the result has ``like``'s dtype and device."""
-    # Not one of the runtime's three collectives: only checkpointing moves data between layouts.
-    device = comm_device_of(handle)
-    send_flat = torch.cat(send).to(device) if send else like.new_empty(0, device=device)
-    recv = like.new_empty(sum(out_splits), device=device)
-    group, numel = handle.process_group, handle.layout.padded_numel
-    _rank_agreement.agree_before(group, Op.ALL_TO_ALL, numel, like.dtype, f"all-to-all of {_unit(handle)}")
-    with _failure_named(f"all-to-all of {_unit(handle)}"):
-        dist.all_to_all_single(recv, send_flat, out_splits, in_splits, group=group)
-    return recv.to(like.device)
 
 
 def gather_flags(handle: FlatParamHandle, flags: list[bool]) -> torch.Tensor:

@@ -69,7 +69,10 @@ def start(
     (see [Note: streams without record_stream] in `_collectives`). ``then(result)``: CUDA only, run on
     the stream after the hook (CPU offload starts the result's copy to the host there)."""
     dtype = flat.dtype if hook.low_precision is not None else handle.reduce_dtype
-    grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
+    if not handle.layout.same_order_in:  # the hook reduce-scatters the rank-major flat: one copy-in
+        grad = handle.layout.copy_in(flat, out=torch.empty(flat.numel(), dtype=dtype, device=flat.device))
+    else:
+        grad = flat if flat.dtype == dtype and flat is not kept else flat.to(dtype, copy=True)
     sharded = handle.layout.world_size > 1
     out = torch.empty(handle.layout.shard_numel, dtype=dtype, device=grad.device) if sharded else grad
     if hook.low_precision is not None:  # torch's compress hooks, computed by `_compressed`

@@ -26,7 +26,9 @@ class _Registry:
     ProcessGroup takes no attributes of ours), the subgroups ``reshard_after_forward=<int>`` made of
     each group (for the same reason), how many parameters and submodules were registered on any
     module since import (the cheap change detector of [Note: cheap edit checks] in `_model_edit_checks`),
-    and the benchmark-only safety switches ([Note: safety switches] in `_safety`; None: every check on)."""
+    the CPU companion group made for a set of ranks ([Note: presence flags agreed on the host] in
+    `_host_flags`: torch names it by its ranks alone, so one per set of ranks per process), and the
+    benchmark-only safety switches ([Note: safety switches] in `_safety`; None: every check on)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
@@ -36,6 +38,9 @@ class _Registry:
         # process group -> {k: this rank's group of k of its ranks}: made once, shared by every call
         # with reshard_after_forward=k (see [Note: resharding to a smaller group] in `_post_forward_group`)
         self.subgroups: "weakref.WeakKeyDictionary[Any, dict[int, Any]]" = weakref.WeakKeyDictionary()
+        # default group -> {global ranks: the CPU group over them made for the presence flags}
+        # (`_host_flags`; weak: a world torn down and initialised again gets new groups)
+        self.companions: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]]" = weakref.WeakKeyDictionary()
         self.registrations = 0
         self.safety: Any = None  # a frozen `_safety.SafetyChecks`, replaced whole, or None
 
@@ -65,6 +70,17 @@ def subgroup(group: Any, k: int, new: Callable[[], _S]) -> _S:
     if k not in per_size:
         per_size[k] = new()
     return per_size[k]  # type: ignore[no-any-return]
+
+
+def companion_group(world: Any, ranks: tuple[Any, ...], new: Callable[[], _S]) -> _S:
+    """The CPU group over ``ranks`` of the default group ``world`` (made by ``new`` the first time;
+    ``ranks`` may also be a (shard ranks, replicate ranks) pair, for the group over their mesh)."""
+    per_world = _REGISTRY.companions.get(world)
+    if per_world is None:
+        per_world = _REGISTRY.companions[world] = {}
+    if ranks not in per_world:
+        per_world[ranks] = new()
+    return per_world[ranks]  # type: ignore[no-any-return]
 
 
 def group_records() -> list[Any]:

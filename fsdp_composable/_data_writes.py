@@ -30,9 +30,8 @@ def keep_data_writes(handle: FlatParamHandle) -> None:
         if data.shape == view.shape:
             src = data
         elif data.shape in (info.shape, (info.numel,)):  # the whole parameter: every rank keeps its slice
-            start, end = layout.shard_range(info)
-            first = layout.rank * layout.shard_numel + start - info.offset
-            src = data.reshape(-1)[first : first + end - start].view(view.shape)
+            first, last = layout.param_range(info)
+            src = data.reshape(-1)[first:last].view(view.shape)
         else:
             continue
         with torch.no_grad():

@@ -1,14 +1,15 @@
 """`FlatParameter` and `FlatParamHandle`: flatten, shard, unshard and reshard one unit's parameters.
 
 [Note: original parameters are views]
-A unit's original parameters are concatenated into one 1-D tensor, padded to a multiple of the
-world size, and each rank keeps its contiguous 1/N shard in a `FlatParameter`. The original
-``nn.Parameter`` objects are never replaced: we only repoint their ``.data``.
+A unit's original parameters are cut into dim-0 chunks and laid out in one rank-major flat
+parameter, of which each rank keeps its shard ([Note: rank-major flat shards] in `_rank_major`). The
+original ``nn.Parameter`` objects are never replaced: we only repoint their ``.data``.
 
-- sharded: each original parameter is a 1-D view of its slice of the local shard (possibly empty),
+- sharded: each original parameter is a 1-D view of its chunk in the local shard (possibly empty),
   so the optimizer steps original parameters in place and writes through to the shard.
-- unsharded: each original parameter is a view, with its original shape, into the padded unsharded
-  buffer that the all-gather wrote (no copy-out).
+- unsharded: each original parameter is a view, with its original shape, into the front of its
+  region of the param-major unsharded buffer, which the copy-out after the all-gather fills (the
+  all-gather writes it directly when both orders are the same tensor).
 
 Because the parameter objects stay the same, autograd's saved tensors and gradient accumulators
 survive every transition: backward reads ``param.data`` after the pre-backward unshard has
@@ -22,8 +23,6 @@ lifecycle], [Note: gradients land in the flat buffer]); the handle only provides
 from __future__ import annotations
 
 import enum
-import math
-from dataclasses import dataclass
 from typing import NoReturn, Optional
 
 import torch
@@ -34,11 +33,13 @@ from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._copy_guard import refusal, refuse_copies
 from fsdp_composable._grad_records import UnitGrads
+from fsdp_composable._rank_major import FlatLayout, ParamInfo
+from fsdp_composable._rank_major import build_layout as _build_layout
 from fsdp_composable._state_machine import Transitions, check_transition
-from fsdp_composable._tensor_parallel import TPSpec, local_of, point_at, spec_of
+from fsdp_composable._tensor_parallel import local_of, point_at
 from fsdp_composable._unit_switches import UnitSwitches
 
-__all__ = ["FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
+__all__ = ["FlatLayout", "FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
 
 FLAT_PARAM_NAME = "_flat_param"
 
@@ -73,40 +74,6 @@ _HANDLE_TRANSITIONS: Transitions = {
 _IN_STEP = frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.BACKWARD_POST})
 
 
-@dataclass(frozen=True)
-class ParamInfo:
-    """One original parameter of a unit. ``holders`` lists every (module, attribute, FQN) that
-    registers it: more than one for tied parameters. FQNs are relative to the unit's module."""
-
-    fqn: str
-    shape: torch.Size
-    numel: int
-    offset: int
-    holders: tuple[tuple[nn.Module, str, str], ...]
-    # a tensor-parallel DTensor parameter's layout: ``shape``/``numel`` are then its local tensor's
-    # (see [Note: tensor-parallel parameters])
-    tp: Optional[TPSpec] = None
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each original parameter lives in the flat parameter, and how it is sharded."""
-
-    infos: tuple[ParamInfo, ...]
-    unpadded_numel: int
-    padded_numel: int
-    shard_numel: int
-    rank: int
-    world_size: int
-
-    def shard_range(self, info: ParamInfo) -> tuple[int, int]:
-        """``info``'s slice of this rank's shard, as [start, end) offsets into the shard."""
-        lo = self.rank * self.shard_numel
-        start = min(max(info.offset - lo, 0), self.shard_numel)
-        end = min(max(info.offset + info.numel - lo, 0), self.shard_numel)
-        return start, max(start, end)
-
-
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
     strides: list[int] = []
     step = 1
@@ -122,21 +89,6 @@ class FlatParameter(nn.Parameter):
     Test for it with ``type(p) is FlatParameter``: other tensor subclasses that are parameters make
     ``isinstance`` true for any parameter subclass.
     """
-
-
-def _build_layout(
-    params: list[nn.Parameter], holders: list[list[tuple[nn.Module, str, str]]], rank: int, world_size: int
-) -> FlatLayout:
-    infos = []
-    offset = 0
-    for param, param_holders in zip(params, holders):
-        local = local_of(param)
-        infos.append(
-            ParamInfo(param_holders[0][2], local.shape, local.numel(), offset, tuple(param_holders), spec_of(param))
-        )
-        offset += local.numel()
-    padded = max(math.ceil(offset / world_size) * world_size, world_size)
-    return FlatLayout(tuple(infos), offset, padded, padded // world_size, rank, world_size)
 
 
 class FlatParamHandle:
@@ -210,6 +162,7 @@ class FlatParamHandle:
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
+        self._alloc_at_wait = False  # the pending unshard allocates the unsharded storage at its wait
         # CUDA: the side stream that allocated the unsharded storage (None: the compute stream), and
         # the event reshard recorded after the storage's last use, set while it is not yet freed
         self._storage_stream: Optional[torch.cuda.Stream] = None
@@ -238,12 +191,13 @@ class FlatParamHandle:
     def _flatten_and_shard(self) -> FlatParameter:
         layout = self.layout
         with torch.no_grad():
-            pieces = [local_of(p).detach().reshape(-1).to(self.device) for p in self.params]
-            pad = layout.padded_numel - layout.unpadded_numel
-            pieces.append(torch.zeros(pad, dtype=self.dtype, device=self.device))
-            flat = torch.cat(pieces)
-            lo = layout.rank * layout.shard_numel
-            shard = flat[lo : lo + layout.shard_numel].clone().to(self.shard_device)
+            pieces = []
+            for param, info in zip(self.params, layout.infos):
+                lo, hi = layout.param_range(info)
+                pieces.append(local_of(param).detach().reshape(-1)[lo:hi].to(self.device))
+                pieces.append(torch.zeros(info.chunk_numel - (hi - lo), dtype=self.dtype, device=self.device))
+            pieces.append(torch.zeros(layout.tail, dtype=self.dtype, device=self.device))
+            shard = torch.cat(pieces).to(self.shard_device)
             if self.shard_device != self.device and torch.cuda.is_available():
                 shard = shard.pin_memory()  # lets the host-to-device copy of unshard run asynchronously
         flat_param = FlatParameter(shard, requires_grad=any(p.requires_grad for p in self.params))
@@ -376,8 +330,11 @@ class FlatParamHandle:
         self._wait_freed(stream)
         kept, self._post_forward_shard = self._post_forward_shard, None
         kept_event, self._post_forward_event = self._post_forward_event, None
+        # CPU through one copy ([Note: moving chunks]): the unsharded storage is allocated at the copy-out,
+        # so a prefetched unit holds one buffer (its gathered shards) while the previous one computes
+        self._alloc_at_wait = stream is None and not self.layout.same_order and not self.layout.direct
         with _collectives.on_stream(stream):
-            allocated = self._alloc_unsharded()
+            allocated = False if self._alloc_at_wait else self._alloc_unsharded()
             if kept is None:
                 src = shard.to(self.device, non_blocking=True) if shard.device != self.device else shard
                 self.upload_pending |= shard.device != self.device
@@ -392,9 +349,12 @@ class FlatParamHandle:
         unsharded, origin = self._unsharded, shard.dtype
         group = self.process_group if kept is None else self.post_forward_group
         assert group is not None
+        # laid out by parameter as it lands ([Note: rank-major flat shards]): unless both orders are one
+        # tensor, gloo receives each chunk where it goes and a native all-gather is copied out once
+        chunks, direct = (None if self.layout.same_order else self.layout.chunk_sizes), self.layout.direct
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin),
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, chunks, direct),
             wait_first=kept is not None and kept_event is None,
             unit=self.root_fqn,
         )
@@ -432,8 +392,11 @@ class FlatParamHandle:
         if not (self.is_unsharded and self._needs_buffer) or self._unshard_work is not None:
             return
         assert self._unsharded is not None
-        n = self.layout.shard_numel
-        mine = self._unsharded[self.layout.rank * n : (self.layout.rank + 1) * n]
+        if self.layout.same_order:
+            n = self.layout.shard_numel
+            mine = self._unsharded[self.layout.rank * n : (self.layout.rank + 1) * n]
+        else:
+            mine = self.layout.shard_of(self._unsharded)
         shard = self.flat_param.data
         with torch.no_grad():
             if mine.dtype == shard.dtype and mine.device == shard.device:
@@ -453,9 +416,13 @@ class FlatParamHandle:
         which then gathers within `post_forward_group` only."""
         group, full = self.post_forward_group, self._unsharded
         assert group is not None and full is not None and self.is_unsharded
-        size = full.numel() // dist.get_world_size(group)
-        index = dist.get_rank(group)
-        kept = full[index * size : (index + 1) * size].clone()
+        per = self.layout.world_size // dist.get_world_size(group)  # shards each rank of the group keeps
+        first = dist.get_rank(group) * per
+        if self.layout.same_order:
+            n = self.layout.shard_numel
+            kept = full[first * n : (first + per) * n].clone()
+        else:  # the rank-major rows of those shards: gathered within the group, they are the whole
+            kept = self.layout.ranks_of(full, first, first + per)
         # the next unshard's stream waits for this copy only, not for all compute issued before it
         event = _collectives.compute_stream(self.device).record_event() if self.device.type != "cpu" else None
         self.reshard()
@@ -464,6 +431,9 @@ class FlatParamHandle:
     def _finish_unshard(self) -> None:
         assert self._unshard_work is not None
         work, self._unshard_work = self._unshard_work, None
+        if self._alloc_at_wait:  # the copy-out the wait runs writes into it
+            self._alloc_at_wait = False
+            self._alloc_unsharded()
         try:
             work.wait(f"the all-gather of unit '{self.unit_fqn or '<root>'}'")
         finally:  # refused (raised, or discarded after its step was left) with a receive still posted

@@ -33,11 +33,12 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
     becomes the sharded gradient; this rank's flags are the answer (``PendingReduce.own_flags``).
 - The flags are written on the device by device-side fills (ones, then zeros over the runs of
   parameters without a gradient: `write_flags`), never by copying host values to the device.
-- Reading the reduced flags is a host read (a device synchronisation on CUDA): whether a ``.grad``
-  is None is host state, and it must agree across ranks. A rank whose own backward gave every
-  parameter of the unit a gradient knows the answer without reading (`present`), so a step where
-  everything gets a gradient stays free of host synchronisation; otherwise the end of backward
-  reads every such unit's flags at once (`present_of_many`: one read per step, not one per unit).
+- Whether a ``.grad`` is None is host state, and it must agree across ranks. On the CPU the end of
+  backward reads the reduced flags of every unit where this rank lacked a gradient at once
+  (`present_of_many`; a rank whose own backward gave every parameter a gradient knows the answer
+  without reading). Off the CPU that read would be a device synchronisation, so there every rank's
+  flags are summed on the host over a CPU group instead ([Note: presence flags agreed on the host]
+  in `_host_flags`), and the device flags are not read.
 - A user's communication hook replaces the reduction and sees only the gradient: with one, every
   trainable parameter of a unit whose backward ran is treated as having a gradient (zeros).
 - Between steps `UnitGrads.missing` lists the parameters whose slice of ``flat_param.grad`` holds

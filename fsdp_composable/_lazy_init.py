@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from fsdp_composable import _comm_hooks, _rank_agreement
+from fsdp_composable import _comm_hooks, _host_flags, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
@@ -44,6 +44,8 @@ def _lazy_init(state: _FSDPState, root_module: nn.Module) -> None:
     for s in states:
         s.ctx = ctx
     handles = ctx.handles
+    if _host_flags.on_host(state.device):  # [Note: presence flags agreed on the host]
+        _host_flags.init_companions([(h.process_group, h.replicate_group) for h in handles])
     fqn_of = _clean_module_fqns(root_module)
     for h in handles:  # a unit sharded by its own call is named from the root now, in messages and logs
         h.unit_fqn = fqn_of.get(h.module, h.unit_fqn)

@@ -37,6 +37,8 @@ class _UnitCost:
     grad_dtype: torch.dtype  # of the sharded gradient kept between steps
     needs_unsharded_buffer: bool  # the handle allocates an unsharded buffer (see FlatParamHandle)
     reshard_after_forward: bool  # (unless it is the root unit)
+    # its all-gather lands in a second, rank-major buffer that is copied out ([Note: moving chunks])
+    copied_out: bool = False
 
 
 def _unit_cost(
@@ -61,12 +63,13 @@ def _unit_cost(
         grad_dtype=config.grad_dtype(dtype),
         needs_unsharded_buffer=config.needs_unsharded_buffer(dtype, device),
         reshard_after_forward=config.reshard_after_forward,
+        copied_out=not layout.same_order and (device.type != "cpu" or not layout.direct),
     )
 
 
 # [Note: the memory model]
-# Bytes are per rank, for rank 0: padding sits at the end of each flat parameter, so rank 0 holds
-# no padding in any unit with at least world_size elements and its optimizer state is the largest.
+# Bytes are per rank, for rank 0: each parameter is padded with rows at the end of its last chunks, so
+# rank 0's chunks are whole rows of every parameter and its optimizer state is the largest.
 # Terms, with P/S a unit's padded/shard numel, b its parameter dtype size, c its compute dtype size
 # (MixedPrecision.param_dtype, else b) and r its reduce dtype size (reduce_dtype, else c):
 # - sharded_params: sum of S*b. NO_SHARD (or world size 1) keeps the whole unit, S = P = numel.
@@ -81,7 +84,10 @@ def _unit_cost(
 #   the root unit (never resharded after forward), every non-root SHARD_GRAD_OP/NO_SHARD unit
 #   (unsharded from its forward to its backward), and the largest FULL_SHARD units that can be
 #   unsharded at once: two with BACKWARD_PRE prefetch (the current unit and the prefetched one) or
-#   forward prefetch, else one (`ShardConfig.units_in_flight`; the limiter allows that many). Which
+#   forward prefetch, else one (`ShardConfig.units_in_flight`; the limiter allows that many), plus
+#   the largest unit whose all-gather lands in a second buffer before its copy-out (every unit of
+#   several parameters on CUDA, the small ones on gloo: [Note: moving chunks]): the next unit's
+#   gather is issued before the current one's wait. Which
 #   units keep a buffer and stay unsharded, and every dtype, are `UnitConfig`'s rules, the ones the
 #   runtime follows (see [Note: one place for each rule] in `_config`).
 # - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
@@ -132,7 +138,12 @@ def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_
 
 def _unsharded_param_bytes(units: Sequence[_UnitCost], in_flight: int) -> int:
     kept, transient = _in_flight_units(units, in_flight)
-    return sum(_unsharded_bytes(u) for u in (*kept, *transient))
+    return sum(_unsharded_bytes(u) for u in (*kept, *transient)) + _copy_out_bytes(units)
+
+
+def _copy_out_bytes(units: Sequence[_UnitCost]) -> int:
+    """The largest buffer an all-gather lands in before its copy-out (one at a time)."""
+    return max([_unsharded_bytes(u) for u in units if u.copied_out], default=0)
 
 
 def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> str:
@@ -142,6 +153,8 @@ def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> 
         parts.append(f"{len(kept) - len(parts)} SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded")
     if transient:
         parts.append(f"{len(transient)} largest FULL_SHARD unit(s) in flight")
+    if _copy_out_bytes(units):
+        parts.append("1 gathered before its copy-out")
     return " + ".join(parts) or "none: full-precision NO_SHARD computes on the shard itself"
 
 

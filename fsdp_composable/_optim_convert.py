@@ -11,9 +11,9 @@ The optimizer steps the original parameters, each a 1-D view of its slice of thi
 empty), so every per-parameter state tensor (Adam's ``exp_avg``, ...) has that slice's shape. For each
 unit and state key we write the slices of all its parameters into one tensor laid out like the unit's
 flat shard; the unit's layout then moves them like parameters: an all-gather gives full tensors
-(FULL_STATE_DICT), the all-to-all of `_state_dict_sharded` gives ``Shard(0)`` DTensors
-(SHARDED_STATE_DICT). Loading goes back: slice a full value, or run the inverse all-to-all for
-DTensors, and hand each parameter its slice. With the wrapper's flat parameters
+(FULL_STATE_DICT), cutting this rank's chunks from it gives ``Shard(0)`` DTensors
+(SHARDED_STATE_DICT). Loading goes back: slice a full value, or take a DTensor's chunk, and hand each
+parameter its slice. With the wrapper's flat parameters
 (``use_orig_params=False``) the optimizer's state already is such a flat tensor. ``step`` and other
 scalars are the same on every rank and pass through unchanged. The saved form names parameters by
 FQN (in ``state`` and in each param group's ``params``), so it loads at any world size, with either
@@ -347,23 +347,26 @@ def _export_entries(
         for info, entry in zip(layout.infos, out):
             if entry is not None:
                 value = _copy(full[info.offset : info.offset + info.numel].view(info.shape), config)
-                entry[key] = value if info.tp is None else _full_tp_value(info.tp, value, config)
+                entry[key] = value if info.tp is None else _full_tp_value(handle, info.tp, value, config)
     return out
 
 
-def _full_tp_value(spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: StateDictConfig) -> torch.Tensor:
+def _full_tp_value(
+    handle: FlatParamHandle, spec: _tensor_parallel.TPSpec, local: torch.Tensor, config: StateDictConfig
+) -> torch.Tensor:
     """FULL: a tensor-parallel parameter's state as the model's FULL state dict gives the parameter (a
     DTensor full over dp; with ``rank0_only`` the plain global tensor, gathered on every rank)."""
     value = _tensor_parallel.as_param_grad(spec, local)
     assert isinstance(value, DTensor)
     if _rank0_only(config):
-        return _tensor_parallel.full_tensor(value)
+        return _tensor_parallel.full_tensor(value, handle.device)
     return value
 
 
-def _full_value(value: torch.Tensor) -> torch.Tensor:
+def _full_value(value: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``value`` whole (``device``: where its parameter computes)."""
     if isinstance(value, DTensor):
-        return _tensor_parallel.full_tensor(value)  # a collective over the DTensor's mesh
+        return _tensor_parallel.full_tensor(value, device)  # a collective over the DTensor's mesh
     return value
 
 
@@ -446,7 +449,7 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             local = value.to_local()
             if local.shape == (layout.shard_numel,):
                 return local.clone()
-        value = _tensor_parallel.full_tensor(value)
+        value = _tensor_parallel.full_tensor(value, unit.handle.device)
     if value.shape != (layout.padded_numel,):
         raise ValueError(
             f"optimizer state {key!r} of the flat parameter of unit '{unit.handle.unit_fqn or '<root>'}' has shape "
@@ -454,7 +457,11 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
             "of the same wrapping and world size. To move optimizer state between wrappings or world sizes, "
             "save with optim_state_dict(model, optim) and load with optim_state_dict_to_load"
         )
-    # the flat value holds every parameter's full value at its offset (and zero padding)
+    # the flat value is every rank's shard in turn: laid out by parameter, each is at its offset
+    if not layout.same_order:
+        value, by_param = value.contiguous(), torch.empty_like(value)
+        layout.copy_out(value, by_param)
+        value = by_param
     values = [(k, value[i.offset : i.offset + i.numel].view(i.shape)) for k, i in enumerate(layout.infos)]
     return to_flat_shard(unit.handle, values, value.dtype)
 

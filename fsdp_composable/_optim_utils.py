@@ -290,7 +290,9 @@ def optim_state_dict_to_load(
         fqn = index.plain.get(id(p))
         state = saved_state.get(fqn) if fqn is not None else None
         if isinstance(state, Mapping):
-            out[ids[id(p)]] = {k: _full_value(v) if isinstance(v, torch.Tensor) else v for k, v in state.items()}
+            out[ids[id(p)]] = {
+                k: _full_value(v, p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()
+            }
     groups, position = [], 0
     for group, saved in zip(optim.param_groups, saved_groups):
         entry = {k: v for k, v in saved.items() if k != "params"}

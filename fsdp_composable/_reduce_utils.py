@@ -52,7 +52,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _trace
+from fsdp_composable import _collectives, _comm_hooks, _grad_presence, _host_flags, _trace
 from fsdp_composable._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._grad_mode import NoGrad
@@ -218,7 +218,7 @@ def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> to
     at = 0
     with NoGrad():
         for info, grad in zip(handle.layout.infos, parts):
-            if info.offset > at:
+            if info.offset > at:  # the padding of the previous parameter's region
                 pieces.append(_zeros(handle, info.offset - at, dtype))
             if grad is None:
                 pieces.append(_zeros(handle, info.numel, dtype))
@@ -280,19 +280,24 @@ def start_reduce(
         return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
-        if flat is None:  # AUTOGRAD on gloo: send autograd's gradients as they are
-            send = [_part(handle, g, i, pre) for i, g in enumerate(parts)]
-            padding = handle.layout.padded_numel - handle.layout.unpadded_numel
-            if padding:
-                send.append(_zeros(handle, padding, rdtype))
+        layout = handle.layout
+        # gloo sends each parameter's rows from where they are: [Note: moving chunks]
+        pieces = not layout.same_order_in and layout.direct and _collectives.point_to_point(group, handle.device)
+        if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
+            send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
+            send = send if layout.direct else [torch.cat(send)]
         else:
             one = flat
-            if flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
+            if not (layout.same_order_in or pieces):  # the one copy-in: [Note: rank-major flat shards]
+                one = layout.copy_in(flat, out=_grad_buffer(handle, rdtype, zero=False))
+            elif flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
                 one = _grad_buffer(handle, rdtype, zero=False)
                 one.copy_(flat)
             if pre != 1:
                 one.div_(pre)
             send = [one]
+            if pieces:
+                send = _rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
         assert got is not None
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
@@ -340,6 +345,9 @@ def start_reduce(
 
         pending.out = out
         pending.send = send  # read on the reduce stream (CUDA): kept until the compute stream waited
+        if _host_flags.on_host(handle.device) and not (pending.own_flags or pending.partial_only):
+            # no device read at the end of backward: [Note: presence flags agreed on the host]
+            pending.host_flags = _host_flags.issue(got, group, replicas)
         if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
             pending.work = _collectives.issue(None, collective, unit=handle.root_fqn)
             return pending
@@ -382,10 +390,15 @@ def _run_hook(pending: "PendingReduce") -> None:
 
 def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle]") -> None:
     """End of a step: the compute stream waits for every reduction's last collective, the host for
-    the offload copies, once; the flags of units where this rank lacked a gradient are read at once."""
+    the offload copies, once, and for the flags summed on the host (off the CPU); the flags of units
+    where this rank lacked a gradient are read at once on the CPU."""
     for reduction in reductions:
         reduction.finish()
     sync_offload_copies(reductions, handles)
+    on_host = [(r, r.host_flags) for r in reductions if r.host_flags is not None]
+    _host_flags.finish_many([summed for _, summed in on_host])
+    for reduction, summed in on_host:
+        reduction.present = _host_flags.present(summed)
     unknown = [r for r in reductions if _reads_flags(r)]
     flags = [(r.host if r.host is not None else r.out)[r.numel :] for r in unknown]
     for reduction, present in zip(unknown, _grad_presence.present_of_many(flags)):
@@ -393,8 +406,17 @@ def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle
 
 
 def _reads_flags(r: "PendingReduce") -> bool:
-    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read)."""
-    return not (r.partial_only or r.own_flags or r.got is None or all(r.got))
+    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read), and
+    they were not summed on the host."""
+    return not (r.partial_only or r.own_flags or r.got is None or all(r.got) or r.host_flags is not None)
+
+
+def _rank_major_pieces(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """The rank-major reduce-scatter input as views of ``parts`` (each parameter's flat gradient) and
+    of one zero tensor for the padding: what gloo's point-to-point exchange sends as it is."""
+    layout = handle.layout
+    padding = _zeros(handle, max([i.chunk_numel for i in layout.infos] + [layout.tail]), handle.reduce_dtype)
+    return layout.rank_major_pieces(parts, padding)
 
 
 def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
@@ -428,6 +450,7 @@ class PendingReduce:
     got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
     own_flags: bool = False  # no other rank: ``got`` is the answer, no reduced flags follow ``numel``
     present: Optional[list[bool]] = None  # read by `finish_all` (None: all present, or not read there)
+    host_flags: Optional[_host_flags.HostFlags] = None  # off the CPU: the flags summed on the host
 
     @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
     def wait(self) -> None:

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _exposed_grads, _rank_agreement
+from fsdp_composable import _collectives, _exposed_grads, _host_flags, _rank_agreement
 from fsdp_composable import _reduce_utils as grads
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._copy_guard import refusal
@@ -406,6 +406,10 @@ class RootContext:
                 reduction.finish()  # its buffers must outlive the collective; its result is dropped
             except Exception as e:  # a peer died: still reset everything, then report it
                 error = error or e
+        try:  # the flags' sums issued so far end as on every peer: [Note: presence flags agreed on the host]
+            _host_flags.finish_many([r.host_flags for r in reductions if r.host_flags is not None])
+        except Exception as e:
+            error = error or e
         for handle in self.handles:
             # A forward refused before its pre-forward released what zero_grad() cleared (e.g. the edit
             # check) must not bring the cleared gradients back as .grad below.

@@ -41,7 +41,9 @@ def _open_full(handle: FlatParamHandle) -> _OpenUnit:
     return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
 
 
-def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str, Any], prefix: str) -> None:
+def _take_over_views(
+    state: _FSDPState, handle: FlatParamHandle, full: torch.Tensor, state_dict: dict[str, Any], prefix: str
+) -> None:
     """Replace every saved tensor that views ``full`` (a parameter, or a piece a module's hook cut from
     one) by a copy that owns its memory, or drop it for ``rank0_only`` on other ranks."""
     storage = full.untyped_storage().data_ptr()
@@ -60,7 +62,7 @@ def _take_over_views(state: _FSDPState, full: torch.Tensor, state_dict: dict[str
             # model holds it; ``rank0_only`` wants the whole tensor in one process
             config = _config(state)
             if drop or _rank0_only(config):
-                whole = _tensor_parallel.full_tensor(value)
+                whole = _tensor_parallel.full_tensor(value, handle.device)
                 if drop:
                     del state_dict[key]
                 else:
@@ -91,7 +93,7 @@ def _match_tp_placements(
         if spec is None or not isinstance(value, torch.Tensor) or value.shape != spec.shape:
             continue
         if not _tensor_parallel.is_tp_value(value, spec):
-            local = _tensor_parallel.tp_local_of(value, spec).to(handle.dtype)
+            local = _tensor_parallel.tp_local_of(value, spec, handle.device).to(handle.dtype)
             state_dict[prefix + attr] = _tensor_parallel.as_param_grad(spec, local)
 
 
@@ -99,6 +101,5 @@ def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     assert opened.full is not None
     _take_assigned(handle, opened)
     layout = handle.layout
-    lo = layout.rank * layout.shard_numel
     with torch.no_grad():
-        handle.flat_param.data.copy_(opened.full[lo : lo + layout.shard_numel])
+        handle.flat_param.data.copy_(layout.shard_of(opened.full))

@@ -23,6 +23,9 @@ __all__: list[str] = []
 
 
 LAYOUT_SUFFIX = "_layout"  # LOCAL: ``<unit>.<flat param name>_layout`` describes the shard next to it
+# how the shard's elements are ordered ([Note: rank-major flat shards]); records without it were saved
+# by versions whose shard was a contiguous slice of the concatenated parameters
+ORDER = "rank-major"
 
 
 # ---------------------------------------------------------------------------- LOCAL_STATE_DICT
@@ -35,6 +38,7 @@ def _layout_record(layout: FlatLayout) -> dict[str, Any]:
         "padded_numel": layout.padded_numel,
         "fqns": [info.fqn for info in layout.infos],
         "shapes": [list(info.shape) for info in layout.infos],
+        "order": ORDER,
     }
 
 
@@ -59,6 +63,13 @@ def _local_pre_load_hook(
     if flat is None:
         missing_keys.append(key)
         flat = handle.flat_param.detach().clone()  # keep the parameters as they are
+    elif isinstance(record, dict) and record.get("order") != ORDER:
+        error_msgs.append(
+            f"LOCAL_STATE_DICT of {unit} (key {key}) was saved by an earlier version of fsdp_composable, "
+            "whose flat shards hold the parameters' elements in another order: it cannot be loaded as it is. "
+            "Load it with that version and save a FULL_STATE_DICT or SHARDED_STATE_DICT, which load here."
+        )
+        flat = handle.flat_param.detach().clone()
     elif record != _layout_record(layout):
         error_msgs.append(
             f"LOCAL_STATE_DICT layout mismatch for {unit} (key {key}): the checkpoint was "

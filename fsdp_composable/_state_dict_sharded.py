@@ -1,16 +1,13 @@
 """SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
 
 [Note: sharded state dicts are DTensors in torch.chunk layout]
-Our shard of a unit is a contiguous slice of the padded flat parameter, so a parameter's local piece
-is generally not a block of its rows: it may start mid-row, or be empty. A ``Shard(0)`` DTensor (and
-so `torch.distributed.checkpoint`, which reads each piece's offset from the placement) assumes the
-`torch.chunk` rule: rank r holds rows [r*c, (r+1)*c) with c = ceil(rows / world). So we move the
-elements instead of describing them: one all-to-all per unit sends each element from the rank whose
-flat shard holds it to the rank whose row chunk holds it. Every value is then an ordinary DTensor of
-the parameter's original shape, ``Shard(0)`` over a 1-D mesh of the unit's process group
-(``Replicate()`` for 0-dim parameters and for units that are not sharded), which DCP saves and loads at
-any world size. Loading runs the inverse all-to-all. Each rank sends and receives about one shard:
-nothing is gathered in full.
+A unit's flat shard is rank-major ([Note: rank-major flat shards] in `_rank_major`): this rank holds
+rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous.
+That is exactly the piece a ``Shard(0)`` DTensor describes, so every value is an ordinary DTensor of
+the parameter's original shape over a 1-D mesh of the unit's process group, whose local tensor is
+cut from the shard without communication (``Replicate()`` for 0-dim parameters and for units that
+are not sharded); `torch.distributed.checkpoint` saves and loads it at any world size. Loading
+copies each chunk back where the shard holds it. Nothing is gathered in full.
 """
 
 from __future__ import annotations
@@ -23,17 +20,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable import _collectives, _flat_layout, _tensor_parallel
-from fsdp_composable._checkpoint_comm import all_to_all, comm_device_of, gather_flags
+from fsdp_composable import _collectives, _tensor_parallel
+from fsdp_composable._checkpoint_comm import comm_device_of, gather_flags
 from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat_layout import (
-    _chunk_range,
-    _chunk_shape,
-    _is_replicated_info,
-    _saved_shape,
-    _shard_piece,
-    _stride,
-)
+from fsdp_composable._flat_layout import _chunk_shape, _is_replicated_info, _saved_shape, _stride
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._state_dict_open import _check_registered, _OpenUnit, _unit_name
@@ -78,7 +68,8 @@ def _match_sharded_placements(
             and value.placements == target.placements
         ):
             continue
-        chunk = _local_chunk(value, info, layout, handle.process_group).view(_chunk_shape(info, layout, layout.rank))
+        chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
+        chunk = chunk.view(_chunk_shape(info, layout, layout.rank))
         state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
 
 
@@ -94,20 +85,20 @@ def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
                 continue
             with torch.no_grad():
                 if opened.full is not None:
-                    value = _whole(current.detach(), info)
+                    value = _whole(current.detach(), info, handle.device)
                     opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
                 else:
                     target = expected.data
                     assert isinstance(target, DTensor)
-                    chunk = _local_chunk(current.detach(), info, layout, handle.process_group)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
                     target.to_local().copy_(chunk.view(target.to_local().shape))
             module._parameters[attr] = expected
 
 
 def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
-    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard (an
-    all-to-all). A parameter loaded on some ranks but not others keeps its values on every rank and is
-    reported on every rank (see [Note: a sharded load is all or nothing per key])."""
+    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard. A
+    parameter loaded on some ranks but not others keeps its values on every rank and is reported on
+    every rank (see [Note: a sharded load is all or nothing per key])."""
     _take_assigned(handle, opened)
     layout = handle.layout
     loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
@@ -149,39 +140,23 @@ def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamI
 
 def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
     """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
-    flat tensor laid out like the unit's shard. A collective over the unit's process group."""
+    flat tensor laid out like the unit's shard: new tensors, cut where the shard holds them."""
     layout = handle.layout
-    infos, me = layout.infos, layout.rank
-    if layout.world_size == 1:
-        return [flat_shard[i.offset : i.offset + i.numel].view(i.shape).clone() for i in infos]
-    plan = _flat_layout.to_chunks(layout)
-    send = [flat_shard[lo:hi] for _, lo, hi in plan.sends]
-    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), flat_shard)
-    chunks = [flat_shard.new_empty(_chunk_shape(info, layout, me).numel()) for info in infos]
-    pos = 0
-    for k, at, length in plan.receives:
-        chunks[k][at : at + length] = recv[pos : pos + length]
-        pos += length
-    return [c.view(_chunk_shape(info, layout, me)) for c, info in zip(chunks, infos)]
+    out = []
+    for info in layout.infos:
+        start, end = layout.shard_range(info)
+        out.append(flat_shard[start:end].view(_chunk_shape(info, layout, layout.rank)).clone())
+    return out
 
 
 def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from every rank's
-    chunks. Replicated parameters are complete on every rank and need no communication."""
+    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from its chunks."""
     layout = handle.layout
     like = chunks[0] if chunks else handle.flat_param.detach()
     flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
-    for k, at, lo, hi in _flat_layout.replicated_in_shard(layout):
-        flat[at : at + hi - lo] = chunks[k].reshape(-1)[lo:hi]
-    if not _flat_layout.sharded_indices(layout):  # the same on every rank: all skip the all-to-all
-        return flat
-    plan = _flat_layout.to_flat(layout)
-    send = [chunks[k].reshape(-1)[lo:hi] for k, lo, hi in plan.sends]
-    recv = all_to_all(handle, send, list(plan.in_splits), list(plan.out_splits), like)
-    pos = 0
-    for _, at, length in plan.receives:
-        flat[at : at + length] = recv[pos : pos + length]
-        pos += length
+    for info, chunk in zip(layout.infos, chunks):
+        start, end = layout.shard_range(info)
+        flat[start:end] = chunk.reshape(-1)
     return flat
 
 
@@ -215,22 +190,27 @@ def _is_replicated(value: DTensor) -> bool:
 # any placement and mesh size (of the global shape for a tensor-parallel parameter). `_whole` makes it
 # the unit's full value of the parameter, `_local_chunk` this rank's ``Shard(0)`` chunk of it (without
 # communication when it already is one), and `to_flat_shard` this rank's flat shard from the values of
-# several parameters: the one conversion of global values, built on `_flat_layout`.
-def _whole(value: torch.Tensor, info: ParamInfo) -> torch.Tensor:
+# several parameters: the one conversion of global values, built on the unit's `FlatLayout`.
+def _whole(value: torch.Tensor, info: ParamInfo, device: torch.device) -> torch.Tensor:
     """``info``'s whole value (a tensor-parallel parameter's: this rank's tensor-parallel piece) from
     a full tensor or a DTensor of any placement (a collective for a sharded DTensor)."""
     if info.tp is not None:
-        return _tensor_parallel.tp_local_of(value, info.tp)
+        return _tensor_parallel.tp_local_of(value, info.tp, device)
     if isinstance(value, DTensor):
-        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value)
+        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value, device)
     return value
 
 
 def _local_chunk(
-    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, group: Optional[dist.ProcessGroup] = None
+    value: torch.Tensor,
+    info: ParamInfo,
+    layout: FlatLayout,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
-    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement.
-    A tensor-parallel parameter's value has the global shape; ``group`` is then the unit's process group."""
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement
+    (``device``: the unit's). A tensor-parallel parameter's value has the global shape; ``group`` is then
+    the unit's process group."""
     if info.tp is not None:
         assert group is not None
         replicated = _is_replicated_info(info, layout)
@@ -243,28 +223,20 @@ def _local_chunk(
         and value.device_mesh.size() == layout.world_size
     ):
         return value.to_local().reshape(-1)
-    lo, hi = _chunk_range(info, layout, layout.rank)
-    return _whole(value, info).reshape(-1)[lo - info.offset : hi - info.offset]
+    lo, hi = layout.param_range(info)
+    return _whole(value, info, device).reshape(-1)[lo:hi]
 
 
 def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
     """This rank's flat shard (zero elsewhere) on the shard's device, from the global values of some of
-    the unit's parameters (parameter index, value). DTensor values travel as chunks (an all-to-all);
-    full tensors are sliced where they are."""
+    the unit's parameters (parameter index, value): each value's chunk goes where the shard holds it
+    (a collective only for a DTensor of another layout, which `_local_chunk` gathers)."""
     layout, device = handle.layout, handle.flat_param.device
-    if layout.world_size > 1 and any(isinstance(v, DTensor) for _, v in values):
-        chunks = [
-            torch.zeros(_chunk_shape(info, layout, layout.rank).numel(), dtype=dtype, device=device)
-            for info in layout.infos
-        ]
-        for k, value in values:
-            chunk = _local_chunk(value, layout.infos[k], layout, handle.process_group)
-            chunks[k] = chunk.to(dtype=dtype, device=device)
-        return _chunks_to_flat(handle, chunks)
     flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
     for k, value in values:
-        start, end, begin = _shard_piece(layout.infos[k], layout)
-        flat[start:end] = _whole(value, layout.infos[k]).reshape(-1)[begin : begin + end - start]
+        start, end = layout.shard_range(layout.infos[k])
+        chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
+        flat[start:end] = chunk.to(dtype=dtype, device=device)
     return flat
 
 

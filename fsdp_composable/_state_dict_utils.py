@@ -175,7 +175,7 @@ def _post_state_dict_hook(
         return
     try:
         if opened.full is not None:
-            _take_over_views(state, opened.full, state_dict, prefix)
+            _take_over_views(state, handle, opened.full, state_dict, prefix)
     finally:
         _close(handle, opened)
 

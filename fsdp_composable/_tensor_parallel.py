@@ -265,33 +265,32 @@ def is_tp_value(value: torch.Tensor, spec: TPSpec) -> bool:
     )
 
 
-def full_tensor(value: DTensor) -> torch.Tensor:
+def full_tensor(value: DTensor, device: torch.device) -> torch.Tensor:
     """``value.full_tensor()``, communicated on its mesh's device: DTensor's collectives take the local
     tensor as it is, and a local on another device than the mesh's (a CPU-offloaded shard or value
-    on a CUDA mesh, which NCCL does not serve) is copied there first and the result copied back."""
+    on a CUDA mesh, which NCCL does not serve) is copied there first and the result copied back.
+    ``device``: where the caller computes (the unit's device, a plain parameter's), used when the mesh
+    serves its type: with ``device_id=1`` and no ``set_device(1)`` the current device would be cuda:0."""
     local = value._local_tensor
     mesh = value.device_mesh
     if local.device.type == mesh.device_type:
         return value.full_tensor()
-    device = (
-        torch.device("cuda", torch.cuda.current_device())
-        if mesh.device_type == "cuda"
-        else torch.device(mesh.device_type)
-    )
+    # no device of the mesh's type known here (a CPU model given a CUDA mesh's value): the type alone
+    target = device if device.type == mesh.device_type else torch.device(mesh.device_type)
     moved = DTensor.from_local(
-        local.to(device), mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+        local.to(target), mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
     )
     return moved.full_tensor().to(local.device)
 
 
-def tp_local_of(value: torch.Tensor, spec: TPSpec) -> torch.Tensor:
+def tp_local_of(value: torch.Tensor, spec: TPSpec, device: torch.device) -> torch.Tensor:
     """This rank's tensor-parallel local tensor (a plain tensor) of a value in global form: a
     ``DTensor`` laid out like the parameter (no communication), a ``DTensor`` of any other mesh or
     placements (gathered in full: a collective over its mesh), or a plain tensor of the global shape."""
     if isinstance(value, DTensor):
         if is_tp_value(value, spec):
             return value.to_local()
-        value = full_tensor(value)
+        value = full_tensor(value, device)
     return local_part_of_full(value, spec)
 
 

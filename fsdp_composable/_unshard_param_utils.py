@@ -234,11 +234,10 @@ def _restore_handle(entry: _Summoned, writeback: bool) -> list[str]:
     if entry.full is not None and writeback:
         problems = _collect_edits(entry)
         layout = handle.layout
-        lo, hi = layout.rank * layout.shard_numel, (layout.rank + 1) * layout.shard_numel
         with torch.no_grad():
-            handle.flat_param.data.copy_(entry.full[lo:hi].to(handle.flat_param.device))
+            handle.flat_param.data.copy_(layout.shard_of(entry.full).to(handle.flat_param.device))
             if entry.with_grads and entry.grad_full is not None:
-                _write_back_grad(handle, entry.grad_full[lo:hi])
+                _write_back_grad(handle, layout.shard_of(entry.grad_full))
     for param in handle.params:
         param.grad = None
     handle.use_sharded_views()

@@ -99,10 +99,10 @@ LAYERS: Layers = [
     (
         "base",
         "records every layer shares: public enums, configs and errors, unit configs, the registry, state "
-        "machines, per-unit switches, gradient records, safety switches, copy refusal",
+        "machines, per-unit switches, gradient records, safety switches, copy refusal, param-major index arithmetic",
         {
             "": "api _config _composable_state",
-            "_base": "_state_machine _copy_guard _safety _unit_switches _grad_records _grad_mode",
+            "_base": "_state_machine _copy_guard _safety _unit_switches _grad_records _grad_mode _param_major",
         },
     ),
     (
@@ -113,15 +113,15 @@ LAYERS: Layers = [
     ),
     (
         "flat",
-        "the flat buffers: FlatParameter and FlatParamHandle, their layout as per-parameter pieces, their "
-        "checkpoint collectives",
-        {"": "_flat_param", "_flat": "_flat_layout _checkpoint_comm"},
+        "the flat buffers: FlatParameter and FlatParamHandle, their rank-major layout and copies, their layout "
+        "as per-parameter pieces, their checkpoint collectives",
+        {"": "_flat_param", "_flat": "_rank_major _flat_layout _checkpoint_comm"},
     ),
     (
         "grads",
-        "a unit's gradients: exposure as .grad, presence flags, reductions, CPU offload copies, communication "
-        "hooks' call-out, the gradient scaler",
-        {"_grads": "_exposed_grads _grad_presence _offload_copies _comm_hooks _reduce_utils _grad_scaler"},
+        "a unit's gradients: exposure as .grad, presence flags (agreed on the host off the CPU), reductions, CPU "
+        "offload copies, communication hooks' call-out, the gradient scaler",
+        {"_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_utils _grad_scaler"},
     ),
     (
         "runtime",

@@ -1,5 +1,5 @@
 """Two fake CUDA devices on CPU: which device index each stream, tensor and collective of the library
-asks for ([Note: the device-index fake]); used by test_device_id_index.py.
+asks for ([Note: the device-index fake]); used by test_device_id_index.py and offload_fake_cuda.py.
 
 [Note: the device-index fake]
 No GPU runs here and ``meta`` has no index, so a "wrong GPU" bug (every rank using cuda:0 because
@@ -7,7 +7,8 @@ the code asked for the current device instead of the unit's) is invisible to the
 fake makes CUDA present with two devices, current device 0 (as in a process that never called
 ``torch.cuda.set_device``), and records instead of allocating: a torch function asked for a tensor
 on a CUDA device (``device=``, ``.to()``) records the index it resolves to (no index: the current
-device) and gets a ``meta`` tensor; ``torch.cuda.Stream`` records its device and priority;
+device) and gets a ``meta`` tensor (or a CPU one: ``target``); ``pin_memory``, which needs CUDA,
+makes a copy the fake remembers as pinned; ``torch.cuda.Stream`` records its device and priority;
 ``torch.cuda.device(k)`` makes k current inside it; the collectives the code calls record the
 current device when called. A group serving CUDA is a stand-in object with ``_device_types``.
 """
@@ -15,6 +16,7 @@ current device when called. A group serving CUDA is a stand-in object with ``_de
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
 
@@ -35,10 +37,11 @@ class Seen:
     moves: list[tuple[int, int, Any]] = field(default_factory=list)
     context: Callable[[], Any] = lambda: None
     target: torch.device = META  # where a CUDA tensor is really made
+    pinned: set[int] = field(default_factory=set)  # storages of host tensors made "pinned"
 
     def index(self, device: Any) -> Optional[int]:
         """The CUDA index ``device`` resolves to (None: not a CUDA device)."""
-        if isinstance(device, int):
+        if isinstance(device, int) and not isinstance(device, bool):  # (a positional non_blocking is no index)
             return device
         try:
             d = torch.device(device) if isinstance(device, str) else device
@@ -56,6 +59,12 @@ class _Redirect(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = dict(kwargs or {})
+        if func is torch.Tensor.pin_memory:  # no pinned memory without CUDA: a copy, marked pinned
+            return self._pinned(args[0].clone())
+        if func is torch.Tensor.is_pinned:
+            return args[0].untyped_storage()._cdata in self.seen.pinned
+        if kwargs.pop("pin_memory", False):  # a host tensor made pinned
+            return self._pinned(func(*args, **kwargs))
         if "device" in kwargs and (k := self.seen.index(kwargs["device"])) is not None:
             self.seen.tensors.append(k)
             kwargs["device"] = self.seen.target
@@ -66,6 +75,13 @@ class _Redirect(TorchFunctionMode):
                     self.seen.moves.append((args[0].untyped_storage()._cdata, k, self.seen.context()))
             args = tuple(self.seen.target if self.seen.index(a) is not None else a for a in args)
         return func(*args, **kwargs)
+
+
+    def _pinned(self, t: torch.Tensor) -> torch.Tensor:
+        key = t.untyped_storage()._cdata
+        self.seen.pinned.add(key)
+        weakref.finalize(t.untyped_storage(), self.seen.pinned.discard, key)  # its address may be reused
+        return t
 
 
 class FakeStream:

@@ -19,7 +19,6 @@ _CURRENT_DEVICE_ALLOWED = {
     "_init_utils.py:_init_device": "a model all on meta without device_id lands on the current device, as FSDP1's",
     "_init_utils.py:_check_device_id": "device_id=torch.device('cuda') without an index means the current device",
     "_to_empty.py:_normal": "a 'cuda' without an index given to to_empty means the current device",
-    "_tensor_parallel.py:full_tensor": "a user's DTensor has no unit: its CUDA mesh's process uses the current device",
 }
 # helpers whose device argument falls back to the current device when left out
 _NEEDS_DEVICE = {"comm_device": 2, "comm_tensor": 3, "comm_device_current": 2}

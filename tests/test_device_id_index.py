@@ -10,9 +10,17 @@ import pytest
 import torch
 import torch.distributed as dist
 from device_index_fake import CudaGroup, record_collective, two_fake_cuda_devices
-from models import TinyGPT
+from models import Block, TinyGPT
 
-from fsdp_composable import _checkpoint_comm, _collectives, _ignored_checks, _init_utils, _lazy_init
+from fsdp_composable import (
+    ModuleWrapPolicy,
+    _checkpoint_comm,
+    _collectives,
+    _ignored_checks,
+    _init_utils,
+    _lazy_init,
+    _tensor_parallel,
+)
 
 fully_shard_module = sys.modules["fsdp_composable.fully_shard"]  # the package exports the function by that name
 
@@ -92,3 +100,49 @@ def test_fsdp2_mesh_moves_a_cpu_model_to_the_meshs_device(monkeypatch: pytest.Mo
     assert fully_shard_module.mesh_device(None, TinyGPT()) is None
     with torch.device("meta"):
         assert fully_shard_module.mesh_device(cuda_mesh, TinyGPT()) is None
+
+
+def test_tensor_parallel_full_tensor_on_the_units_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A CPU-offloaded DTensor value on a CUDA mesh is gathered on the caller's (the unit's) device:
+    ``device_id=1`` moves it to cuda:1, not to the current device 0."""
+    from_local: list[Any] = []
+
+    def fake_from_local(local: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        from_local.append(local.device)
+        return SimpleNamespace(full_tensor=lambda: torch.zeros(4, device=local.device))
+
+    mesh = SimpleNamespace(device_type="cuda")
+    value: Any = SimpleNamespace(
+        _local_tensor=torch.ones(2), device_mesh=mesh, placements=(), shape=torch.Size([4]), stride=lambda: (1,)
+    )
+    monkeypatch.setattr(_tensor_parallel, "DTensor", SimpleNamespace(from_local=fake_from_local))
+    with two_fake_cuda_devices(monkeypatch, torch.device("cpu")) as seen:
+        whole = _tensor_parallel.full_tensor(value, _unit_device())
+    assert whole.device == torch.device("cpu")
+    assert seen.tensors == [1], seen.tensors
+
+
+def _built_with_cuda_device_id() -> dict[str, Any]:
+    """fully_shard(device_id=torch.device("cuda")) with two fake CUDA devices, the current one 1 (CUDA
+    tensors made on the CPU so that they can become the parameters' data): the real construction path,
+    `_check_device_id` included."""
+    torch.manual_seed(0)
+    model = TinyGPT()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_init_utils, "_check_comm_device", lambda *args: None)  # the pool's gloo serves the CPU
+        with two_fake_cuda_devices(mp, target=torch.device("cpu")) as seen:
+            seen.current[0] = 1
+            fully_shard_module.fully_shard(model, ModuleWrapPolicy({Block}), device_id=torch.device("cuda"))
+    state = fully_shard_module.fully_shard.state(model)
+    return {
+        "compute": [str(state.device), *sorted({str(h.device) for h in state.handles})],
+        "moved to": sorted({index for _, index, _ in seen.moves}),
+    }
+
+
+def test_cuda_device_id_without_index_builds_on_the_current_device(dist_run) -> None:
+    """The whole construction with ``device_id=torch.device("cuda")``: the units compute on the current
+    device with its index (what the first forward's edit check compares moved parameters with: a bare
+    ``cuda`` never equals ``cuda:1``), and every parameter is moved there."""
+    for r in dist_run(2, _built_with_cuda_device_id):
+        assert r == {"compute": ["cuda:1", "cuda:1"], "moved to": [1]}, r

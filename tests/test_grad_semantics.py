@@ -32,7 +32,7 @@ class Net(nn.Module):
         self.inp = nn.Linear(5, 7)
         self.mid = nn.Linear(7, 7)
         self.unused = nn.Linear(7, 3)
-        self.out = nn.Linear(7, 2)
+        self.out = nn.Linear(7, 1)  # one row: rank 1 holds none of it (an empty slice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.mid(torch.tanh(self.inp(x))))

@@ -70,7 +70,7 @@ def _count_group_gathers(model: nn.Module, group_numel: int, batch: Any) -> tupl
 
 def _grouped(layout: str, tied: bool) -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = TinyGPT(tied=tied, d=14)  # tied at 4 ranks: 37 * 14 elements need padding
+    ref = TinyGPT(tied=tied, d=14)  # 37 rows: padded to whole rows per rank
     shard = _LAYOUTS[layout]
     r: dict[str, Any] = train_side_by_side(ref, shard, gpt_loss, gpt_batch, per_rank_batch=2, steps=3, optim="adamw")
     model = shard(copy.deepcopy(ref))
@@ -108,7 +108,8 @@ def test_several_modules_as_one_unit_train_in_parity(dist_run, world_size: int, 
         assert r["gathers"] == [(1, 1), (1, 1)], r  # one all-gather per phase for the whole group
         assert r["optim_keys"] and r["round_trip"] and r["into_plain"], r
         assert r["after_load"] < 1e-5, r
-        assert r["padded"] == (tied and world_size == 4), r
+        if world_size == 4:  # rows 4 ranks do not divide: every rank's chunk padded to whole rows
+            assert r["padded"], r
     units = dict(results[0]["units"])
     if layout == "ends":
         assert results[0]["members"] == ["Embedding", "Linear"]

@@ -117,11 +117,11 @@ def test_describe_nested_policy_and_manual(dist_run) -> None:
 ShardingPlan: 3 units, world size 2, rank 0
 unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-<root>         5  1,344   1,344    672  float32  FULL_SHARD  -            -             no          2.62 KiB
+<root>         5  1,344   1,376    688  float32  FULL_SHARD  -            -             no          2.69 KiB
 blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-total         25  7,776   7,776  3,888                                                             15.19 KiB""",
+total         25  7,776   7,808  3,904                                                             15.25 KiB""",
     )
 
 
@@ -136,11 +136,11 @@ def test_describe_tied_ignored_mixed_precision(dist_run) -> None:
 ShardingPlan: 3 units, world size 2, rank 0
 unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-<root>         4    752     752    376  float32  FULL_SHARD  -            -             no          1.47 KiB
+<root>         4    752     768    384  float32  FULL_SHARD  -            -             no          1.50 KiB
 blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-total         24  7,184   7,184  3,592                                                             14.03 KiB
+total         24  7,184   7,200  3,600                                                             14.06 KiB
 tied (one copy, in unit <root>): tok.weight = head.weight""",
     )
     assert r["ignored"].ignored_param_fqns == ("head.weight",)
@@ -150,11 +150,11 @@ tied (one copy, in unit <root>): tok.weight = head.weight""",
 ShardingPlan: 3 units, world size 2, rank 0
 unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-<root>         4    752     752    376  float32  FULL_SHARD  -            -             no          1.47 KiB
+<root>         4    752     768    384  float32  FULL_SHARD  -            -             no          1.50 KiB
 blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  -            -             no          6.28 KiB
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-total         24  7,184   7,184  3,592                                                             14.03 KiB
+total         24  7,184   7,200  3,600                                                             14.06 KiB
 ignored (not sharded, not counted): head.weight""",
     )
     tc.assertExpectedInline(
@@ -163,12 +163,12 @@ ignored (not sharded, not counted): head.weight""",
 ShardingPlan: 4 units, world size 2, rank 0
 unit      params  numel  padded  shard  dtype    strategy    param_dtype  reduce_dtype  offload  shard bytes
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-<root>         3  1,312   1,312    656  float32  FULL_SHARD  bfloat16     float32       yes         2.56 KiB
+<root>         3  1,312   1,344    672  float32  FULL_SHARD  bfloat16     float32       yes         2.62 KiB
 blocks.0      10  3,216   3,216  1,608  float32  FULL_SHARD  bfloat16     float32       yes         6.28 KiB
 blocks.1      10  3,216   3,216  1,608  float32  FULL_SHARD  bfloat16     float32       yes         6.28 KiB
 ln_f           2     32      32     16  float32  FULL_SHARD  -            -             yes             64 B
 --------  ------  -----  ------  -----  -------  ----------  -----------  ------------  -------  -----------
-total         25  7,776   7,776  3,888                                                             15.19 KiB""",
+total         25  7,776   7,808  3,904                                                             15.25 KiB""",
     )
 
 
@@ -253,11 +253,11 @@ def test_describe_hybrid_shard_group_sizes_and_params(dist_run) -> None:
 ShardingPlan: 3 units, HYBRID_SHARD: shard group size 2, replicate group size 2, rank 0
 unit      params  numel  padded  shard  dtype    strategy      param_dtype  reduce_dtype  offload  shard bytes
 --------  ------  -----  ------  -----  -------  ------------  -----------  ------------  -------  -----------
-<root>         4    752     752    376  float32  HYBRID_SHARD  -            -             no          1.47 KiB
+<root>         4    752     768    384  float32  HYBRID_SHARD  -            -             no          1.50 KiB
 blocks.0      10  3,216   3,216  1,608  float32  HYBRID_SHARD  -            -             no          6.28 KiB
 blocks.1      10  3,216   3,216  1,608  float32  HYBRID_SHARD  -            -             no          6.28 KiB
 --------  ------  -----  ------  -----  -------  ------------  -----------  ------------  -------  -----------
-total         24  7,184   7,184  3,592                                                               14.03 KiB
+total         24  7,184   7,200  3,600                                                               14.06 KiB
 tied (one copy, in unit <root>): tok.weight = head.weight
 
 unit      parameter                      shape            numel

@@ -25,6 +25,7 @@ from fsdp_composable import (
     ShardingPlan,
     ShardingStrategy,
     SizeBasedPolicy,
+    _collectives,
     checkpoint,
     describe,
     estimate_memory,
@@ -82,9 +83,22 @@ def test_estimate_matches_sharded_copy(dist_run, world_size: int) -> None:
 def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
     """(estimated, measured peak) bytes of unsharded parameter buffers over two steps of TinyGPT.
 
-    The measurement wraps the handle's allocation and freeing of its unsharded buffer."""
+    The measurement wraps the handle's allocation and freeing of its unsharded buffer, and counts the
+    buffer a small unit's shards are gathered into from the all-gather to its copy-out ([Note: moving
+    chunks]; on the CPU the unsharded buffer itself is allocated at the copy-out)."""
     live = {"now": 0, "peak": 0}
     alloc, free = FlatParamHandle._alloc_unsharded, FlatParamHandle._free_unsharded
+    made, wait = _collectives.CopiedOut.__init__, _collectives.CopiedOut.wait
+
+    def counted_made(copy: _collectives.CopiedOut, *args: Any) -> None:
+        made(copy, *args)
+        live["now"] += copy.buffer.numel() * copy.buffer.element_size()
+        live["peak"] = max(live["peak"], live["now"])
+
+    def counted_wait(copy: _collectives.CopiedOut) -> bool:
+        done = wait(copy)
+        live["now"] -= copy.buffer.numel() * copy.buffer.element_size()
+        return done
 
     def storage_bytes(handle: FlatParamHandle) -> int:
         assert handle._unsharded is not None
@@ -107,8 +121,10 @@ def _unsharded_param_peak(strategy: ShardingStrategy) -> tuple[int, int]:
     fully_shard(model, POLICY, strategy=strategy)
     with mock.patch.object(FlatParamHandle, "_alloc_unsharded", counted_alloc):
         with mock.patch.object(FlatParamHandle, "_free_unsharded", counted_free):
-            _step(model)
-            _step(model)
+            with mock.patch.object(_collectives.CopiedOut, "__init__", counted_made):
+                with mock.patch.object(_collectives.CopiedOut, "wait", counted_wait):
+                    _step(model)
+                    _step(model)
     return est.breakdown["unsharded_params"], live["peak"]
 
 
@@ -118,15 +134,19 @@ def measure_unsharded_param_peak() -> list[tuple[int, int]]:
 
 def test_unsharded_params_term_matches_runtime(dist_run) -> None:
     (full_est, full_peak), (sgo_est, sgo_peak) = dist_run(2, measure_unsharded_param_peak)[0]
-    # TinyGPT(n_layers=3): root 1,344 elements, blocks 3,216 each, fp32
-    assert full_est == full_peak == (1344 + 2 * 3216) * 4  # root + two blocks in flight (BACKWARD_PRE)
-    assert sgo_est == sgo_peak == (1344 + 3 * 3216) * 4  # SHARD_GRAD_OP keeps every block unsharded
+    # TinyGPT(n_layers=3): root 1,344 elements (1,376 padded to whole rows per rank), blocks 3,216 each, fp32
+    # root + two blocks in flight (BACKWARD_PRE) + a block gathered before its copy-out (the next
+    # block's gather is issued before the current one's wait; the unsharded buffer is made at the wait)
+    assert full_est == full_peak == (1376 + 3 * 3216) * 4
+    # SHARD_GRAD_OP keeps every block unsharded, and the last one's gather lands beside them
+    assert sgo_est == sgo_peak == (1376 + 4 * 3216) * 4
 
 
 def _backward_grad_peak(n_layers: int) -> int:
     """Peak bytes of the gradient storages autograd makes for the original parameters over two steps
-    of TinyGPT (gloo: each unit's gradients are sent as they are; see [Note: gradients land in the
-    flat buffer]). A storage counts from its parameter's first accumulation until it is freed."""
+    of TinyGPT (gloo: each unit's gradients are sent as they are, see [Note: gradients land in the
+    flat buffer], or in one rank-major copy, see [Note: moving chunks]). A storage counts from its
+    parameter's first accumulation (a copy: from its reduce-scatter) until it is freed."""
     live = {"now": 0, "peak": 0}
     seen: set[int] = set()
 
@@ -136,7 +156,10 @@ def _backward_grad_peak(n_layers: int) -> int:
 
     def on_grad(param: torch.Tensor) -> None:
         assert param.grad is not None
-        storage = param.grad.untyped_storage()
+        track(param.grad)
+
+    def track(tensor: torch.Tensor) -> None:
+        storage = tensor.untyped_storage()
         if storage._cdata in seen:
             return
         seen.add(storage._cdata)
@@ -145,13 +168,21 @@ def _backward_grad_peak(n_layers: int) -> int:
         # the storage's Python object lives exactly as long as the storage
         weakref.finalize(storage, freed, storage._cdata, storage.nbytes())
 
+    reduce_scatter = _collectives.reduce_scatter
+
+    def tracked_reduce_scatter(output: torch.Tensor, full: Any, *args: Any, **kwargs: Any) -> Any:
+        for part in [full] if isinstance(full, torch.Tensor) else full:  # a small unit sends one copy
+            track(part)
+        return reduce_scatter(output, full, *args, **kwargs)
+
     torch.manual_seed(0)
     model = TinyGPT(n_layers=n_layers)
     fully_shard(model, POLICY)
     hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters()]
-    for step in range(2):
-        model.zero_grad(set_to_none=True)
-        gpt_loss(model, gpt_batch(step, 2 * dist.get_world_size())).backward()
+    with mock.patch.object(_collectives, "reduce_scatter", tracked_reduce_scatter):
+        for step in range(2):
+            model.zero_grad(set_to_none=True)
+            gpt_loss(model, gpt_batch(step, 2 * dist.get_world_size())).backward()
     for hook in hooks:
         hook.remove()
     return live["peak"]
@@ -170,7 +201,8 @@ def test_unsharded_grads_do_not_grow_with_depth(dist_run, world_size: int) -> No
     for rank, (shallow, deep) in enumerate(dist_run(world_size, measure_backward_grad_peaks)):
         # the root's head (37 x 16) and ln_f (2 x 16) gradients, made first and reduced in the final
         # callback, plus two blocks of 3,216 elements: the one in backward and the one being reduced
-        assert shallow == deep == (592 + 32 + 2 * 3216) * 4, (rank, shallow, deep)
+        # (sent as one copy, with its 10 parameters' presence flags)
+        assert shallow == deep == (592 + 32 + 2 * 3216 + 10) * 4, (rank, shallow, deep)
 
 
 # ---------------------------------------------------------------------------- estimate, by hand
@@ -199,21 +231,24 @@ def _estimate(model: Optional[nn.Module] = None, **kwargs: Any) -> MemoryEstimat
 
 
 def test_estimate_terms_full_shard_by_hand() -> None:
-    # world size 2: padded = max(ceil(n/2)*2, 2): root 3 -> 4 (shard 2), a 20 (10), b 42 (21), c 8 (4)
+    # world size 2: each parameter padded to whole rows per rank (ceil(rows/2) rows a rank): root scale
+    # 3 -> 4 (shard 2); a 5x3 -> 6x3 + 5 -> 6 = 24 (12); b 7x5 -> 8x5 + 7 -> 8 = 48 (24); c 1x7 -> 2x7 + 1 -> 2
+    # = 16 (8)
     est = _estimate(batch_example=BATCH)
     assert [(u.fqn, u.numel, u.padded_numel, u.shard_numel) for u in est.plan.units] == [
         ("", 3, 4, 2),
-        ("a", 20, 20, 10),
-        ("b", 42, 42, 21),
-        ("c", 8, 8, 4),
+        ("a", 20, 24, 12),
+        ("b", 42, 48, 24),
+        ("c", 8, 16, 8),
     ]
-    shards = 2 + 10 + 21 + 4
+    shards = 2 + 12 + 24 + 8
     assert est.breakdown["sharded_params"] == shards * 4 == est.sharded_param_bytes == est.plan.sharded_param_bytes
     assert est.breakdown["sharded_grads"] == shards * 4
     assert est.breakdown["optimizer_state"] == 2 * shards * 4  # adam: exp_avg + exp_avg_sq; rank 0 has no padding
-    # root unit (4) + the two largest non-root units in flight with BACKWARD_PRE: b (42) and a (20)
-    assert est.breakdown["unsharded_params"] == (4 + 42 + 20) * 4
-    assert est.breakdown["unsharded_grads"] == 42 * 4  # b's padded gradient buffer
+    # root unit (4) + the two largest non-root units in flight with BACKWARD_PRE: b (48) and a (24), and
+    # the largest gathered before its copy-out (b: these units are small, so gloo copies them out)
+    assert est.breakdown["unsharded_params"] == (4 + 48 + 24 + 48) * 4
+    assert est.breakdown["unsharded_grads"] == 48 * 4  # b's padded gradient buffer
     # saved for backward: x (mul, for scale's grad), x*scale (a's input), relu(a) (a's output / b's
     # input, one storage), relu(b); parameters are not activations
     assert est.breakdown["activations"] == (4 * 3 + 4 * 3 + 4 * 5 + 4 * 7) * 4
@@ -226,35 +261,38 @@ def test_estimate_terms_full_shard_by_hand() -> None:
         """\
 MemoryEstimate per rank: world size 2, 4 units, FULL_SHARD, optimizer adam
 term              bytes      size  what
-----------------  -----  --------  -----------------------------------------------------------------
-sharded_params      148     148 B  this rank's shard of every flat parameter
-sharded_grads       148     148 B  sharded gradient of every unit with a trainable parameter
-optimizer_state     296     296 B  adam: 2 x the trainable sharded parameters
-unsharded_params    264     264 B  root unit + 2 largest FULL_SHARD unit(s) in flight
-unsharded_grads     168     168 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
+----------------  -----  --------  -----------------------------------------------------------------------------------
+sharded_params      184     184 B  this rank's shard of every flat parameter
+sharded_grads       184     184 B  sharded gradient of every unit with a trainable parameter
+optimizer_state     368     368 B  adam: 2 x the trainable sharded parameters
+unsharded_params    496     496 B  root unit + 2 largest FULL_SHARD unit(s) in flight + 1 gathered before its copy-out
+unsharded_grads     192     192 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
 activations         288     288 B  saved for backward by forward(batch_example), once per storage
-----------------  -----  --------  -----------------------------------------------------------------
-peak              1,164  1.14 KiB  params + optimizer + unsharded + max(activations, sharded grads)""",
+----------------  -----  --------  -----------------------------------------------------------------------------------
+peak              1,528  1.49 KiB  params + optimizer + unsharded + max(activations, sharded grads)""",
     )
 
-    # world size 4: root 3 -> 4 (1), a 20 (5), b 42 -> 44 (11), c 8 (2)
+    # world size 4: root 3 -> 4 (1); a 8x3 + 8 = 32 (8); b 8x5 + 8 = 48 (12); c 4x7 + 4 = 32 (8)
     est4 = _estimate(world_size=4)
-    assert [(u.padded_numel, u.shard_numel) for u in est4.plan.units] == [(4, 1), (20, 5), (44, 11), (8, 2)]
+    assert [(u.padded_numel, u.shard_numel) for u in est4.plan.units] == [(4, 1), (32, 8), (48, 12), (32, 8)]
     assert est4.breakdown == {
-        "sharded_params": (1 + 5 + 11 + 2) * 4,
-        "sharded_grads": (1 + 5 + 11 + 2) * 4,
-        "optimizer_state": 2 * (1 + 5 + 11 + 2) * 4,
-        "unsharded_params": (4 + 44 + 20) * 4,
-        "unsharded_grads": 44 * 4,
+        "sharded_params": (1 + 8 + 12 + 8) * 4,
+        "sharded_grads": (1 + 8 + 12 + 8) * 4,
+        "optimizer_state": 2 * (1 + 8 + 12 + 8) * 4,  # rank 0's chunks are all parameter rows
+        "unsharded_params": (4 + 48 + 32 + 48) * 4,
+        "unsharded_grads": 48 * 4,
     }
 
 
 def test_estimate_strategies_and_prefetch_by_hand() -> None:
     everything = 3 + 20 + 42 + 8
     sgo = _estimate(strategy=ShardingStrategy.SHARD_GRAD_OP)
-    assert sgo.breakdown["unsharded_params"] == (4 + 20 + 42 + 8) * 4  # every unit stays unsharded
-    assert sgo.breakdown["sharded_params"] == (2 + 10 + 21 + 4) * 4
-    assert sgo.explanations["unsharded_params"] == "root unit + 3 SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded"
+    # every unit stays unsharded, and the largest one's gather lands beside them before its copy-out
+    assert sgo.breakdown["unsharded_params"] == (4 + 24 + 48 + 16 + 48) * 4
+    assert sgo.breakdown["sharded_params"] == (2 + 12 + 24 + 8) * 4
+    assert sgo.explanations["unsharded_params"] == (
+        "root unit + 3 SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded + 1 gathered before its copy-out"
+    )
     no_shard = _estimate(strategy=ShardingStrategy.NO_SHARD)
     assert {u.strategy for u in no_shard.plan.units} == {ShardingStrategy.NO_SHARD}
     assert no_shard.breakdown["sharded_params"] == everything * 4
@@ -265,42 +303,43 @@ def test_estimate_strategies_and_prefetch_by_hand() -> None:
     assert single.plan.units == no_shard.plan.units and single.strategy is ShardingStrategy.NO_SHARD
     assert single.breakdown == no_shard.breakdown
     post = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST, forward_prefetch=False)
-    assert post.breakdown["unsharded_params"] == (4 + 42) * 4  # root + one unit at a time
+    assert post.breakdown["unsharded_params"] == (4 + 48 + 48) * 4  # root + one unit at a time + its copy-out
     # forward prefetch on by default: two units at once even with BACKWARD_POST
     default_forward = _estimate(backward_prefetch=BackwardPrefetch.BACKWARD_POST)
-    assert default_forward.breakdown["unsharded_params"] == (4 + 42 + 20) * 4
-    assert _estimate(backward_prefetch=None, forward_prefetch=True).breakdown["unsharded_params"] == (4 + 42 + 20) * 4
+    assert default_forward.breakdown["unsharded_params"] == (4 + 48 + 24 + 48) * 4
+    forward_only = _estimate(backward_prefetch=None, forward_prefetch=True)
+    assert forward_only.breakdown["unsharded_params"] == (4 + 48 + 24 + 48) * 4
 
 
 def test_estimate_mixed_precision_by_hand() -> None:
     mp = MixedPrecision(param_dtype=BF16, reduce_dtype=torch.float32)
     est = _estimate(mixed_precision=mp, batch_example=BATCH)
     assert {(u.param_dtype, u.reduce_dtype, u.dtype) for u in est.plan.units} == {(BF16, torch.float32, torch.float32)}
-    assert est.breakdown["sharded_params"] == (2 + 10 + 21 + 4) * 4  # sharded parameters stay in fp32
-    assert est.breakdown["unsharded_params"] == (4 + 42 + 20) * 2  # gathered in bf16
-    assert est.breakdown["unsharded_grads"] == 42 * 2 + 42 * 4  # bf16 buffer + its fp32 reduce copy
+    assert est.breakdown["sharded_params"] == (2 + 12 + 24 + 8) * 4  # sharded parameters stay in fp32
+    assert est.breakdown["unsharded_params"] == (4 + 48 + 24 + 48) * 2  # gathered in bf16
+    assert est.breakdown["unsharded_grads"] == 48 * 2 + 48 * 4  # bf16 buffer + its fp32 reduce copy
     assert est.breakdown["activations"] == (4 * 3 + 4 * 3 + 4 * 5 + 4 * 7) * 2  # inputs cast to bf16
     low = _estimate(mixed_precision=MixedPrecision(param_dtype=BF16, keep_low_precision_grads=True))
-    assert low.breakdown["sharded_grads"] == (2 + 10 + 21 + 4) * 2
-    assert low.breakdown["unsharded_grads"] == 42 * 2  # reduce dtype defaults to param_dtype: no copy
+    assert low.breakdown["sharded_grads"] == (2 + 12 + 24 + 8) * 2
+    assert low.breakdown["unsharded_grads"] == 48 * 2  # reduce dtype defaults to param_dtype: no copy
     no_shard = _estimate(strategy=ShardingStrategy.NO_SHARD, mixed_precision=mp)
     assert no_shard.breakdown["unsharded_params"] == (3 + 20 + 42 + 8) * 2  # cast copies kept through the step
 
 
 def test_estimate_optimizers_and_frozen_params_by_hand() -> None:
-    shards = 2 + 10 + 21 + 4
+    shards = 2 + 12 + 24 + 8
     assert _estimate(optimizer="adamw").breakdown["optimizer_state"] == 2 * shards * 4
     assert _estimate(optimizer="sgd-momentum").breakdown["optimizer_state"] == shards * 4
     assert _estimate(optimizer="sgd").breakdown["optimizer_state"] == 0
     frozen = Toy()
     frozen.scale.requires_grad_(False)  # the whole root unit is frozen
-    # b splits into two flat parameters: frozen weight (35 -> padded 36) and trainable bias (7 -> 8)
+    # b splits into two flat parameters: frozen weight (7x5 -> padded 8x5 = 40) and trainable bias (7 -> 8)
     frozen.b.weight.requires_grad_(False)
     est = _estimate(frozen)
-    assert [(u.fqn, u.padded_numel) for u in est.plan.units] == [("", 4), ("a", 20), ("b", 36), ("b", 8), ("c", 8)]
-    assert est.breakdown["sharded_grads"] == (10 + 4 + 4) * 4  # frozen groups keep no gradient
-    assert est.breakdown["optimizer_state"] == 2 * (10 + 4 + 4) * 4
-    assert est.breakdown["unsharded_grads"] == 20 * 4  # the largest trainable group: a
+    assert [(u.fqn, u.padded_numel) for u in est.plan.units] == [("", 4), ("a", 24), ("b", 40), ("b", 8), ("c", 16)]
+    assert est.breakdown["sharded_grads"] == (12 + 4 + 8) * 4  # frozen groups keep no gradient
+    assert est.breakdown["optimizer_state"] == 2 * (12 + 4 + 8) * 4
+    assert est.breakdown["unsharded_grads"] == 24 * 4  # the largest trainable group: a
 
 
 def test_estimate_meta_model_and_no_side_effects() -> None:

@@ -24,11 +24,22 @@ class _Generating(TinyGPT):
             return self(self(idx).argmax(-1))
 
 
-def _gen_model() -> tuple[nn.Module, torch.optim.Optimizer]:
+class _OneRow(_Generating):
+    """With a one-row parameter: at world size 2 all of it lives on rank 0, rank 1's slice is empty."""
+
+    def __init__(self) -> None:
+        super().__init__(vocab=37, d=12)
+        self.scale = nn.Parameter(torch.ones(1, 37))
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return super().forward(idx) * self.scale
+
+
+def _gen_model(one_row: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]:
     from fsdp_composable import register_fsdp_forward_method
 
     torch.manual_seed(0)
-    model = fully_shard(_Generating(vocab=37, d=12), ModuleWrapPolicy({Block}))
+    model = fully_shard(_OneRow() if one_row else _Generating(vocab=37, d=12), ModuleWrapPolicy({Block}))
     register_fsdp_forward_method(model, "generate")
     return model, torch.optim.AdamW(model.parameters(), lr=0.01)
 
@@ -71,11 +82,11 @@ def test_edit_error_does_not_bring_back_cleared_gradients(dist_run, edit: str, v
 def data_edit_of_empty_local_slice() -> dict[str, Any]:
     from fsdp_composable._model_edit_checks import ModelEditedAfterShardingError
 
-    model, optim = _gen_model()
-    ref, ref_optim = _gen_model()
+    model, optim = _gen_model(one_row=True)
+    ref, ref_optim = _gen_model(one_row=True)
     _step(model, optim, 0)
     _step(ref, ref_optim, 0)
-    param = model.ln_f.weight  # 12 elements that all live on rank 1 at world size 2
+    param = model.scale  # 37 elements that all live on rank 0 at world size 2
     local_numel = param.numel()
     param.data = param.data.clone()  # kept: every rank copies it into its (maybe empty) slice
     try:
@@ -95,7 +106,7 @@ def test_data_edit_of_a_parameter_with_an_empty_local_slice_is_handled_alike_on_
     (a hang until the process-group timeout, or a gloo abort). A same-shape write is now kept, on
     every rank alike: the rank with the empty slice notices it too and points it back at its view."""
     results = dist_run(2, data_edit_of_empty_local_slice, timeout=90)
-    assert sorted(r["local_numel"] for r in results) == [0, 12]
+    assert sorted(r["local_numel"] for r in results) == [0, 37]
     for r in results:
         assert r["raised"] == ""
         assert r["same"]

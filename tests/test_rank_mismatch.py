@@ -67,7 +67,7 @@ def test_layer_of_another_width_on_one_rank(pool: DistPool) -> None:
     assert r0 == r1
     expecttest.TestCase().assertExpectedInline(
         r0,
-        """ExecutionOrderError: fully_shard: ranks built unit 'blocks.1' differently (position 2 of the forward in iteration 0; rank(s) [1] differ from rank 0): rank 0: unit 'blocks.1' of 3,216 elements, parameter 5: blocks.1.fc1.weight [64, 16] float32; rank 1: unit 'blocks.1' of 3,250 elements, parameter 5: blocks.1.fc1.weight [65, 16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""",  # noqa: E501
+        """ExecutionOrderError: fully_shard: ranks built unit 'blocks.1' differently (position 2 of the forward in iteration 0; rank(s) [1] differ from rank 0): rank 0: unit 'blocks.1' of 3,216 elements, parameter 5: blocks.1.fc1.weight [64, 16] float32; rank 1: unit 'blocks.1' of 3,266 elements, parameter 5: blocks.1.fc1.weight [65, 16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""",  # noqa: E501
     )
 
 
@@ -76,7 +76,7 @@ def test_another_policy_with_as_many_units_on_one_rank(pool: DistPool) -> None:
     assert r0 == r1
     expecttest.TestCase().assertExpectedInline(
         r0,
-        """ExecutionOrderError: fully_shard: ranks built unit '<root>' differently (position 0 of the forward in iteration 0; rank(s) [1] differ from rank 0): rank 0: unit '<root>' of 1,344 elements, parameter 4: head.weight [37, 16] float32; rank 1: unit '<root>' of 3,968 elements, parameter 4: blocks.1.ln1.weight [16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""",  # noqa: E501
+        """ExecutionOrderError: fully_shard: ranks built unit '<root>' differently (position 0 of the forward in iteration 0; rank(s) [1] differ from rank 0): rank 0: unit '<root>' of 1,376 elements, parameter 4: head.weight [37, 16] float32; rank 1: unit '<root>' of 3,984 elements, parameter 4: blocks.1.ln1.weight [16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""",  # noqa: E501
     )
 
 
@@ -204,11 +204,11 @@ def test_state_dict_on_one_rank_then_training(pool: DistPool) -> None:
         r["message"] = re.sub(r"\(step (\d+)\)", lambda m: f"(step {int(m[1]) - base})", r["message"])
     tc.assertExpectedInline(
         r0["message"],
-        """RankMismatchError: fully_shard: the state_dict() all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the state_dict() all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,376 float32 elements (step 0); rank 1: forward: an all-gather of 1,376 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r1["message"],
-        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,344 float32 elements (step 0); rank 1: forward: an all-gather of 1,344 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
+        """RankMismatchError: fully_shard: the all-gather of unit '<root>' was not run: ranks reached different collectives (rank 0: state_dict(): an all-gather of 1,376 float32 elements (step 0); rank 1: forward: an all-gather of 1,376 float32 elements (step 1)). No rank completed it; state_dict() is a collective: it must be called on every rank. Every rank must run the same modules, steps and collective calls in the same order""",  # noqa: E501
     )
     assert r0["diff"] < 1e-6 and r1["diff"] < 1e-6, (r0, r1)
 

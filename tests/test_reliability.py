@@ -198,7 +198,7 @@ def test_optimizer_built_before_fully_shard(dist_run) -> None:
     tc = expecttest.TestCase()
     tc.assertExpectedInline(
         r["stepped"],
-        """optimizer state 'exp_avg' of parameter 'pos' has shape (8, 16) but the parameter is now a shard of shape (128,): the optimizer stepped before fully_shard. Build the optimizer after fully_shard, or move its state with optim_state_dict / optim_state_dict_to_load""",  # noqa: E501
+        """optimizer state 'exp_avg' of parameter 'pos' has shape (8, 16) but the parameter is now a shard of shape (64,): the optimizer stepped before fully_shard. Build the optimizer after fully_shard, or move its state with optim_state_dict / optim_state_dict_to_load""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r["flat"],

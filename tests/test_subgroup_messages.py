@@ -46,7 +46,7 @@ def _rank3_differs(kind: str) -> str:
 def test_a_unit_built_differently_on_global_rank_3(dist_run) -> None:
     results = dist_run(4, _rank3_differs, "width")
     assert results[:2] == ["", ""] and results[2] == results[3], results
-    expecttest.TestCase().assertExpectedInline(results[2], """ExecutionOrderError: fully_shard: ranks built unit 'blocks.1' differently (position 2 of the forward in iteration 0; rank(s) [3] differ from rank 2): rank 2: unit 'blocks.1' of 3,216 elements, parameter 5: blocks.1.fc1.weight [64, 16] float32; rank 3: unit 'blocks.1' of 3,250 elements, parameter 5: blocks.1.fc1.weight [65, 16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""")  # noqa: E501
+    expecttest.TestCase().assertExpectedInline(results[2], """ExecutionOrderError: fully_shard: ranks built unit 'blocks.1' differently (position 2 of the forward in iteration 0; rank(s) [3] differ from rank 2): rank 2: unit 'blocks.1' of 3,216 elements, parameter 5: blocks.1.fc1.weight [64, 16] float32; rank 3: unit 'blocks.1' of 3,266 elements, parameter 5: blocks.1.fc1.weight [65, 16] float32. Every rank must build the same model and apply the same policy (same units, same parameter shapes and dtypes)""")  # noqa: E501
 
 
 def test_global_rank_3_raising_in_forward(dist_run) -> None:

@@ -106,8 +106,8 @@ class ThreeElements(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.rest = nn.Linear(3, 2)
-        self.tiny = nn.Linear(2, 1)  # 3 elements: at world size 4 one rank's shard is all padding
-        self.scalar = nn.Parameter(torch.tensor(0.5))  # a 1-element parameter in the root unit
+        self.tiny = nn.Linear(2, 1)  # one row each: at world size 4 three ranks' shards are all padding
+        self.scalar = nn.Parameter(torch.tensor(0.5))  # a 0-dim parameter in the root unit: every rank holds it
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tiny(torch.tanh(self.rest(x))) * self.scalar
@@ -128,10 +128,11 @@ def more_ranks_than_elements(strategy: str) -> dict[str, Any]:
 def test_more_ranks_than_elements(dist_run: Callable[..., list[Any]], strategy: str) -> None:
     results = dist_run(4, more_ranks_than_elements, strategy)
     _check(results)
-    assert [r["tiny_layout"] for r in results] == [(4, 1)] * 4
-    # tiny: weight (2 elements) on ranks 0-1, bias on rank 2, rank 3 only padding; root: the scalar on rank 0
-    assert [r["local_numels"]["tiny"] for r in results] == [[1, 0], [1, 0], [0, 1], [0, 0]]
-    assert [r["local_numels"][""] for r in results] == [[1], [0], [0], [0]]
+    assert [r["tiny_layout"] for r in results] == [(12, 3)] * 4
+    # tiny: the weight's one row (2 elements) and the bias on rank 0, ranks 1-3 only padding; root: the
+    # 0-dim scalar whole on every rank
+    assert [r["local_numels"]["tiny"] for r in results] == [[2, 1], [0, 0], [0, 0], [0, 0]]
+    assert [r["local_numels"][""] for r in results] == [[1], [1], [1], [1]]
 
 
 # ---------------------------------------------------------------------------- units without parameters
