@@ -113,9 +113,10 @@ def _variant(impl: str, args: argparse.Namespace) -> str:
 def source_info() -> dict[str, Any]:
     """Which fsdp_composable was measured: the checkout's HEAD and a hash of the package sources as run."""
     digest = hashlib.sha256()
-    for path in sorted(glob.glob(os.path.join(_ROOT, "fsdp_composable", "*.py"))):
-        with open(path, "rb") as f:
-            digest.update(os.path.basename(path).encode() + b"\0" + f.read())
+    package = os.path.join(_ROOT, "fsdp_composable")
+    for path in sorted(glob.glob(os.path.join(package, "**", "*.py"), recursive=True)):
+        with open(path, "rb") as f:  # named from the package (a top-level module: its file name, as before)
+            digest.update(os.path.relpath(path, package).encode() + b"\0" + f.read())
     try:
         head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=_ROOT, capture_output=True, text=True, timeout=10)
         commit = head.stdout.strip() or None

@@ -23,7 +23,6 @@ def _run_as_main(argv: "list[str]") -> bool:
 _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
-    from fsdp_composable._comm_hooks import register_comm_hook
     from fsdp_composable._forward_methods import register_fsdp_forward_method
     from fsdp_composable._grad_scaler import ShardedGradScaler
     from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
@@ -46,6 +45,7 @@ if not _RUN_AS_MAIN:
         set_post_optim_event,
         set_reduce_scatter_divide_factor,
     )
+    from fsdp_composable._register_comm_hook import register_comm_hook
     from fsdp_composable._state_dict_utils import state_dict_type
     from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
     from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy

@@ -23,7 +23,7 @@ lifecycle], [Note: gradients land in the flat buffer]); the handle only provides
 from __future__ import annotations
 
 import enum
-from typing import TYPE_CHECKING, NoReturn, Optional
+from typing import NoReturn, Optional
 
 import torch
 import torch.distributed as dist
@@ -32,14 +32,12 @@ from torch import nn
 from fsdp_composable import _collectives, _trace
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._copy_guard import refusal, refuse_copies
+from fsdp_composable._grad_records import UnitGrads
 from fsdp_composable._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._rank_major import build_layout as _build_layout
 from fsdp_composable._state_machine import Transitions, check_transition
 from fsdp_composable._tensor_parallel import local_of, point_at
 from fsdp_composable._unit_switches import UnitSwitches
-
-if TYPE_CHECKING:
-    from fsdp_composable._reduce_utils import UnitGrads
 
 __all__ = ["FlatLayout", "FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
 
@@ -135,7 +133,8 @@ class FlatParamHandle:
         # CPUOffload: the shard, its gradient and the optimizer live on the CPU; compute stays on `device`
         self.shard_device = config.shard_device(device)
         self.training_state = HandleTrainingState.IDLE
-        self.switches = UnitSwitches()  # what the per-module controls flip: [Note: per-unit switches]
+        # what the per-module controls flip: [Note: per-unit switches]
+        self.switches: UnitSwitches[FlatParamHandle] = UnitSwitches()
         sharded = config.sharded
         # the groups never change: their sizes are asked of torch once (each ask costs microseconds)
         self._group_size = dist.get_world_size(process_group)

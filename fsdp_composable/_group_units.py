@@ -89,18 +89,6 @@ def merge_members(subs: list[SubmoduleState]) -> SubmoduleState:
     return merged
 
 
-def check_not_root(state: Any) -> None:
-    """A unit of several modules runs only under an enclosing ``fully_shard`` (it names their parameters)."""
-    grouped = [h for h in state.handles if len(h.members) > 1]
-    if grouped:
-        names = ", ".join(type(m).__name__ for m in grouped[0].members)
-        raise RuntimeError(
-            f"the unit fully_shard made of several modules ({names}) ran forward without an enclosing "
-            "fully_shard: apply fully_shard to a module that contains all of them (e.g. the whole model) "
-            "before the first forward, and call that module"
-        )
-
-
 def check_no_local_state_dict(handle: Any) -> None:
     """LOCAL_STATE_DICT has no key for the flat shard of a unit of several modules."""
     if len(handle.members) > 1:

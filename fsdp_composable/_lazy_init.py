@@ -12,7 +12,6 @@ from fsdp_composable import _comm_hooks, _host_flags, _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._exec_order_utils import _ExecOrderData
-from fsdp_composable._group_units import check_not_root
 from fsdp_composable._limiter_utils import _AllGatherLimiter
 from fsdp_composable._root_context import RootContext, UnitStep
 from fsdp_composable._state_dict_keys import _clean_module_fqns
@@ -164,3 +163,16 @@ def _buffer_dtype_state_dict_hook(
         value = state_dict.get(prefix + fqn)
         if isinstance(value, torch.Tensor) and value.dtype != dtype and value.dtype in ours:
             state_dict[prefix + fqn] = value.to(dtype)
+
+
+def check_not_root(state: _FSDPState) -> None:
+    """A unit of several modules runs only under an enclosing ``fully_shard`` (it names their parameters):
+    see [Note: several modules as one unit] in `_group_units`."""
+    grouped = [h for h in state.handles if len(h.members) > 1]
+    if grouped:
+        names = ", ".join(type(m).__name__ for m in grouped[0].members)
+        raise RuntimeError(
+            f"the unit fully_shard made of several modules ({names}) ran forward without an enclosing "
+            "fully_shard: apply fully_shard to a module that contains all of them (e.g. the whole model) "
+            "before the first forward, and call that module"
+        )

@@ -32,7 +32,8 @@ from fsdp_composable._composable_state import registrations
 from fsdp_composable._data_writes import keep_data_writes, same_data
 from fsdp_composable._dtype_casts import adopt_casts
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
-from fsdp_composable._state_dict_utils import _join, close_stale_units
+from fsdp_composable._state_dict_keys import _join
+from fsdp_composable._state_dict_open import close_stale_units
 from fsdp_composable._tensor_parallel import local_of
 from fsdp_composable.api import ModelEditedAfterShardingError
 

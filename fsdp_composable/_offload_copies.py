@@ -3,17 +3,22 @@ the one host synchronisation of a step that has any."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol, Sequence
 
 import torch
 
 from fsdp_composable import _collectives
 from fsdp_composable._flat_param import FlatParamHandle
 
-if TYPE_CHECKING:
-    from fsdp_composable._reduce_utils import PendingReduce
-
 __all__: list[str] = []
+
+
+class HostCopy(Protocol):
+    """What `sync_offload_copies` reads of a reduction (`_reduce_utils.PendingReduce`, which sits above
+    this module and calls it): its unit and the host copy `offload_copy` made of its result."""
+
+    handle: FlatParamHandle
+    host: Optional[torch.Tensor]
 
 
 def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[torch.Tensor]:
@@ -43,7 +48,7 @@ def offload_copy(handle: FlatParamHandle, reduced: torch.Tensor) -> Optional[tor
     return host
 
 
-def sync_offload_copies(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle]") -> None:
+def sync_offload_copies(reductions: Sequence[HostCopy], handles: "list[FlatParamHandle]") -> None:
     """The one host synchronisation of a step with CPU offload on CUDA: the offloaded gradients are
     on the host, no shard upload reads it ([Note: offloaded gradients reach the host]: the compute
     stream waited for every upload, through its all-gather's event)."""

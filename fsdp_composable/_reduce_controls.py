@@ -6,7 +6,7 @@ Each function takes a module owning a unit (the module `fully_shard` was called 
 policy made a unit, or a `FullyShardedDataParallel` instance) and sets the value on the units that
 module owns, as FSDP2's methods set it on that module's own parameters; ``recurse=True`` sets it on
 every unit in the module's subtree (FSDP2 users loop over the modules instead). The values live in
-each unit's gradient record (``handle.grads.controls``, `_reduce_utils.ReduceControls`), the one
+each unit's gradient record (``handle.grads.controls``, `_grad_records.ReduceControls`), the one
 owner, and the reduction reads them each time it starts, so they may change between steps.
 - divide factor: the reduced gradient is the sum over ranks divided by the factor instead of by the
   number of ranks (1.0: a plain sum). Divided before the sum in float16, after it otherwise.
@@ -37,8 +37,8 @@ from torch import nn
 from fsdp_composable._comm_hooks import registered
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grad_records import ReduceControls
 from fsdp_composable._module_controls import _wrapper_state, module_fqn, unit_handles
-from fsdp_composable._reduce_utils import ReduceControls
 
 __all__ = [
     "set_all_reduce_hook",

@@ -51,10 +51,10 @@ from fsdp_composable._copy_guard import refusal
 from fsdp_composable._ddp_guard import refuse_inside_ddp
 from fsdp_composable._entry_points import _in_backward
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._grad_records import GradState
 from fsdp_composable._lazy_init import _buffer_dtype_state_dict_hook, _ctx, _lazy_init
 from fsdp_composable._model_edit_checks import check_model_unchanged
 from fsdp_composable._prefetch import _prefetch_for_backward, _prefetch_for_forward, _unshard
-from fsdp_composable._reduce_utils import GradState
 from fsdp_composable._root_context import RootContext, UnitStep
 from fsdp_composable.api import BackwardPrefetch
 

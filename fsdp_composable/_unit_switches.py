@@ -16,17 +16,17 @@ all-reduce across replicas). Defaults reproduce the behaviour without any contro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
-
-if TYPE_CHECKING:
-    from fsdp_composable._flat_param import FlatParamHandle
+from typing import Generic, Optional, TypeVar
 
 __all__ = ["UnitSwitches"]
 
+# the handle type (`FlatParamHandle`, whose module builds the record and sits above this one)
+H = TypeVar("H")
+
 
 @dataclass
-class UnitSwitches:
-    """One handle's switches; see [Note: per-unit switches]."""
+class UnitSwitches(Generic[H]):
+    """One handle's switches; see [Note: per-unit switches]. ``H``: the handle type, for the prefetch targets."""
 
     # False: keep this unit's unsharded gradient locally (as inside ``no_sync``) instead of reducing it
     reduce_grads: bool = True
@@ -40,5 +40,5 @@ class UnitSwitches:
     # False: backward does not all-gather the unit (its parameters are not needed for gradients)
     unshard_in_backward: bool = True
     # explicit prefetch targets (None: the recorded execution order decides)
-    forward_prefetch: "Optional[tuple[FlatParamHandle, ...]]" = None
-    backward_prefetch: "Optional[tuple[FlatParamHandle, ...]]" = None
+    forward_prefetch: Optional[tuple[H, ...]] = None
+    backward_prefetch: Optional[tuple[H, ...]] = None

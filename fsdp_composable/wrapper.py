@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable import _comm_hooks, _fsdp1_static, _module_switches
+from fsdp_composable import _fsdp1_static, _module_switches, _register_comm_hook
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._default_device import default_device_not_meta
@@ -335,7 +335,7 @@ class FullyShardedDataParallel(nn.Module):
         """FSDP1's communication hook: ``hook(state, grad, output)`` (sharded strategies) or
         ``hook(state, grad)`` (NO_SHARD) reduces every unit's gradient in place of ours; torch's default
         hooks work. On the root, before the first forward, once."""
-        _comm_hooks.register_comm_hook(self, state, hook)
+        _register_comm_hook.register_comm_hook(self, state, hook)
 
     # FSDP1's static methods for state dicts and optimizer state: see [Note: FSDP1's optimizer-state methods]
     set_state_dict_type = staticmethod(_fsdp1_static.set_state_dict_type)

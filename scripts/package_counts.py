@@ -1,6 +1,8 @@
 """Print the package's structural counts: its size, files over 600 lines, import cycles, module-level
 containers changed at run time, ``global`` statements, function-level imports of the package, stack-frame
-reads, and patches (stores into torch, into another object's ``__dict__``, into a closure's cells).
+reads, and patches (stores into torch, into another object's ``__dict__``, into a closure's cells); for
+fsdp_composable also its layers (`LAYERS`): modules in no layer, modules outside their layer's folder,
+names in the layers with no module, and imports against the layers.
 
     python scripts/package_counts.py [PACKAGE_DIR]      # default: fsdp_composable next to this script
 
@@ -27,6 +29,12 @@ Everything is read with `ast` (no imports, no regular expressions):
 - a *stack-frame read* is a call of ``sys._getframe``, ``inspect.currentframe``/``stack``/
   ``getouterframes``/``getframeinfo`` or ``traceback.extract_stack``/``walk_stack``, or a read of a
   frame's ``f_back``, ``f_locals`` or ``f_globals``.
+- the *layers* (`LAYERS`, fsdp_composable's, bottom first) place every module, by its name (the last
+  part of its dotted name, which a move into another folder keeps), in one layer and one folder of the
+  package. An *import against the layers* is an import (counted as for cycles: ``TYPE_CHECKING`` blocks
+  and functions included) of a module of a higher layer than the importing one's; imports within a
+  layer go either way. A module in no layer is listed with the layers its imports and importers leave
+  it (from the highest layer it imports to the lowest that imports it).
 - a *patch* is a store (or ``del``) into an attribute of a name imported from torch
   (``torch.nn.utils.clip_grad_norm_ = f``) or a ``setattr`` on one; a store, ``del`` or mutating call
   on the ``__dict__`` of anything but ``self`` (``module.__dict__["f"] = g``, ``vars(m)[k] = v``); or
@@ -81,6 +89,97 @@ MUTATING_METHODS = {
 }
 Function = Union[ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda]
 
+# [Note: the layers]
+# fsdp_composable's layers, bottom first: (name, what it holds, {folder: its modules}); "" is the package's
+# top level. Nothing imports a module of a higher layer (annotations included). A module is named by the
+# last part of its dotted name, so the table reads the same before and after `scripts/relayout.py` moves
+# the modules into their folders (a folder's ``__init__`` belongs to the folder's layer).
+Layers = list[tuple[str, str, dict[str, str]]]
+LAYERS: Layers = [
+    (
+        "base",
+        "records every layer shares: public enums, configs and errors, unit configs, the registry, state "
+        "machines, per-unit switches, gradient records, safety switches, copy refusal, param-major index arithmetic",
+        {
+            "": "api _config _composable_state",
+            "_base": "_state_machine _copy_guard _safety _unit_switches _grad_records _grad_mode _param_major",
+        },
+    ),
+    (
+        "comm",
+        "collectives and their communication device, streams and events, rank-agreement headers, tracing "
+        "labels, tensor-parallel meshes and placements",
+        {"_comm": "_header_fields _trace _rank_agreement _collectives _tensor_parallel"},
+    ),
+    (
+        "flat",
+        "the flat buffers: FlatParameter and FlatParamHandle, their rank-major layout and copies, their layout "
+        "as per-parameter pieces, their checkpoint collectives",
+        {"": "_flat_param", "_flat": "_rank_major _flat_layout _checkpoint_comm"},
+    ),
+    (
+        "grads",
+        "a unit's gradients: exposure as .grad, presence flags (agreed on the host off the CPU), reductions, CPU "
+        "offload copies, communication hooks' call-out, the gradient scaler",
+        {"_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_utils _grad_scaler"},
+    ),
+    (
+        "runtime",
+        "the state and its root context, hooks, execution order, prefetch, limiter, lazy init, entry points, "
+        "no_sync and clipping, unshard/reshard, unshard_params; and the guards that keep the views consistent",
+        {
+            "": "_common_utils",
+            "_runtime": "_root_context _exec_order_utils _limiter_utils _entry_points _lazy_init _prefetch "
+            "_runtime_utils _forward_methods _cast_inputs _module_controls _grad_utils _unshard_param_utils "
+            "_state_dict_open _state_dict_keys _flat_mode",
+            "_guards": "_model_edit_checks _dtype_casts _ddp_guard _data_writes",
+        },
+    ),
+    (
+        "names",
+        "torch's FSDP1 and FSDP2 objects, names and auto-wrap policies, translated to ours where they enter",
+        {"_names": "_fsdp1_names _fsdp2_names _torch_policies"},
+    ),
+    (
+        "init",
+        "policies and _get_submodule_to_states(), construction, placement, meta init, the sharding plan and "
+        "memory model",
+        {
+            "_init": "_wrap_utils _group_units _init_utils _applied_checks _ignored_checks _post_forward_group "
+            "_reset_params _to_empty _sharding_plan _memory_model _default_device"
+        },
+    ),
+    (
+        "state",
+        "state dicts and optimizer state, and the routing of torch's state-dict, optimizer and clip APIs",
+        {
+            "_state": "_state_dict_settings _state_dict_local _state_dict_sharded _state_dict_full "
+            "_state_dict_atomic _state_dict_utils _optim_convert _optim_utils _state_digest _torch_interop"
+        },
+    ),
+    (
+        "api",
+        "the public API over the core: fully_shard, describe/estimate_memory, checkpointing",
+        {"": "fully_shard inspect checkpoint"},
+    ),
+    (
+        "compat",
+        "skins over the core: FSDP1's static methods and communication hooks, FSDP2's per-module switches",
+        {
+            "_compat": "",
+            "_compat/fsdp1": "_fsdp1_static _register_comm_hook",
+            "_compat/fsdp2": "_module_switches _reduce_controls",
+        },
+    ),
+    ("surface", "the wrapper class and the package's public names", {"": "wrapper __init__"}),
+    ("integrations", "Lightning's strategies (an optional extra)", {"": "lightning"}),
+    (
+        "job",
+        "the main job: python -m fsdp_composable, its demo training and checkpoints",
+        {"": "__main__", "_job": "demo _job_checkpoint _job_processes"},
+    ),
+]
+
 
 @dataclass
 class Container:
@@ -98,6 +197,7 @@ class FileCounts:
     globals_: list[tuple[int, str, str]]  # (line, names, function)
     imports: list[tuple[int, str, str]]  # (line, statement, function)
     targets: set[str] = field(default_factory=set)  # the package's modules this file imports
+    target_lines: list[tuple[int, str]] = field(default_factory=list)  # (line, module) for each of them
     frame_reads: list[tuple[int, str, str]] = field(default_factory=list)  # (line, expression, function)
     patches: list[tuple[int, str, str]] = field(default_factory=list)  # (line, statement, function)
 
@@ -332,7 +432,9 @@ def count_package(package_dir: Path) -> list[FileCounts]:
         home = name if c.path.endswith("__init__.py") else name.rpartition(".")[0]
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
             if isinstance(node, (ast.Import, ast.ImportFrom)) and _is_package_import(node, package):
-                c.targets |= _import_targets(node, home, modules)
+                found = _import_targets(node, home, modules)
+                c.targets |= found
+                c.target_lines += sorted((node.lineno, target) for target in found)
     return counts
 
 
@@ -378,7 +480,77 @@ def _listed(counts: list[FileCounts], title: str, field_name: str, form: str) ->
     return [f"{title}: {len(found)}"] + [f"  {path}:{line}: {form.format(text, fn)}" for path, line, text, fn in found]
 
 
-def report(package_dir: Path) -> str:
+def layer_places(layers: Layers) -> dict[str, tuple[int, str]]:
+    """Module name (or folder, for its ``__init__``) -> (layer index, folder)."""
+    places: dict[str, tuple[int, str]] = {}
+    for i, (_, _, folders) in enumerate(layers):
+        for folder, names in folders.items():
+            if folder:
+                places[folder] = (i, folder)
+            for name in names.split():
+                places[name] = (i, folder)
+    return places
+
+
+def layer_report(counts: list[FileCounts], package: str, layers: Layers) -> list[str]:
+    """The layer sections: modules in no layer, modules outside their layer's folder, names in the
+    layers with no module (a module removed: strike it), imports against the layers (see the module
+    docstring)."""
+    places = layer_places(layers)
+    modules = {_module_name(c.path, package): c for c in counts}
+    is_folder = {m: c.path.endswith("__init__.py") and m != package for m, c in modules.items()}
+
+    def key(module: str) -> tuple[str, str]:
+        rel = module.removeprefix(package).lstrip(".").replace(".", "/")
+        if not rel:
+            return "__init__", ""
+        if is_folder.get(module):
+            return rel, rel.rpartition("/")[0]
+        folder, _, name = rel.rpartition("/")
+        return name, folder
+
+    def layer(module: str) -> Optional[int]:
+        place = places.get(key(module)[0])
+        return None if place is None else place[0]
+
+    importers: dict[str, list[str]] = {m: [] for m in modules}
+    for m, c in modules.items():
+        for target in c.targets:
+            importers.setdefault(target, []).append(m)
+    unplaced = sorted(m for m in modules if layer(m) is None)
+    lines = [f"modules in no layer: {len(unplaced)}"]
+    for m in unplaced:
+        below = [x for x in (layer(t) for t in modules[m].targets) if x is not None]
+        above = [x for x in (layer(t) for t in importers[m]) if x is not None]
+        low, high = max(below, default=0), min(above, default=len(layers) - 1)
+        fits = f"{layers[low][0]}..{layers[high][0]}" if low <= high else "none (imports a layer above an importer's)"
+        lines.append(f"  {m}: fits layers {fits}")
+    outside = []
+    for m in sorted(modules):
+        name, folder = key(m)
+        place = places.get(name)
+        if place is not None and place[1] != folder and not (is_folder.get(m) and name == place[1]):
+            outside.append(f"  {modules[m].path}: belongs in {place[1] or 'the top level'}/ ({layers[place[0]][0]})")
+    lines.append(f"modules outside their layer's folder: {len(outside)}")
+    lines += outside
+    known = {key(m)[0] for m in modules}
+    stale = [
+        name for _, _, folders in layers for names in folders.values() for name in names.split() if name not in known
+    ]
+    lines.append(f"names in the layers with no module: {len(stale)}")
+    lines += [f"  {name}" for name in stale]
+    against = []
+    for m, c in sorted(modules.items()):
+        mine = layer(m)
+        for line, target in c.target_lines:
+            theirs = layer(target)
+            if mine is not None and theirs is not None and theirs > mine:
+                against.append(f"  {c.path}:{line}: {target} ({layers[mine][0]} imports {layers[theirs][0]})")
+    lines.append(f"imports against the layers: {len(against)}")
+    return lines + against
+
+
+def report(package_dir: Path, layers: Optional[Layers] = None) -> str:
     counts = count_package(package_dir)
     long_files = sorted((c for c in counts if c.lines > MAX_LINES), key=lambda c: -c.lines)
     with_containers = [c for c in counts if c.containers]
@@ -398,6 +570,8 @@ def report(package_dir: Path) -> str:
     lines += _listed(counts, "function-level imports of the package", "imports", "{} in {}")
     lines += _listed(counts, "stack-frame reads", "frame_reads", "{} in {}")
     lines += _listed(counts, "patches (torch, another object's __dict__, closure cells)", "patches", "{} in {}")
+    if layers is not None:
+        lines += layer_report(counts, package_dir.name, layers)
     return "\n".join(lines)
 
 
@@ -408,7 +582,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if not (args.package_dir / "__init__.py").is_file():
         parser.error(f"{args.package_dir} is not a package directory (no __init__.py)")
-    print(report(args.package_dir))
+    print(report(args.package_dir, LAYERS if args.package_dir.name == "fsdp_composable" else None))
     return 0
 
 

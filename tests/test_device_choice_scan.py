@@ -6,6 +6,7 @@ tests/test_device_id_index.py drives the same places with two fake CUDA devices.
 from __future__ import annotations
 
 import ast
+import glob
 import os
 
 from expecttest import TestCase
@@ -25,10 +26,9 @@ _NEEDS_DEVICE = {"comm_device": 2, "comm_tensor": 3, "comm_device_current": 2}
 
 def _findings() -> list[str]:
     found: list[str] = []
-    for name in sorted(os.listdir(PACKAGE)):
-        if not name.endswith(".py"):
-            continue
-        with open(os.path.join(PACKAGE, name)) as f:
+    for path in sorted(glob.glob(os.path.join(PACKAGE, "**", "*.py"), recursive=True)):  # subpackages too
+        name = os.path.basename(path)
+        with open(path) as f:
             tree = ast.parse(f.read())
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -8,6 +8,7 @@ stream and event objects, and a counter of host reads.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import subprocess
@@ -269,10 +270,9 @@ def _collective_tensor_findings() -> list[str]:
 
     package = os.path.join(REPO, "fsdp_composable")
     found = []
-    for name in sorted(os.listdir(package)):
-        if not name.endswith(".py"):
-            continue
-        with open(os.path.join(package, name)) as f:
+    for path in sorted(glob.glob(os.path.join(package, "**", "*.py"), recursive=True)):  # subpackages too
+        name = os.path.basename(path)
+        with open(path) as f:
             tree = ast.parse(f.read())
         for fn in ast.walk(tree):
             if not isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):

@@ -202,9 +202,62 @@ def test_runs_on_this_package() -> None:
         "function-level imports of the package",
         "stack-frame reads",
         "patches (torch, another object's __dict__, closure cells)",
+        "modules in no layer",
+        "modules outside their layer's folder",
+        "names in the layers with no module",
+        "imports against the layers",
     ], proc.stdout
     # the registry is the one container the design allows; the script must see it
     assert "_composable_state.py" in proc.stdout, proc.stdout
+
+
+LAYERED = {
+    "__init__.py": "from pkg.top import Top\n",
+    "base.py": """
+        from typing import TYPE_CHECKING
+
+        if TYPE_CHECKING:
+            from pkg.top import Top  # an annotation counts
+        """,
+    "mid/__init__.py": "",
+    "mid/work.py": "from pkg import base\n",
+    "misplaced.py": "from pkg.mid import work\n",
+    "top.py": """
+        from pkg import misplaced
+        from pkg.mid import work
+
+
+        def late() -> None:
+            from pkg import stray  # a function-level import counts
+        """,
+    "stray.py": "from pkg.mid import work\n",
+}
+FIXTURE_LAYERS = [
+    ("low", "", {"": "base"}),
+    ("mid", "", {"mid": "work misplaced gone"}),
+    ("high", "", {"": "top __init__"}),
+]
+
+
+def test_layers_of_a_fixture_package(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    for name, text in LAYERED.items():
+        (package / name).parent.mkdir(parents=True, exist_ok=True)
+        (package / name).write_text(textwrap.dedent(text).lstrip("\n"), encoding="utf-8")
+    script = _load_script()
+    counts = script.count_package(package)
+    expecttest.TestCase().assertExpectedInline(
+        "\n".join(script.layer_report(counts, "pkg", FIXTURE_LAYERS)),
+        """\
+modules in no layer: 1
+  pkg.stray: fits layers mid..high
+modules outside their layer's folder: 1
+  misplaced.py: belongs in mid/ (mid)
+names in the layers with no module: 1
+  gone
+imports against the layers: 1
+  base.py:4: pkg.top (low imports high)""",
+    )
 
 
 def test_refuses_a_directory_that_is_not_a_package(tmp_path: Path) -> None:
