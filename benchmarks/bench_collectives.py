@@ -62,7 +62,8 @@ def _by_parameter(d: int, world: int) -> dict[str, tuple[str, Callable[[], Any]]
     grads = [grad[i.offset : i.offset + i.numel] for i in layout.infos]
 
     def gather(direct: bool) -> Callable[[], Any]:
-        work = lambda: _collectives.all_gather(by_param, shard, group, chunks=layout.chunk_sizes, direct=direct)  # noqa: E731
+        regions = layout.regions_of(by_param)
+        work = lambda: _collectives.all_gather(by_param, shard, group, regions=regions, direct=direct)  # noqa: E731
         return lambda: _collectives.wait(work(), "benchmark")
 
     def reduce(pieces: bool) -> Callable[[], Any]:

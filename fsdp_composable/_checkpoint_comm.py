@@ -72,8 +72,8 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
     device = comm_device_of(handle)
     full = torch.empty(layout.padded_numel, dtype=shard.dtype, device=device)
     with for_unit(handle.root_fqn):
-        chunks = None if layout.same_order else layout.chunk_sizes  # [Note: rank-major flat shards]
-        work = _collectives.all_gather(full, shard.to(device), handle.process_group, chunks=chunks)
+        regions = None if layout.same_order else layout.regions_of(full)  # [Note: rank-major flat shards]
+        work = _collectives.all_gather(full, shard.to(device), handle.process_group, regions=regions)
     _collectives.wait(work, f"the {_rank_agreement.doing()} all-gather of unit '{handle.unit_fqn or '<root>'}'")
     return full.to(shard.device)
 

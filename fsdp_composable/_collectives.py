@@ -249,13 +249,12 @@ def _checked(
     return post()  # type: ignore[no-any-return]
 
 
-def _param_major_targets(output: torch.Tensor, chunks: Sequence[int], size: int) -> list[list[torch.Tensor]]:
-    """For each rank of a group of ``size``: the views of the param-major ``output`` its piece fills,
-    in the piece's order ([Note: rank-major flat shards] in `_rank_major`). ``chunks``: every
-    parameter's chunk, as many ranks' worth in each piece as the layout has ranks per group rank."""
-    ranks = output.numel() // max(sum(chunks), 1)  # the layout's ranks (a smaller group sends several)
-    per = ranks // size
-    kept = [region for region, chunk in zip(_param_major.regions(output, chunks, ranks), chunks) if chunk]
+def _param_major_targets(regions: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
+    """For each rank of a group of ``size``: the rows of the param-major output's ``regions`` its piece
+    fills, in the piece's order ([Note: rank-major flat shards] in `_rank_major`): as many of the
+    layout's ranks in each piece as the layout has ranks per group rank."""
+    kept = [region for region in regions if region.shape[1]]
+    per = regions[0].shape[0] // size if regions else 1
     return [[region[r * per + j] for j in range(per) for region in kept] for r in range(size)]
 
 
@@ -264,16 +263,17 @@ def _all_gather_exchange(
     shard: torch.Tensor,
     group: dist.ProcessGroup,
     origin: Optional[torch.dtype] = None,
-    chunks: Optional[Sequence[int]] = None,
+    regions: Optional[Sequence[torch.Tensor]] = None,
 ) -> Exchange:
     size, me, pairs = _peers(group)
-    if chunks is None:
+    if regions is None:
         targets = [[piece] for piece in output.view(size, -1).unbind(0)]
         sends = [shard.reshape(-1)]
     else:  # every piece received straight where it goes: no copy-out
-        targets = _param_major_targets(output, chunks, size)
-        per = len(targets[0]) // max(1, sum(1 for c in chunks if c))
-        sends = [piece for piece in shard.reshape(-1).split(list(chunks) * per) if piece.numel()]
+        targets = _param_major_targets(regions, size)
+        chunks = [region.shape[1] for region in regions]
+        per = regions[0].shape[0] // size if regions else 1
+        sends = [piece for piece in shard.reshape(-1).split(chunks * per) if piece.numel()]
     torch._foreach_copy_(targets[me], sends)
     # receives first (see [Note: receives before sends])
     messages: list[Message] = [(dist.irecv, view, src) for _, src in pairs for view in targets[src]]
@@ -325,18 +325,17 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
 
 @dataclass
 class CopiedOut:
-    """An all-gather into the rank-major ``buffer``, copied out into the param-major ``output`` once
-    done (``chunks``: the layout's; see [Note: rank-major flat shards] in `_rank_major`)."""
+    """An all-gather into the rank-major ``buffer``, copied out into the ``regions`` of the param-major
+    output once done (see [Note: rank-major flat shards] in `_rank_major`)."""
 
     work: Optional[Waitable]
     buffer: torch.Tensor
-    output: torch.Tensor
-    chunks: Sequence[int]
+    regions: Sequence[torch.Tensor]
 
     def wait(self) -> bool:
         if self.work is not None:
             self.work.wait()
-        _param_major.copy_out(self.buffer, self.output, self.chunks)
+        _param_major.copy_out(self.buffer, self.regions)
         return True
 
 
@@ -346,22 +345,23 @@ def all_gather(
     group: dist.ProcessGroup,
     async_op: bool = True,
     origin: Optional[torch.dtype] = None,
-    chunks: Optional[Sequence[int]] = None,
+    regions: Optional[Sequence[torch.Tensor]] = None,
     direct: bool = True,
 ) -> Optional[Waitable]:
     """Gather every rank's equal-sized ``shard`` into ``output`` (async; returns the work; with
     ``async_op=False``, on a CUDA side stream, see `issue`). ``origin``: the dtype ``shard`` was
     cast from, checked across ranks with the header (see [Note: casts after sharding]).
 
-    ``chunks``: ``output`` is laid out by parameter and each shard is rank-major with these chunks
-    ([Note: rank-major flat shards] in `_rank_major`). With ``direct``, point-to-point receives each
+    ``regions``: ``output`` is laid out by parameter, these (ranks, chunk) views of it (`_param_major.
+    regions`), and each shard is rank-major ([Note: rank-major flat shards] in `_rank_major`). With
+    ``direct``, point-to-point receives each
     chunk where it goes; otherwise (and always for a native collective) the shards are gathered into
     one rank-major buffer and copied out (one kernel, on the same stream)."""
     with _trace.span("all_gather", None, output):  # named by the unit whose method issues it
         p2p = point_to_point(group, output.device)
-        if p2p and (chunks is None or direct):
-            return _all_gather_exchange(output, shard, group, origin, chunks)
-        target = output if chunks is None else torch.empty_like(output)
+        if p2p and (regions is None or direct):
+            return _all_gather_exchange(output, shard, group, origin, regions)
+        target = output if regions is None else torch.empty_like(output)
         if p2p:
             work: Optional[Waitable] = _all_gather_exchange(target, shard, group, origin)
         else:
@@ -373,9 +373,9 @@ def all_gather(
                 lambda: _all_gather(target, shard, group=group, async_op=async_op),
                 origin,
             )
-        if chunks is None or (isinstance(work, Exchange) and work.error is not None):
+        if regions is None or (isinstance(work, Exchange) and work.error is not None):
             return work
-        copy = CopiedOut(work if async_op or p2p else None, target, output, chunks)
+        copy = CopiedOut(work if async_op or p2p else None, target, regions)
         if not async_op and not p2p:
             copy.wait()  # queued on the stream after the collective
             return work

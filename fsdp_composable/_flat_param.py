@@ -158,6 +158,8 @@ class FlatParamHandle:
         # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
         self._needs_buffer = config.needs_unsharded_buffer(self.dtype, device)
         self._unsharded: Optional[torch.Tensor] = None
+        # its (world, chunk) region views, which the all-gather writes by parameter (made once)
+        self._unsharded_regions: list[torch.Tensor] = []
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []
         self._unshard_work: Optional[_collectives.InFlight] = None
@@ -214,6 +216,7 @@ class FlatParamHandle:
         if self._needs_buffer:
             self._unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_views = self.views_of(self._unsharded)
+            self._unsharded_regions = layout.regions_of(self._unsharded)
             self._free_unsharded()
         else:
             self._unsharded_views = list(self._sharded_views)
@@ -351,10 +354,10 @@ class FlatParamHandle:
         assert group is not None
         # laid out by parameter as it lands ([Note: rank-major flat shards]): unless both orders are one
         # tensor, gloo receives each chunk where it goes and a native all-gather is copied out once
-        chunks, direct = (None if self.layout.same_order else self.layout.chunk_sizes), self.layout.direct
+        regions, direct = (None if self.layout.same_order else self._unsharded_regions), self.layout.direct
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, chunks, direct),
+            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, regions, direct),
             wait_first=kept is not None and kept_event is None,
             unit=self.root_fqn,
         )
@@ -448,6 +451,7 @@ class FlatParamHandle:
         assert self._unsharded is not None
         self._unsharded = torch.empty(self.layout.padded_numel, dtype=self.compute_dtype, device=self.device)
         self._unsharded_views = self.views_of(self._unsharded)
+        self._unsharded_regions = self.layout.regions_of(self._unsharded)
         self._unsharded.untyped_storage().resize_(0)
 
     def _alloc_unsharded(self) -> bool:

@@ -13,15 +13,12 @@ __all__ = ["copy_out", "regions"]
 
 def regions(flat: torch.Tensor, chunks: Sequence[int], ranks: int) -> list[torch.Tensor]:
     """Each parameter's region of the param-major 1-D ``flat``, as a (ranks, chunk) view."""
-    out, at = [], 0
-    for chunk in chunks:
-        out.append(flat[at : at + ranks * chunk].view(ranks, chunk))
-        at += ranks * chunk
-    return out
+    pieces = flat[: ranks * sum(chunks)].split([ranks * chunk for chunk in chunks])  # one call for all
+    return [piece.view(ranks, chunk) for piece, chunk in zip(pieces, chunks)]
 
 
-def copy_out(gathered: torch.Tensor, out: torch.Tensor, chunks: Sequence[int]) -> None:
-    """The rank-major ``gathered`` into the param-major ``out`` (both 1-D, the same size): one kernel."""
-    ranks = out.numel() // max(sum(chunks), 1)
-    rows = gathered.view(ranks, -1)
-    torch.split_with_sizes_copy(rows, list(chunks), dim=1, out=regions(out, chunks, ranks))
+def copy_out(gathered: torch.Tensor, out_regions: Sequence[torch.Tensor]) -> None:
+    """The rank-major 1-D ``gathered`` into the `regions` of a param-major buffer: one kernel."""
+    ranks = out_regions[0].shape[0] if out_regions else 1
+    chunks = [region.shape[1] for region in out_regions]
+    torch.split_with_sizes_copy(gathered.view(ranks, -1), chunks, dim=1, out=list(out_regions))

@@ -145,9 +145,15 @@ class FlatLayout:
                     out[k] = front.view(1, info.numel).expand(self.world_size, info.numel)
         return out
 
+    def regions_of(self, full: torch.Tensor) -> list[torch.Tensor]:
+        """The (world, chunk) view of each parameter's region (and the tail's) of the param-major ``full``:
+        what a copy-out or an all-gather by parameter writes into. Views stay valid when the storage
+        is freed and grown again, so a buffer's regions are made once."""
+        return _param_major.regions(full, self.chunk_sizes, self.world_size)
+
     def copy_out(self, gathered: torch.Tensor, out: torch.Tensor) -> None:
         """Rank-major ``gathered`` into the param-major ``out`` (both 1-D, ``padded_numel``): one kernel."""
-        _param_major.copy_out(gathered, out, self.chunk_sizes)
+        _param_major.copy_out(gathered, self.regions_of(out))
 
     def copy_in(self, full: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
         """The param-major ``full`` (gradients: a replicated parameter's front only) as a rank-major

@@ -98,7 +98,7 @@ def _gather_by_param(native: bool, direct: bool) -> bool:
         _collectives.point_to_point = lambda group, device: False  # type: ignore[assignment]
     try:
         shard = layout.shard_of(full)
-        work = _collectives.all_gather(out, shard, dist.group.WORLD, chunks=layout.chunk_sizes, direct=direct)
+        work = _collectives.all_gather(out, shard, dist.group.WORLD, regions=layout.regions_of(out), direct=direct)
         _collectives.wait(work, "test")
     finally:
         _collectives.point_to_point = real  # type: ignore[assignment]
