@@ -154,8 +154,9 @@ class FlatParamHandle:
         # the model's tensor-parallel group (set by init; None: no tensor parallelism), across which
         # every value that is not a tensor-parallel piece must agree
         self.tp_group: Optional[dist.ProcessGroup] = None
-        # The all-gather writes straight into the padded buffer the original parameters view, unless
-        # there is nothing to gather or cast (NO_SHARD in full precision): then the shard is the whole.
+        # The all-gather fills the padded buffer the original parameters view (by parameter: [Note:
+        # rank-major flat shards]), unless there is nothing to gather or cast (NO_SHARD in full
+        # precision): then the shard is the whole.
         self._needs_buffer = config.needs_unsharded_buffer(self.dtype, device)
         self._unsharded: Optional[torch.Tensor] = None
         # its (world, chunk) region views, which the all-gather writes by parameter (made once)
