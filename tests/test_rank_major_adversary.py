@@ -1,0 +1,265 @@
+"""Rank-major flat shards ([Note: rank-major flat shards]) on the shapes that cut unevenly: 0-dim
+parameters (every rank's chunk holds them whole), a unit whose only parameter is 0-dim, weights with
+fewer rows than ranks (one row at four ranks), one-element biases and a zero-size parameter. Each
+path is compared with the unsharded model on the same global batches, or with torch's own values."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import os
+from typing import Any, Callable
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn.functional as F
+from parity import local_slice
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+
+from fsdp_composable import (
+    MixedPrecision,
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    StateDictType,
+    _rank_major,
+    fully_shard,
+    init_optim_state,
+    no_sync,
+    optim_state_dict,
+    optim_state_dict_to_load,
+    reshard,
+    set_reshard_after_backward,
+    state_dict_type,
+    unshard_params,
+)
+
+FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
+
+
+class Gate(nn.Module):
+    """A unit whose only parameter is 0-dim: its one chunk is the whole value on every rank."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.g = nn.Parameter(torch.tensor(0.3))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h * self.g
+
+
+class ScalarNet(nn.Module):
+    """The root unit: a (3, 5) weight (fewer rows than 4 ranks), a 0-dim temperature, a zero-size
+    parameter; ``gate``: one 0-dim parameter; ``head``: a (1, 3) weight and a one-element bias."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.l1 = nn.Linear(5, 3)
+        self.temp = nn.Parameter(torch.tensor(0.7))
+        self.empty = nn.Parameter(torch.zeros(0, 3))
+        self.gate = Gate()
+        self.head = nn.Sequential(nn.Linear(3, 1))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.l1(x) * self.temp) + self.empty.sum()
+        return self.head(self.gate(h))
+
+
+def batch(step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(3000 + step)
+    return torch.randn(global_batch, 5, generator=g).double(), torch.randn(global_batch, 1, generator=g).double()
+
+
+def loss_of(model: nn.Module, b: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    return F.mse_loss(model(b[0]), b[1])
+
+
+POLICY = ModuleWrapPolicy({Gate, nn.Sequential})
+
+
+@contextlib.contextmanager
+def direct_units(direct: bool):  # type: ignore[no-untyped-def]
+    """Units built inside move their chunks directly (or through one buffer): [Note: moving chunks]."""
+    before = _rank_major.DIRECT_CHUNK_NUMEL
+    _rank_major.DIRECT_CHUNK_NUMEL = 0 if direct else 1 << 30
+    try:
+        yield
+    finally:
+        _rank_major.DIRECT_CHUNK_NUMEL = before
+
+
+def _pair(direct: bool, **kwargs: Any) -> tuple[nn.Module, nn.Module]:
+    torch.manual_seed(0)
+    ref = ScalarNet().double()
+    with direct_units(direct):
+        model = fully_shard(copy.deepcopy(ref), POLICY, **kwargs)
+        # a layout decides `direct` when first used: one step with no optimizer, its gradients dropped
+        world = dist.get_world_size()
+        loss_of(model, local_slice(batch(99, 2 * world), dist.get_rank(), world)).backward()
+    model.zero_grad(set_to_none=True)
+    return ref, model
+
+
+def _full(model: nn.Module) -> dict[str, torch.Tensor]:
+    with unshard_params(model, writeback=False):
+        return {n: p.detach().clone() for n, p in model.named_parameters()}
+
+
+def _diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert list(a) == list(b), (list(a), list(b))
+    return max(((a[k] - b[k]).abs().max().item() if a[k].numel() else 0.0) for k in a)
+
+
+# ---------------------------------------------------------------------------- training
+def train(direct: bool, how: str) -> float:
+    """Adam on the same global batches; ``how``: the sharding options and micro-batching."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    kwargs: dict[str, Any] = {
+        "full": {},
+        "grad_op": {"strategy": ShardingStrategy.SHARD_GRAD_OP},
+        "post_forward_2": {"reshard_after_forward": 2},
+        "no_sync": {},
+        "hybrid": {"mesh": init_device_mesh("cpu", (2, world // 2))} if world % 2 == 0 else {},
+        "mixed": {"mixed_precision": MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float64)},
+    }[how]
+    ref, model = _pair(direct, **kwargs)
+    opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05)
+    for step in range(3):
+        micro = 2 if how == "no_sync" else 1
+        for m in range(micro):
+            b = batch(10 * step + m, 2 * world)
+            loss_of(ref, b).backward()
+            ctx = no_sync(model) if m < micro - 1 else contextlib.nullcontext()
+            with ctx:
+                loss_of(model, local_slice(b, rank, world)).backward()
+        for o in (opt_ref, opt):
+            o.step()
+            o.zero_grad()
+    return _diff(_full(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("how", ["full", "grad_op", "post_forward_2", "no_sync", "hybrid", "mixed"])
+def test_scalar_and_short_parameters_train_like_the_unsharded_model(
+    dist_run: Callable[..., Any], direct: bool, how: str
+) -> None:
+    """Fails if a 0-dim gradient is not repeated into every rank's chunk (its average would be
+    divided by the world size), or a short weight's rows land in the wrong rank's chunk."""
+    for diff in dist_run(4, train, direct, how):
+        assert diff < (1e-6 if how == "mixed" else 1e-10), (how, diff)  # mixed: float32 compute
+
+
+# ---------------------------------------------------------------------------- writes on a unit left unsharded
+def write_on_lone_scalar_unit(direct: bool) -> list[float]:
+    """``gate`` (one 0-dim parameter: both orders are the same tensor) is left unsharded after
+    backward; a write on it is kept by ``reshard()`` on every rank: the sharded value each rank then
+    shows (every rank holds a 0-dim parameter whole) equals the written one."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    ref, model = _pair(direct)
+    set_reshard_after_backward(model, False)
+    loss_of(model, local_slice(batch(0, 2 * world), rank, world)).backward()
+    with torch.no_grad():
+        model.gate.g.mul_(0.5)
+        model.temp.mul_(0.5)
+    reshard(model.gate)
+    reshard(model)
+    return [model.gate.g.item(), model.temp.item()]
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_write_on_a_lone_scalar_unit_left_unsharded_is_kept_on_every_rank(
+    dist_run: Callable[..., Any], direct: bool
+) -> None:
+    assert dist_run(2, write_on_lone_scalar_unit, direct) == [pytest.approx([0.15, 0.35])] * 2
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def _adam_steps(ref: nn.Module, model: nn.Module, steps: range, opts: tuple[Any, Any]) -> None:
+    world, rank = dist.get_world_size(), dist.get_rank()
+    for step in steps:
+        b = batch(step, 2 * world)
+        loss_of(ref, b).backward()
+        loss_of(model, local_slice(b, rank, world)).backward()
+        for o in opts:
+            o.step()
+            o.zero_grad()
+
+
+def _ref_osd(ref: nn.Module, opt: torch.optim.Optimizer) -> dict[str, dict[str, torch.Tensor]]:
+    names = {id(p): n for n, p in ref.named_parameters()}
+    return {names[id(p)]: s for p, s in opt.state.items()}
+
+
+def _osd_diff(osd: dict[str, Any], want: dict[str, dict[str, torch.Tensor]]) -> float:
+    assert sorted(osd["state"]) == sorted(want), (sorted(osd["state"]), sorted(want))
+    out = 0.0
+    for fqn, state in want.items():
+        for key in ("exp_avg", "exp_avg_sq"):
+            got = osd["state"][fqn][key]
+            got = got.full_tensor() if hasattr(got, "full_tensor") else got
+            assert got.shape == state[key].shape, (fqn, key, got.shape)
+            if got.numel():
+                out = max(out, (got - state[key]).abs().max().item())
+    return out
+
+
+def save_sharded(path: str, direct: bool) -> dict[str, float]:
+    """Two Adam steps next to the unsharded model; the SHARDED model and optimizer state dicts (DCP)
+    and the FULL ones (rank 0 saves them): each compared with the unsharded model's and torch Adam's."""
+    ref, model = _pair(direct)
+    opts = (torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05))
+    _adam_steps(ref, model, range(2), opts)
+    with state_dict_type(model, SHARDED):
+        sd = {"model": model.state_dict(), "optim": optim_state_dict(model, opts[1])}
+        sharded_diff = _osd_diff(sd["optim"], _ref_osd(ref, opts[0]))
+        model_diff = _diff({k: v.full_tensor() for k, v in sd["model"].items()}, dict(ref.state_dict()))
+        dcp.save(sd, checkpoint_id=os.path.join(path, f"dcp{dist.get_world_size()}"))
+    full_model, full_osd = model.state_dict(), optim_state_dict(model, opts[1])
+    if dist.get_rank() == 0:
+        torch.save({"model": ref.state_dict(), "optim": opts[0].state_dict()}, os.path.join(path, "ref.pt"))
+    dist.barrier()
+    return {
+        "sharded_model": model_diff,
+        "sharded_optim": sharded_diff,
+        "full_model": _diff(dict(full_model), dict(ref.state_dict())),
+        "full_optim": _osd_diff(full_osd, _ref_osd(ref, opts[0])),
+    }
+
+
+def load_sharded(path: str, saved_world: int, direct: bool) -> dict[str, float]:
+    """Load the SHARDED checkpoint into a model of other values at this world size; two more Adam
+    steps next to the unsharded model that continues from the same state."""
+    ref, model = _pair(direct)
+    opts = (torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    init_optim_state(opts[1])
+    saved = torch.load(os.path.join(path, "ref.pt"), weights_only=True)
+    ref.load_state_dict(saved["model"])
+    opts[0].load_state_dict(saved["optim"])
+    with state_dict_type(model, SHARDED):
+        sd = {"model": model.state_dict(), "optim": optim_state_dict(model, opts[1])}
+        dcp.load(sd, checkpoint_id=os.path.join(path, f"dcp{saved_world}"))
+        model.load_state_dict(sd["model"])
+        opts[1].load_state_dict(optim_state_dict_to_load(model, opts[1], sd["optim"]))
+    loaded = _diff(_full(model), {n: p.detach() for n, p in ref.named_parameters()})
+    _adam_steps(ref, model, range(2, 4), opts)
+    return {"loaded": loaded, "trained": _diff(_full(model), {n: p.detach() for n, p in ref.named_parameters()})}
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_scalar_and_short_parameters_checkpoint_across_world_sizes(
+    dist_run: Callable[..., Any], tmp_path: Any, direct: bool
+) -> None:
+    """SHARDED and FULL model and Adam states equal the unsharded model's and torch Adam's; DCP
+    saved at 2 ranks loads at 4 and the reverse, and training continues in parity. Fails if a
+    rank's chunk of a short weight or of a 0-dim value is cut from the wrong place of the shard."""
+    for world in (2, 4):
+        for r in dist_run(world, save_sharded, str(tmp_path), direct):
+            assert max(r.values()) < 1e-12, (world, r)
+        for other in (2, 4):
+            for r in dist_run(other, load_sharded, str(tmp_path), world, direct):
+                assert r["loaded"] < 1e-12 and r["trained"] < 1e-10, (world, other, r)
