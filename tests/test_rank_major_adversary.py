@@ -27,6 +27,7 @@ from fsdp_composable import (
     ShardingStrategy,
     StateDictType,
     _rank_major,
+    clip_grad_norm_,
     fully_shard,
     init_optim_state,
     no_sync,
@@ -365,3 +366,73 @@ def test_flat_parameter_optimizer_state_loads_whole(dist_run: Callable[..., Any]
     for direct in (True, False):
         for r in dist_run(4, flat_optimizer_state, direct):
             assert r["by_fqn"] < 1e-12 and r["trained"] < 1e-10, (direct, r)
+
+
+# ---------------------------------------------------------------------------- FSDP1 communication hooks
+def grads_with_hook(hook_name: str, direct: bool) -> float:
+    """The wrapper's ``register_comm_hook`` gets the rank-major flat gradient (a 0-dim gradient in
+    every rank's chunk): torch's hooks reduce it to the unsharded model's gradients."""
+    from torch.distributed.algorithms._comm_hooks import default_hooks
+
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = ScalarNet().double()
+    with direct_units(direct):
+        model = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=POLICY, use_orig_params=True)
+        group = dist.group.WORLD
+        if hook_name == "default":
+            model.register_comm_hook(default_hooks.DefaultState(group), default_hooks.reduce_scatter_hook)
+        else:
+            model.register_comm_hook(default_hooks.LowPrecisionState(group), default_hooks.fp16_compress_hook)
+        for step in range(2):  # the first under no_sync: the kept sum reaches the hook with the second
+            b = batch(step, 2 * world)
+            loss_of(ref, b).backward()
+            with no_sync(model) if step == 0 else contextlib.nullcontext():
+                loss_of(model, local_slice(b, rank, world)).backward()
+    with unshard_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return _diff(got, {n: p.grad for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("hook,tol", [("default", 1e-12), ("fp16", 2e-3)])
+def test_comm_hooks_reduce_scalar_and_short_gradients(dist_run: Callable[..., Any], hook: str, tol: float) -> None:
+    for direct in (True, False):
+        for diff in dist_run(4, grads_with_hook, hook, direct):
+            assert diff < tol, (hook, direct, diff)
+
+
+# ---------------------------------------------------------------------------- gradient norms
+def clipped(direct: bool, how: str) -> dict[str, float]:
+    """``clip_grad_norm_`` (ours, torch's routed one, the wrapper's flat parameters) next to torch's on
+    the unsharded model: the same norm, and the same clipped gradients."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = ScalarNet().double()
+    with direct_units(direct):
+        if how == "flat":
+            model = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=POLICY, use_orig_params=False)
+        else:
+            model = fully_shard(copy.deepcopy(ref), POLICY)
+        b = batch(0, 2 * world)
+        loss_of(ref, b).backward()
+        loss_of(model, local_slice(b, rank, world)).backward()
+    want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
+    if how == "ours":
+        got = clip_grad_norm_(model, 0.05)
+    elif how == "flat":
+        got = model.clip_grad_norm_(0.05)
+    else:
+        got = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05)
+    with unshard_params(model, with_grads=True):
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    want_grads = {n: p.grad for n, p in ref.named_parameters()}
+    return {"norm": abs(got.item() - want.item()), "grads": _diff(grads, want_grads)}
+
+
+@pytest.mark.parametrize("how", ["ours", "torch", "flat"])
+def test_clip_grad_norm_counts_a_scalar_gradient_once(dist_run: Callable[..., Any], how: str) -> None:
+    """Every rank's shard holds a 0-dim parameter's gradient: summing the shards over the ranks counts
+    it once per rank unless the norm takes it from one rank only."""
+    for direct in (True, False):
+        for r in dist_run(4, clipped, direct, how):
+            assert r["norm"] < 1e-7 and r["grads"] < 1e-7, (how, direct, r)  # the norm is float32
