@@ -49,6 +49,10 @@ class Gate(nn.Module):
         super().__init__()
         self.g = nn.Parameter(torch.tensor(0.3))
 
+    def reset_parameters(self) -> None:
+        with torch.no_grad():
+            self.g.uniform_(-1.0, 1.0)
+
     def forward(self, h: torch.Tensor) -> torch.Tensor:
         return h * self.g
 
@@ -64,6 +68,11 @@ class ScalarNet(nn.Module):
         self.empty = nn.Parameter(torch.zeros(0, 3))
         self.gate = Gate()
         self.head = nn.Sequential(nn.Linear(3, 1))
+
+    def reset_parameters(self) -> None:  # its own parameters only, as nn.Linear's
+        with torch.no_grad():
+            self.temp.fill_(0.7)
+            self.empty.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.tanh(self.l1(x) * self.temp) + self.empty.sum()
@@ -436,3 +445,69 @@ def test_clip_grad_norm_counts_a_scalar_gradient_once(dist_run: Callable[..., An
     for direct in (True, False):
         for r in dist_run(4, clipped, direct, how):
             assert r["norm"] < 1e-7 and r["grads"] < 1e-7, (how, direct, r)  # the norm is float32
+
+
+# ---------------------------------------------------------------------------- units of other shapes
+class MixedScalars(ScalarNet):
+    """The root unit adds a frozen 0-dim parameter and a float32 0-dim parameter (a model in float64)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.frozen = nn.Parameter(torch.tensor(1.25), requires_grad=False)
+        self.low = nn.Parameter(torch.tensor(0.5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x) * self.frozen + self.low.double()
+
+
+def other_units(direct: bool, how: str) -> float:
+    """SGD next to the unsharded model: frozen and float32 0-dim parameters beside float64 ones
+    ("mixed"), or ``gate`` and ``head`` as one unit (``fully_shard([gate, head])``, "list")."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref: nn.Module = MixedScalars().double() if how == "mixed" else ScalarNet().double()
+    if how == "mixed":
+        ref.low.data = ref.low.data.float()
+    model = copy.deepcopy(ref)
+    with direct_units(direct):
+        if how == "list":
+            fully_shard([model.gate, model.head])
+            fully_shard(model)
+        else:
+            fully_shard(model, POLICY)
+        trainable = [[p for p in m.parameters() if p.requires_grad] for m in (ref, model)]
+        opts = [torch.optim.SGD(ps, lr=0.1, momentum=0.9) for ps in trainable]
+        _adam_steps(ref, model, range(3), (opts[0], opts[1]))
+    return _diff(_full(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+@pytest.mark.parametrize("how", ["mixed", "list"])
+def test_frozen_mixed_dtype_and_list_units_with_scalars_train_alike(dist_run: Callable[..., Any], how: str) -> None:
+    for direct in (True, False):
+        for diff in dist_run(4, other_units, direct, how):
+            assert diff < 1e-6, (how, direct, diff)  # float32 values round
+
+
+def meta_init(direct: bool) -> float:
+    """Built on the meta device, sharded, ``to_empty`` and each module's ``reset_parameters`` (the
+    0-dim ``gate.g`` too) under one seed: the plain model's values on every rank."""
+    with torch.device("meta"):
+        model = ScalarNet()
+    with direct_units(direct):
+        fully_shard(model, POLICY)
+    model.to_empty(device="cpu")
+    torch.manual_seed(7)
+    for m in model.modules():
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()  # type: ignore[operator]
+    ref = ScalarNet()
+    torch.manual_seed(7)
+    for m in ref.modules():
+        if callable(getattr(m, "reset_parameters", None)):
+            m.reset_parameters()  # type: ignore[operator]
+    return _diff(_full(model), {n: p.detach() for n, p in ref.named_parameters()})
+
+
+def test_meta_init_resets_scalar_and_short_parameters(dist_run: Callable[..., Any]) -> None:
+    for direct in (True, False):
+        assert dist_run(4, meta_init, direct) == [0.0] * 4
