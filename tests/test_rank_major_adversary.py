@@ -463,7 +463,6 @@ class MixedScalars(ScalarNet):
 def other_units(direct: bool, how: str) -> float:
     """SGD next to the unsharded model: frozen and float32 0-dim parameters beside float64 ones
     ("mixed"), or ``gate`` and ``head`` as one unit (``fully_shard([gate, head])``, "list")."""
-    world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref: nn.Module = MixedScalars().double() if how == "mixed" else ScalarNet().double()
     if how == "mixed":
@@ -511,3 +510,84 @@ def meta_init(direct: bool) -> float:
 def test_meta_init_resets_scalar_and_short_parameters(dist_run: Callable[..., Any]) -> None:
     for direct in (True, False):
         assert dist_run(4, meta_init, direct) == [0.0] * 4
+
+
+# ---------------------------------------------------------------------------- mixed precision
+def bf16_grads(direct: bool) -> float:
+    """bf16 parameters, float32 reduction: each rank's bf16 gradient of a bf16 copy of the model, cast
+    to float32 and averaged over the ranks, is what every sharded gradient becomes."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = ScalarNet()
+    mp = MixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    with direct_units(direct):
+        model = fully_shard(copy.deepcopy(ref), POLICY, mixed_precision=mp)
+        x, y = (t.float() for t in local_slice(batch(0, 2 * world), rank, world))
+        F.mse_loss(model(x).float(), y).backward()
+    low = copy.deepcopy(ref).bfloat16()
+    F.mse_loss(low(x.bfloat16()).float(), y).backward()
+    want = {}
+    for n, p in low.named_parameters():
+        g = p.grad.float() / world
+        dist.all_reduce(g)
+        want[n] = g
+    with unshard_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return _diff(got, want)
+
+
+def test_bf16_parameters_reduce_scalar_gradients_in_float32(dist_run: Callable[..., Any]) -> None:
+    for direct in (True, False):
+        for diff in dist_run(4, bf16_grads, direct):
+            assert diff < 1e-6, (direct, diff)
+
+
+# ---------------------------------------------------------------------------- ranks on different paths
+class OneWeight(nn.Module):
+    """``a``: a unit of one (5, 5) weight (both orders are one tensor; at 4 ranks rank 2's chunk is
+    half padding, rank 3's all padding); the root: ``b``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Sequential(nn.Linear(5, 5, bias=False))
+        self.b = nn.Linear(5, 1)
+        self.detach_a = False  # `a` runs but gets no gradient
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.a(x)
+        return self.b(torch.tanh(h.detach() if self.detach_a else h))
+
+
+def uneven_no_sync(direct: bool) -> float:
+    """SHARD_GRAD_OP (no collective in a ``no_sync`` micro-batch): ``a`` gets a gradient on rank 0
+    only in the first micro-batch, so at the synced backward rank 0 sends its kept flat gradient
+    while the others send autograd's gradients: the two must cut the same messages. The result is
+    the unsharded model's sum."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    torch.manual_seed(0)
+    ref = OneWeight().double()
+    with direct_units(direct):
+        grad_op = ShardingStrategy.SHARD_GRAD_OP
+        model = fully_shard(copy.deepcopy(ref), ModuleWrapPolicy({nn.Sequential}), strategy=grad_op)
+        extra, b = batch(50, 2 * world), batch(0, 2 * world)
+        with no_sync(model):
+            model.detach_a = rank != 0
+            loss_of(model, local_slice(extra, rank, world)).backward()
+        model.detach_a = False
+        loss_of(model, local_slice(b, rank, world)).backward()
+    for r in range(world):
+        ref.detach_a = r != 0
+        (loss_of(ref, local_slice(extra, r, world)) / world).backward()
+    ref.detach_a = False
+    loss_of(ref, b).backward()
+    with unshard_params(model, with_grads=True):
+        got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return _diff(got, {n: p.grad for n, p in ref.named_parameters()})
+
+
+def test_a_rank_with_kept_no_sync_gradients_reduces_with_ranks_without(dist_run: Callable[..., Any]) -> None:
+    """Before the fix a direct one-parameter unit sent its kept sum as one message per peer and
+    autograd's gradient as rows and padding: gloo aborted ("Received data size doesn't match")."""
+    for direct in (True, False):
+        for diff in dist_run(4, uneven_no_sync, direct):
+            assert diff < 1e-12, (direct, diff)
