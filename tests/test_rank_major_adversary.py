@@ -133,13 +133,14 @@ def train(direct: bool, how: str) -> float:
         "grad_op": {"strategy": ShardingStrategy.SHARD_GRAD_OP},
         "post_forward_2": {"reshard_after_forward": 2},
         "no_sync": {},
-        "hybrid": {"mesh": init_device_mesh("cpu", (2, world // 2))} if world % 2 == 0 else {},
+        "hybrid": {"mesh": init_device_mesh("cpu", (2, world // 2))},
+        "hybrid_no_sync": {"mesh": init_device_mesh("cpu", (2, world // 2))},
         "mixed": {"mixed_precision": MixedPrecision(param_dtype=torch.float32, reduce_dtype=torch.float64)},
     }[how]
     ref, model = _pair(direct, **kwargs)
     opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05)
     for step in range(3):
-        micro = 2 if how == "no_sync" else 1
+        micro = 2 if how.endswith("no_sync") else 1
         for m in range(micro):
             b = batch(10 * step + m, 2 * world)
             loss_of(ref, b).backward()
@@ -153,7 +154,7 @@ def train(direct: bool, how: str) -> float:
 
 
 @pytest.mark.parametrize("direct", [True, False])
-@pytest.mark.parametrize("how", ["full", "grad_op", "post_forward_2", "no_sync", "hybrid", "mixed"])
+@pytest.mark.parametrize("how", ["full", "grad_op", "post_forward_2", "no_sync", "hybrid", "hybrid_no_sync", "mixed"])
 def test_scalar_and_short_parameters_train_like_the_unsharded_model(
     dist_run: Callable[..., Any], direct: bool, how: str
 ) -> None:
@@ -591,3 +592,43 @@ def test_a_rank_with_kept_no_sync_gradients_reduces_with_ranks_without(dist_run:
     for direct in (True, False):
         for diff in dist_run(4, uneven_no_sync, direct):
             assert diff < 1e-12, (direct, diff)
+
+
+# ---------------------------------------------------------------------------- zero-size parameters
+class Hollow(nn.Module):
+    """Zero-size parameters with rows ((3, 0): torch.chunk gives each of 2 ranks rows of it) and
+    without ((0, 3)), beside a weight."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cols = nn.Parameter(torch.zeros(3, 0))
+        self.rows = nn.Parameter(torch.zeros(0, 3))
+        self.lin = nn.Linear(5, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + self.cols.sum() + self.rows.sum()
+
+
+def hollow_sharded(path: str, save: bool) -> dict[str, Any]:
+    """SHARDED values are ``Shard(0)`` DTensors whose local shapes are torch.chunk's, and DCP saves
+    them at one world size and loads them at another."""
+    torch.manual_seed(0 if save else 1)
+    model = fully_shard(Hollow().double())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with state_dict_type(model, SHARDED):
+        sd = model.state_dict()
+        shapes = {k: tuple(v.to_local().shape) for k, v in sd.items()}
+        if save:
+            dcp.save(sd, checkpoint_id=os.path.join(path, "hollow"))
+        else:
+            dcp.load(sd, checkpoint_id=os.path.join(path, "hollow"))
+            model.load_state_dict(sd)
+    torch.manual_seed(0)
+    ref = Hollow().double()
+    want = {k: tuple((list(v.chunk(world)) + [v[:0]] * world)[rank].shape) for k, v in ref.state_dict().items()}
+    return {"shapes": shapes == want or (shapes, want), "values": _diff(_full(model), dict(ref.named_parameters()))}
+
+
+def test_zero_size_parameters_shard_as_torch_chunk(dist_run: Callable[..., Any], tmp_path: Any) -> None:
+    assert dist_run(2, hollow_sharded, str(tmp_path), True) == [{"shapes": True, "values": 0.0}] * 2
+    assert dist_run(4, hollow_sharded, str(tmp_path), False) == [{"shapes": True, "values": 0.0}] * 4
