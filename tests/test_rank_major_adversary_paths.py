@@ -49,7 +49,8 @@ from fsdp_composable import (
 def flat_optimizer_state(direct: bool) -> dict[str, float]:
     """``use_orig_params=False``: Adam over the rank-major flat parameters; the optimizer's own state
     dict (the flat state as a padded flat DTensor), gathered whole, loads into a fresh wrapper's
-    optimizer, which trains on next to the unsharded model."""
+    optimizer, which trains on next to the unsharded model; the FQN-keyed one loads into another
+    wrapper's optimizer (``optim_state_dict_to_load``) as the same flat state."""
     world, rank = dist.get_world_size(), dist.get_rank()
     torch.manual_seed(0)
     ref = ScalarNet().double()
@@ -62,7 +63,7 @@ def flat_optimizer_state(direct: bool) -> dict[str, float]:
         model.zero_grad(set_to_none=True)
         return model
 
-    model, fresh = wrap(), wrap()
+    model, fresh, by_name = wrap(), wrap(), wrap()
     opt_ref, opt = torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05)
     adam_steps(ref, model, range(2), (opt_ref, opt))
     osd = FullyShardedDataParallel.optim_state_dict(model, opt)
@@ -76,15 +77,23 @@ def flat_optimizer_state(direct: bool) -> dict[str, float]:
     fresh_opt = torch.optim.Adam(fresh.parameters(), lr=0.05)
     init_optim_state(fresh_opt)  # installs the hook that takes the global form back
     fresh_opt.load_state_dict({**raw, "state": whole})
+    named_opt = torch.optim.Adam(by_name.parameters(), lr=0.05)
+    named_opt.load_state_dict(FullyShardedDataParallel.optim_state_dict_to_load(by_name, named_opt, osd))
+    pairs = zip(fresh.parameters(), by_name.parameters())
+    named = max(
+        (fresh_opt.state[a][k] - named_opt.state[b][k]).abs().max().item()
+        for a, b in pairs
+        for k in ("exp_avg", "exp_avg_sq")
+    )
     adam_steps(ref, fresh, range(2, 4), (opt_ref, fresh_opt))
-    return {"by_fqn": by_fqn, "trained": param_diff(fresh, ref)}
+    return {"by_fqn": by_fqn, "named": named, "trained": param_diff(fresh, ref)}
 
 
 def test_flat_parameter_optimizer_state_loads_whole(dist_run: Callable[..., Any]) -> None:
     """Fails if the padded flat state is read as param-major (it is every rank's shard in turn)."""
     for direct in (True, False):
         for r in dist_run(4, flat_optimizer_state, direct):
-            assert r["by_fqn"] < 1e-12 and r["trained"] < 1e-10, (direct, r)
+            assert r["by_fqn"] < 1e-12 and r["named"] < 1e-12 and r["trained"] < 1e-10, (direct, r)
 
 
 # ---------------------------------------------------------------------------- FSDP1 communication hooks
