@@ -30,6 +30,7 @@ from test_rank_major_adversary import (
     ref_osd,
 )
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 
 from fsdp_composable import (
     FullyShardedDataParallel,
@@ -139,13 +140,15 @@ def clipped(direct: bool, how: str) -> dict[str, float]:
     with direct_units(direct):
         if how == "flat":
             model = FullyShardedDataParallel(copy.deepcopy(ref), auto_wrap_policy=POLICY, use_orig_params=False)
+        elif how == "hybrid":  # HYBRID_SHARD: shard groups of 2, replicated twice
+            model = fully_shard(copy.deepcopy(ref), POLICY, mesh=init_device_mesh("cpu", (2, world // 2)))
         else:
             model = fully_shard(copy.deepcopy(ref), POLICY)
         b = batch(0, 2 * world)
         loss_of(ref, b).backward()
         loss_of(model, local_slice(b, rank, world)).backward()
     want = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
-    if how == "ours":
+    if how in ("ours", "hybrid"):
         got = clip_grad_norm_(model, 0.05)
     elif how == "flat":
         got = model.clip_grad_norm_(0.05)
@@ -157,7 +160,7 @@ def clipped(direct: bool, how: str) -> dict[str, float]:
     return {"norm": abs(got.item() - want.item()), "grads": max_diff(grads, want_grads)}
 
 
-@pytest.mark.parametrize("how", ["ours", "torch", "flat"])
+@pytest.mark.parametrize("how", ["ours", "torch", "flat", "hybrid"])
 def test_clip_grad_norm_counts_a_scalar_gradient_once(dist_run: Callable[..., Any], how: str) -> None:
     """Every rank's shard holds a 0-dim parameter's gradient: summing the shards over the ranks counts
     it once per rank unless the norm takes it from one rank only."""
