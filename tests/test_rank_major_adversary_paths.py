@@ -26,6 +26,7 @@ from test_rank_major_adversary import (
     loss_of,
     max_diff,
     osd_diff,
+    pair,
     param_diff,
     ref_osd,
 )
@@ -353,3 +354,31 @@ def hollow_sharded(path: str, save: bool) -> dict[str, Any]:
 def test_zero_size_parameters_shard_as_torch_chunk(dist_run: Callable[..., Any], tmp_path: Any) -> None:
     assert dist_run(2, hollow_sharded, str(tmp_path), True) == [{"shapes": True, "values": 0.0}] * 2
     assert dist_run(4, hollow_sharded, str(tmp_path), False) == [{"shapes": True, "values": 0.0}] * 4
+
+
+# ---------------------------------------------------------------------------- torch's state-dict API
+def torch_api_round_trip(direct: bool, full: bool) -> dict[str, float]:
+    """``get_state_dict`` (full tensors, or DTensors) equals the unsharded model's and torch Adam's
+    state; ``set_state_dict`` of it into a model and optimizer of other values trains on in parity."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    ref, model = pair(direct)
+    _, other = pair(direct)
+    opts = (torch.optim.Adam(ref.parameters(), lr=0.05), torch.optim.Adam(model.parameters(), lr=0.05))
+    adam_steps(ref, model, range(2), opts)
+    options = StateDictOptions(full_state_dict=full)
+    model_sd, optim_sd = get_state_dict(model, opts[1], options=options)
+    whole = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in model_sd.items()}
+    got = {"model": max_diff(whole, dict(ref.state_dict())), "optim": osd_diff(optim_sd, ref_osd(ref, opts[0]))}
+    other_opt = torch.optim.Adam(other.parameters(), lr=0.5)
+    set_state_dict(other, other_opt, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    adam_steps(ref, other, range(2, 4), (opts[0], other_opt))
+    got["trained"] = param_diff(other, ref)
+    return got
+
+
+@pytest.mark.parametrize("full", [True, False])
+def test_torch_state_dict_api_with_scalar_and_short_parameters(dist_run: Callable[..., Any], full: bool) -> None:
+    for direct in (True, False):
+        for r in dist_run(4, torch_api_round_trip, direct, full):
+            assert r["model"] < 1e-12 and r["optim"] < 1e-12 and r["trained"] < 1e-10, (full, direct, r)
