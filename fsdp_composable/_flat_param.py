@@ -396,11 +396,8 @@ class FlatParamHandle:
         if not (self.is_unsharded and self._needs_buffer) or self._unshard_work is not None:
             return
         assert self._unsharded is not None
-        if self.layout.same_order:
-            n = self.layout.shard_numel
-            mine = self._unsharded[self.layout.rank * n : (self.layout.rank + 1) * n]
-        else:
-            mine = self.layout.shard_of(self._unsharded)
+        # not a slice by rank when a 0-dim parameter is its only chunk: the parameter views the front copy
+        mine = self.layout.shard_of(self._unsharded)
         shard = self.flat_param.data
         with torch.no_grad():
             if mine.dtype == shard.dtype and mine.device == shard.device:

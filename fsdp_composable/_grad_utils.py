@@ -209,7 +209,8 @@ class NormPieces:
     ) -> None:
         """A unit's flat gradient shard (or, with ``params``, the slices of those original parameters)."""
         dp = handle.process_group if handle.layout.world_size > 1 else None
-        if not handle.tensor_parallel and params is None:
+        replicated = dp is not None and any(info.replicated for info in handle.layout.infos)
+        if not handle.tensor_parallel and params is None and not replicated:
             target = self.expect(dp, None)
             if grad is not None:
                 target.append(grad)
@@ -218,7 +219,8 @@ class NormPieces:
         for param, info, piece in zip(handle.params, handle.layout.infos, slices):
             if params is not None and id(param) not in params:
                 continue
-            target = self.expect(dp, tp_group_of(info.tp))
+            # a 0-dim parameter's gradient is whole (and equal) in every rank's shard: counted once, here
+            target = self.expect(None if info.replicated else dp, tp_group_of(info.tp))
             if params is not None:
                 piece = _tensor_parallel.local_of(param.grad) if param.grad is not None else None
             if piece is not None:

@@ -107,10 +107,11 @@ class FlatLayout:
         """The shape of rank ``rank``'s chunk of ``info`` (``Shard(0)``'s local shape)."""
         if info.replicated or self.world_size == 1:
             return info.shape
-        numel = self.local_numel(info, rank)
-        rows = info.shape[0]
-        row = info.numel // rows if rows else 0
-        return torch.Size((numel // row if row else 0, *info.shape[1:]))
+        # by rows, not elements: a zero-size (3, 0) parameter still has rows to hand out
+        rows, r = info.shape[0], self.rank if rank is None else rank
+        per = -(-rows // self.world_size)
+        first = min(r * per, rows)
+        return torch.Size((min(first + per, rows) - first, *info.shape[1:]))
 
     @functools.cached_property
     def direct(self) -> bool:

@@ -281,8 +281,8 @@ def start_reduce(
     group, rdtype = handle.process_group, handle.reduce_dtype
     with NoGrad():
         layout = handle.layout
-        # gloo sends each parameter's rows from where they are: [Note: moving chunks]
-        pieces = not layout.same_order_in and layout.direct and _collectives.point_to_point(group, handle.device)
+        # gloo sends each parameter's rows from where they are ([Note: moving chunks]), kept sum or not alike
+        pieces = layout.world_size > 1 and layout.direct and _collectives.point_to_point(group, handle.device)
         if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
             send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
             send = send if layout.direct else [torch.cat(send)]
