@@ -4,7 +4,7 @@
 `CommCounter` wraps the Python collectives of ``torch.distributed`` (``COLLECTIVES``) wherever a
 module bound them: ``torch.distributed``, ``distributed_c10d``, and any module under
 ``fsdp_composable``, ``torch.distributed`` or ``torch.nn.parallel`` that took a reference at import
-time (``fsdp_composable._collectives`` does). A wrapped call made from inside another wrapped call
+time (``fsdp_composable._comm._collectives`` does). A wrapped call made from inside another wrapped call
 (torch 2.13's ``all_gather_into_tensor`` calls ``all_gather_single``) is counted once, by the
 outermost. It cannot see collectives issued from C++: DDP's reducer calls
 ``ProcessGroup::allreduce`` directly, and functional collectives call ``torch.ops._c10d_functional``.
@@ -96,9 +96,9 @@ def _group_size(args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
 
 def _is_agreement_header(args: tuple[Any, ...]) -> bool:
     """A send of fsdp_composable's rank-agreement header (a few int64s opening with its magic number,
-    see [Note: collective headers] in fsdp_composable/_rank_agreement.py): counted as kind "header", apart
+    see [Note: collective headers] in fsdp_composable/_comm/_rank_agreement.py): counted as kind "header", apart
     from the payload, so the payload stays comparable with theory and with other implementations."""
-    from fsdp_composable._rank_agreement import _MAGIC
+    from fsdp_composable._comm._rank_agreement import _MAGIC
 
     first = args[0] if args else None
     if isinstance(first, (list, tuple)) and first:

@@ -36,8 +36,8 @@ from torch import nn  # noqa: E402
 from benchmarks._model import DEFAULT, Block  # noqa: E402
 from benchmarks._ranks import free_port  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
-from fsdp_composable import _collectives  # noqa: E402
-from fsdp_composable._rank_major import build_layout  # noqa: E402
+from fsdp_composable._comm import _collectives  # noqa: E402
+from fsdp_composable._flat._rank_major import build_layout  # noqa: E402
 
 _gloo_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _gloo_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor

@@ -6,7 +6,7 @@ Usage (see benchmarks/README.md, "cost of the safety checks"):
 The ranks (gloo on 127.0.0.1, forked) build ``fully_shard(BenchGPT, ModuleWrapPolicy({Block}))`` with
 AdamW once, then run ``--rounds`` rounds; each round runs ``--steps`` timed steps of every variant,
 in an order rotated by one each round, so that drift of the machine hits every variant alike. A
-variant turns checks off with the private `fsdp_composable._safety.switched_off` ([Note: safety
+variant turns checks off with the private `fsdp_composable._base._safety.switched_off` ([Note: safety
 switches]): the same model and optimizer, only the checks differ. A step's time is the slowest
 rank's; a variant's time is the median over its steps. The cost of a check is the all-on median
 minus the median with that check off, as a share of the all-on step. Writes a JSON file, a PNG chart
@@ -33,7 +33,7 @@ from benchmarks._impls import build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
-from fsdp_composable import _safety  # noqa: E402
+from fsdp_composable._base import _safety  # noqa: E402
 
 VARIANTS: list[tuple[str, tuple[str, ...]]] = [
     ("every check on", ()),

@@ -23,11 +23,8 @@ def _run_as_main(argv: "list[str]") -> bool:
 _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
-    from fsdp_composable._forward_methods import register_fsdp_forward_method
-    from fsdp_composable._grad_scaler import ShardedGradScaler
-    from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
-    from fsdp_composable._module_controls import UnshardHandle, is_sharded, reshard, sharded_modules, unshard
-    from fsdp_composable._module_switches import (
+    from fsdp_composable._compat.fsdp1._register_comm_hook import register_comm_hook
+    from fsdp_composable._compat.fsdp2._module_switches import (
         set_is_last_backward,
         set_modules_to_backward_prefetch,
         set_modules_to_forward_prefetch,
@@ -37,18 +34,21 @@ if not _RUN_AS_MAIN:
         set_reshard_after_forward,
         set_unshard_in_backward,
     )
-    from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
-    from fsdp_composable._reduce_controls import (
+    from fsdp_composable._compat.fsdp2._reduce_controls import (
         set_all_reduce_hook,
         set_force_sum_reduction_for_comms,
         set_gradient_divide_factor,
         set_post_optim_event,
         set_reduce_scatter_divide_factor,
     )
-    from fsdp_composable._register_comm_hook import register_comm_hook
-    from fsdp_composable._state_dict_utils import state_dict_type
-    from fsdp_composable._unshard_param_utils import summon_full_params, unshard_params
-    from fsdp_composable._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+    from fsdp_composable._grads._grad_scaler import ShardedGradScaler
+    from fsdp_composable._init._wrap_utils import CustomPolicy, ModuleWrapPolicy, Policy, SizeBasedPolicy
+    from fsdp_composable._runtime._forward_methods import register_fsdp_forward_method
+    from fsdp_composable._runtime._grad_utils import clip_grad_norm_, no_sync
+    from fsdp_composable._runtime._module_controls import UnshardHandle, is_sharded, reshard, sharded_modules, unshard
+    from fsdp_composable._runtime._unshard_param_utils import summon_full_params, unshard_params
+    from fsdp_composable._state._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+    from fsdp_composable._state._state_dict_utils import state_dict_type
     from fsdp_composable.api import (
         BackwardPrefetch,
         CollectiveError,

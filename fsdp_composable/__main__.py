@@ -1,4 +1,4 @@
-"""`python -m fsdp_composable`: train the demo GPT (`fsdp_composable.demo`) with `fully_shard`.
+"""`python -m fsdp_composable`: train the demo GPT (`fsdp_composable._job.demo`) with `fully_shard`.
 
 Without a launcher it starts ``--world-size`` ranks itself (gloo on 127.0.0.1 for ``--device cpu``).
 Under ``torchrun`` (``RANK`` and ``WORLD_SIZE`` are set) this process is one rank and joins the group
@@ -30,8 +30,8 @@ import time
 import warnings
 from typing import NoReturn, Optional
 
-from fsdp_composable import _job_checkpoint as job_ckpt
-from fsdp_composable import _job_processes as job_procs
+from fsdp_composable._job import _job_checkpoint as job_ckpt
+from fsdp_composable._job import _job_processes as job_procs
 
 __all__ = ["build_parser", "main", "parse_args"]
 
@@ -206,7 +206,7 @@ def _check_launcher(parser: argparse.ArgumentParser) -> None:
 
 
 def model_params(args: argparse.Namespace) -> int:
-    """The demo GPT's parameter count (`fsdp_composable.demo.GPT`), computed without building it."""
+    """The demo GPT's parameter count (`fsdp_composable._job.demo.GPT`), computed without building it."""
     d = args.d_model
     block = 12 * d * d + 13 * d  # qkv, proj, fc1, fc2 (weights and biases) and two LayerNorms
     return args.layers * block + (2 * args.vocab + args.seq + 2) * d
@@ -427,7 +427,7 @@ def launch(args: argparse.Namespace) -> None:
     wait for them (see [Note: how the main job stops its ranks] in ``_job_processes.py``)."""
     _quiet_numpy_warning()
     if _launched_by_torchrun():
-        from fsdp_composable.demo import end_trained_rank, run_rank  # torch: after the first lines
+        from fsdp_composable._job.demo import end_trained_rank, run_rank  # torch: after the first lines
 
         run_rank(int(os.environ["RANK"]), args, "env://", int(os.environ.get("LOCAL_RANK", "0")))
         end_trained_rank()
@@ -435,12 +435,12 @@ def launch(args: argparse.Namespace) -> None:
         args.threads = max(1, (os.cpu_count() or 1) // args.world_size)  # do not oversubscribe the cores
     init_method = f"tcp://127.0.0.1:{free_port()}"
     if args.world_size == 1:
-        from fsdp_composable.demo import run_rank
+        from fsdp_composable._job.demo import run_rank
 
         run_rank(0, args, init_method)  # no second process to start
         return
     print(f"starting {args.world_size} ranks: each imports torch, then they join one process group", flush=True)
-    job_procs.run_ranks("fsdp_composable.demo:spawned_rank", args.world_size, (args, init_method))
+    job_procs.run_ranks("fsdp_composable._job.demo:spawned_rank", args.world_size, (args, init_method))
 
 
 def main(argv: Optional[list[str]] = None) -> int:

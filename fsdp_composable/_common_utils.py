@@ -10,11 +10,11 @@ from typing import Iterable, Optional
 
 from torch import nn
 
+from fsdp_composable._base._state_machine import StateTransitionError
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._flat_param import FSDP_FLATTENED
-from fsdp_composable._root_context import TrainingState, _FSDPState, _set_training_state
-from fsdp_composable._state_machine import StateTransitionError
+from fsdp_composable._runtime._root_context import TrainingState, _FSDPState, _set_training_state
 
 __all__ = [
     "FSDP_FLATTENED",

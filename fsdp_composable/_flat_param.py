@@ -29,15 +29,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _collectives, _trace
+from fsdp_composable._base._copy_guard import refusal, refuse_copies
+from fsdp_composable._base._grad_records import UnitGrads
+from fsdp_composable._base._state_machine import Transitions, check_transition
+from fsdp_composable._base._unit_switches import UnitSwitches
+from fsdp_composable._comm import _collectives, _trace
+from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._copy_guard import refusal, refuse_copies
-from fsdp_composable._grad_records import UnitGrads
-from fsdp_composable._rank_major import FlatLayout, ParamInfo
-from fsdp_composable._rank_major import build_layout as _build_layout
-from fsdp_composable._state_machine import Transitions, check_transition
-from fsdp_composable._tensor_parallel import local_of, point_at
-from fsdp_composable._unit_switches import UnitSwitches
+from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
+from fsdp_composable._flat._rank_major import build_layout as _build_layout
 
 __all__ = ["FlatLayout", "FlatParameter", "FlatParamHandle", "HandleTrainingState", "ParamInfo"]
 

@@ -57,8 +57,8 @@ from torch.utils.checkpoint import checkpoint as _torch_checkpoint
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_composable._composable_state import _Contract, _get_module_state, _insert_module_state, contract
-from fsdp_composable._state_dict_utils import _register_prefix_hooks
-from fsdp_composable._wrap_utils import _get_submodule_to_states
+from fsdp_composable._init._wrap_utils import _get_submodule_to_states
+from fsdp_composable._state._state_dict_utils import _register_prefix_hooks
 
 __all__ = ["CheckpointImpl", "CheckpointWrapper", "apply_activation_checkpointing", "checkpoint", "checkpoint_wrapper"]
 

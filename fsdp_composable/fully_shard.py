@@ -8,25 +8,25 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import _init_utils as init
 from fsdp_composable._common_utils import API_NAME, _FSDPState, _registrations_of
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
-from fsdp_composable._default_device import default_device_not_meta
-from fsdp_composable._fsdp1_names import as_ours
-from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
-from fsdp_composable._group_units import check_members
-from fsdp_composable._post_forward_group import (
+from fsdp_composable._grads._reduce_utils import init_grads
+from fsdp_composable._init import _init_utils as init
+from fsdp_composable._init._default_device import default_device_not_meta
+from fsdp_composable._init._group_units import check_members
+from fsdp_composable._init._post_forward_group import (
     init_post_forward_groups,
     reshard_root_if_given,
     resolve_post_forward_ranks,
 )
-from fsdp_composable._reduce_utils import init_grads
-from fsdp_composable._reset_params import install_reset_hooks
-from fsdp_composable._runtime_utils import _register_hooks
-from fsdp_composable._state_dict_utils import _register_state_dict_hooks
-from fsdp_composable._to_empty import install_to_empty
-from fsdp_composable._torch_interop import _install_process_changes, _register_torch_api_hooks
+from fsdp_composable._init._reset_params import install_reset_hooks
+from fsdp_composable._init._to_empty import install_to_empty
+from fsdp_composable._names._fsdp1_names import as_ours
+from fsdp_composable._names._fsdp2_names import OurArgs, map_fsdp2_names
+from fsdp_composable._runtime._runtime_utils import _register_hooks
+from fsdp_composable._state._state_dict_utils import _register_state_dict_hooks
+from fsdp_composable._state._torch_interop import _install_process_changes, _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 
 __all__ = ["fully_shard"]

@@ -26,7 +26,7 @@ from torch import nn
 
 from fsdp_composable._common_utils import _get_fsdp_state, _get_fsdp_states
 from fsdp_composable._config import ShardConfig, UnitConfig
-from fsdp_composable._memory_model import (
+from fsdp_composable._init._memory_model import (
     OPTIMIZER_STATE_FACTORS,
     _activation_bytes,
     _call_args,
@@ -35,9 +35,9 @@ from fsdp_composable._memory_model import (
     _unit_cost,
     _UnitCost,
 )
-from fsdp_composable._sharding_plan import ROOT_NAME, MemoryEstimate, ShardingPlan, UnitPlan, _join, _unit_plan
-from fsdp_composable._state_dict_utils import _clean_module_fqns
-from fsdp_composable._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
+from fsdp_composable._init._sharding_plan import ROOT_NAME, MemoryEstimate, ShardingPlan, UnitPlan, _join, _unit_plan
+from fsdp_composable._init._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
+from fsdp_composable._state._state_dict_utils import _clean_module_fqns
 from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
 __all__ = ["MemoryEstimate", "ShardingPlan", "UnitPlan", "describe", "estimate_memory"]

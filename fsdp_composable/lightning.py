@@ -48,11 +48,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from fsdp_composable._common_utils import _get_fsdp_states
-from fsdp_composable._forward_methods import register_fsdp_forward_method
-from fsdp_composable._fsdp1_static import OptimStateKeyType, rekey_optim_state_dict
-from fsdp_composable._grad_utils import no_sync
-from fsdp_composable._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
-from fsdp_composable._state_dict_utils import state_dict_type
+from fsdp_composable._compat.fsdp1._fsdp1_static import OptimStateKeyType, rekey_optim_state_dict
+from fsdp_composable._runtime._forward_methods import register_fsdp_forward_method
+from fsdp_composable._runtime._grad_utils import no_sync
+from fsdp_composable._state._optim_utils import init_optim_state, optim_state_dict, optim_state_dict_to_load
+from fsdp_composable._state._state_dict_utils import state_dict_type
 from fsdp_composable.api import FullStateDictConfig, StateDictType
 from fsdp_composable.fully_shard import fully_shard
 

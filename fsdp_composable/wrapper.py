@@ -17,20 +17,21 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable import _fsdp1_static, _module_switches, _register_comm_hook
 from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._compat.fsdp1 import _fsdp1_static, _register_comm_hook
+from fsdp_composable._compat.fsdp2 import _module_switches
 from fsdp_composable._config import ShardConfig
-from fsdp_composable._default_device import default_device_not_meta
-from fsdp_composable._flat_mode import _use_flat_params, _use_orig_params
-from fsdp_composable._fsdp1_names import as_ours
-from fsdp_composable._fsdp2_names import split_ignored_params
-from fsdp_composable._grad_utils import clip_grad_norm_, no_sync
-from fsdp_composable._module_controls import UnshardHandle, reshard, sharded_modules, unshard
-from fsdp_composable._optim_utils import optim_state_dict as _optim_state_dict
-from fsdp_composable._optim_utils import optim_state_dict_to_load as _to_load
-from fsdp_composable._state_dict_utils import _register_prefix_hooks, state_dict_type_with_optim
-from fsdp_composable._torch_interop import _register_torch_api_hooks
-from fsdp_composable._unshard_param_utils import unshard_params
+from fsdp_composable._init._default_device import default_device_not_meta
+from fsdp_composable._names._fsdp1_names import as_ours
+from fsdp_composable._names._fsdp2_names import split_ignored_params
+from fsdp_composable._runtime._flat_mode import _use_flat_params, _use_orig_params
+from fsdp_composable._runtime._grad_utils import clip_grad_norm_, no_sync
+from fsdp_composable._runtime._module_controls import UnshardHandle, reshard, sharded_modules, unshard
+from fsdp_composable._runtime._unshard_param_utils import unshard_params
+from fsdp_composable._state._optim_utils import optim_state_dict as _optim_state_dict
+from fsdp_composable._state._optim_utils import optim_state_dict_to_load as _to_load
+from fsdp_composable._state._state_dict_utils import _register_prefix_hooks, state_dict_type_with_optim
+from fsdp_composable._state._torch_interop import _register_torch_api_hooks
 from fsdp_composable.api import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable.fully_shard import _build_state
 

@@ -19,7 +19,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from models import Block, TinyGPT, gpt_batch, gpt_loss  # noqa: E402
 
-from fsdp_composable import ModuleWrapPolicy, _optim_convert, fully_shard, optim_state_dict  # noqa: E402
+from fsdp_composable import ModuleWrapPolicy, fully_shard, optim_state_dict  # noqa: E402
+from fsdp_composable._state import _optim_convert  # noqa: E402
 
 
 def main() -> None:

@@ -43,7 +43,8 @@ from reduction_copies import reduction_copies  # noqa: E402
 from stream_recorder import check_streams, recording, storage_key  # noqa: E402
 
 import fsdp_composable as fc  # noqa: E402
-from fsdp_composable import _collectives, _init_utils  # noqa: E402
+from fsdp_composable._comm import _collectives  # noqa: E402
+from fsdp_composable._init import _init_utils  # noqa: E402
 
 WORLD = 4
 META = torch.device("meta")
@@ -327,7 +328,7 @@ def hook_offload_copy_on_the_stream() -> None:
     back a stand-in.)"""
     from torch.distributed.algorithms._comm_hooks import default_hooks
 
-    from fsdp_composable import _reduce_utils
+    from fsdp_composable._grads import _reduce_utils
 
     m = model()
     fc.register_comm_hook(m, default_hooks.DefaultState(dist.group.WORLD), default_hooks.reduce_scatter_hook)

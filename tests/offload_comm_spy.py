@@ -26,7 +26,7 @@ from models import Block, TinyGPT, gpt_batch, gpt_loss
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_composable as fc
-from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable._comm import _collectives, _rank_agreement
 
 META = torch.device("meta")
 # every torch.distributed collective the package calls (by attribute, so patching dist reaches it)

@@ -13,7 +13,8 @@ from typing import Any, Iterator
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_composable import _collectives, _reduce_utils
+from fsdp_composable._comm import _collectives
+from fsdp_composable._grads import _reduce_utils
 
 _COPIES = {
     torch.ops.aten.cat.default,

@@ -11,7 +11,10 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from fsdp_composable import _collectives, _flat_param, _forward_methods, _grad_utils, _reduce_utils, _runtime_utils
+from fsdp_composable import _flat_param
+from fsdp_composable._comm import _collectives
+from fsdp_composable._grads import _reduce_utils
+from fsdp_composable._runtime import _forward_methods, _grad_utils, _runtime_utils
 
 META = torch.device("meta")
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from test_parity import _check, _gpt_policy, _mlp_manual_nesting
 
-from fsdp_composable import _collectives, _rank_agreement
+from fsdp_composable._comm import _collectives, _rank_agreement
 
 
 def _compare_with_gloo(dtype: torch.dtype) -> dict[str, Any]:

@@ -8,7 +8,7 @@ import torch
 
 from fsdp_composable import BackwardPrefetch, CPUOffload, MixedPrecision, ShardingStrategy
 from fsdp_composable._config import MAX_UNSHARDED_UNITS, ShardConfig, UnitConfig
-from fsdp_composable._limiter_utils import _AllGatherLimiter
+from fsdp_composable._runtime._limiter_utils import _AllGatherLimiter
 
 F32, BF16, F16 = torch.float32, torch.bfloat16, torch.float16
 CPU = torch.device("cpu")

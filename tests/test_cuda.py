@@ -21,7 +21,8 @@ import torch.distributed as dist
 from harness import free_port
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 
-from fsdp_composable import CPUOffload, ModuleWrapPolicy, ShardingStrategy, _collectives, clip_grad_norm_, fully_shard
+from fsdp_composable import CPUOffload, ModuleWrapPolicy, ShardingStrategy, clip_grad_norm_, fully_shard
+from fsdp_composable._comm import _collectives
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (NCCL and CUDA streams)")
 

@@ -12,15 +12,11 @@ import torch.distributed as dist
 from device_index_fake import CudaGroup, record_collective, two_fake_cuda_devices
 from models import Block, TinyGPT
 
-from fsdp_composable import (
-    ModuleWrapPolicy,
-    _checkpoint_comm,
-    _collectives,
-    _ignored_checks,
-    _init_utils,
-    _lazy_init,
-    _tensor_parallel,
-)
+from fsdp_composable import ModuleWrapPolicy
+from fsdp_composable._comm import _collectives, _tensor_parallel
+from fsdp_composable._flat import _checkpoint_comm
+from fsdp_composable._init import _ignored_checks, _init_utils
+from fsdp_composable._runtime import _lazy_init
 
 fully_shard_module = sys.modules["fsdp_composable.fully_shard"]  # the package exports the function by that name
 

@@ -24,8 +24,10 @@ from expecttest import TestCase
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
 
-from fsdp_composable import ModuleWrapPolicy, _collectives, _init_utils, fully_shard
+from fsdp_composable import ModuleWrapPolicy, fully_shard
+from fsdp_composable._comm import _collectives
 from fsdp_composable._flat_param import FSDP_FLATTENED
+from fsdp_composable._init import _init_utils
 
 TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS_DIR)
@@ -330,7 +332,7 @@ def _full_tensor_devices() -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from fsdp_composable import _tensor_parallel
+    from fsdp_composable._comm import _tensor_parallel
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     value = DTensor.from_local(torch.ones(2), mesh, [Shard(0)], run_check=False)

@@ -83,7 +83,7 @@ def test_fsdp2_names_map_to_ours(dist_run) -> None:
 
 
 def test_mp_policy_maps_field_by_field() -> None:
-    from fsdp_composable._fsdp2_names import OurArgs, map_fsdp2_names
+    from fsdp_composable._names._fsdp2_names import OurArgs, map_fsdp2_names
 
     ours = map_fsdp2_names(
         nn.Linear(2, 2),

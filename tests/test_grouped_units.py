@@ -23,13 +23,13 @@ from torch import nn
 
 from fsdp_composable import (
     StateDictType,
-    _collectives,
     describe,
     fully_shard,
     optim_state_dict,
     set_unshard_in_backward,
     state_dict_type,
 )
+from fsdp_composable._comm import _collectives
 
 
 def _ends(m: nn.Module) -> nn.Module:

@@ -1,6 +1,6 @@
 """Off the CPU, which parameters got a gradient on some rank is agreed on the host: every rank's
 flags summed as a CPU tensor over a CPU group ([Note: presence flags agreed on the host] in
-``fsdp_composable/_host_flags.py``), never read back from the device. These runs take that path on
+``fsdp_composable/_grads/_host_flags.py``), never read back from the device. These runs take that path on
 gloo ranks (the path a CUDA unit takes, forced on for CPU units) with the device flags' read refused,
 and train next to the unsharded model as test_partial_grads.py does: a parameter unused on one rank
 gets the reduced gradient on every rank, one unused on every rank keeps ``.grad`` None."""
@@ -14,7 +14,7 @@ import torch
 from test_partial_grads import train
 from test_recovery import KINDS, recovery_matrix
 
-from fsdp_composable import _grad_presence, _host_flags
+from fsdp_composable._grads import _grad_presence, _host_flags
 
 
 def _refused(reduced_flags: Sequence[torch.Tensor]) -> list[list[bool]]:
@@ -62,7 +62,7 @@ def companion_sums() -> dict[str, Any]:
     made by its members alone (the other pair never calls for it), once, and the flags sum there."""
     import torch.distributed as dist
 
-    from fsdp_composable import _collectives
+    from fsdp_composable._comm import _collectives
 
     rank = dist.get_rank()
     pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]

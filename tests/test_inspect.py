@@ -21,11 +21,11 @@ from fsdp_composable import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
-    _collectives,
     describe,
     estimate_memory,
     fully_shard,
 )
+from fsdp_composable._comm import _collectives
 
 BF16 = torch.bfloat16
 POLICY = ModuleWrapPolicy({Block})

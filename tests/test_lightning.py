@@ -16,7 +16,7 @@ from models import OddMLP, mlp_batch
 from torch import nn
 
 from fsdp_composable import ModuleWrapPolicy, StateDictType, state_dict_type
-from fsdp_composable import _collectives as collectives
+from fsdp_composable._comm import _collectives as collectives
 
 L = pytest.importorskip("lightning", reason="lightning is not installed: pip install -e '.[lightning]'")
 

@@ -23,9 +23,9 @@ import torch
 from job_helpers import LAUNCHER_VARS
 from job_helpers import assert_fits as _assert_fits
 
-from fsdp_composable import _job_processes
 from fsdp_composable.__main__ import parse_args
-from fsdp_composable.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
+from fsdp_composable._job import _job_processes
+from fsdp_composable._job.demo import GPT, rank_slice, synthetic_batch, use_progress_bar
 
 REPO = Path(__file__).resolve().parent.parent
 STARTING_2 = "starting 2 ranks: each imports torch, then they join one process group"

@@ -18,7 +18,7 @@ from job_helpers import LAUNCHER_VARS
 from job_helpers import assert_fits as _assert_fits
 
 from fsdp_composable.__main__ import build_parser, describe_run, model_params, parse_args
-from fsdp_composable.demo import GPT
+from fsdp_composable._job.demo import GPT
 
 
 def _fake_checkpoint(root: Path, step: int, **job: object) -> None:

@@ -25,12 +25,12 @@ from fsdp_composable import (
     ShardingPlan,
     ShardingStrategy,
     SizeBasedPolicy,
-    _collectives,
     checkpoint,
     describe,
     estimate_memory,
     fully_shard,
 )
+from fsdp_composable._comm import _collectives
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._flat_param import FlatParamHandle
 

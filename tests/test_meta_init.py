@@ -1,6 +1,6 @@
 """The meta-device recipe of FSDP2's docs: build the model under ``torch.device("meta")``, call
 ``fully_shard``, then ``model.to_empty(device=...)`` and initialise it. See [Note: to_empty after
-sharding] in ``fsdp_composable/_to_empty.py`` and [Note: reset_parameters after sharding].
+sharding] in ``fsdp_composable/_init/_to_empty.py`` and [Note: reset_parameters after sharding].
 
 Upstream: test/distributed/_composable/fsdp/test_fully_shard_init.py::TestFullyShardMetaDeviceInit
 (to_empty + reset_parameters after fully_shard, then training). FSDP2 initialises its DTensor shards

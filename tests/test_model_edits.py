@@ -45,7 +45,7 @@ def _gen_model(one_row: bool = False) -> tuple[nn.Module, torch.optim.Optimizer]
 
 
 def edit_error_after_zero_grad(edit: str, via: str) -> bool:
-    from fsdp_composable._model_edit_checks import ModelEditedAfterShardingError
+    from fsdp_composable._guards._model_edit_checks import ModelEditedAfterShardingError
 
     model, optim = _gen_model()
     ref, ref_optim = _gen_model()
@@ -80,7 +80,7 @@ def test_edit_error_does_not_bring_back_cleared_gradients(dist_run, edit: str, v
 
 
 def data_edit_of_empty_local_slice() -> dict[str, Any]:
-    from fsdp_composable._model_edit_checks import ModelEditedAfterShardingError
+    from fsdp_composable._guards._model_edit_checks import ModelEditedAfterShardingError
 
     model, optim = _gen_model(one_row=True)
     ref, ref_optim = _gen_model(one_row=True)

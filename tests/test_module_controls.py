@@ -22,7 +22,6 @@ from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
-    _collectives,
     fully_shard,
     is_sharded,
     reshard,
@@ -38,6 +37,7 @@ from fsdp_composable import (
     unshard,
     unshard_params,
 )
+from fsdp_composable._comm import _collectives
 
 LINEAR = ModuleWrapPolicy({nn.Linear})  # OddMLP: units l1, l2.0, l2.2, l3 (42 elements: padded at 4)
 

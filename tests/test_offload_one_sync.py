@@ -17,7 +17,8 @@ from models import Block, TinyGPT, gpt_batch, gpt_loss
 from offload_fake_cuda import fake_cuda_with_data
 
 import fsdp_composable as fc
-from fsdp_composable import _collectives, _init_utils
+from fsdp_composable._comm import _collectives
+from fsdp_composable._init import _init_utils
 
 CUDA1 = torch.device("cuda", 1)
 

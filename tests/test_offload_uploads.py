@@ -15,8 +15,9 @@ from stream_recorder import host_device_copy
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import fsdp_composable as fc
-from fsdp_composable import _collectives, _offload_copies, _reduce_utils
+from fsdp_composable._comm import _collectives
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grads import _offload_copies, _reduce_utils
 
 META = torch.device("meta")
 

@@ -22,11 +22,11 @@ from fsdp_composable import (
     FullyShardedDataParallel,
     ModuleWrapPolicy,
     ShardingStrategy,
-    _collectives,
     fully_shard,
     no_sync,
     unshard_params,
 )
+from fsdp_composable._comm import _collectives
 
 Use = dict[str, bool]  # what one rank's loss uses: head, aux, skip (block b), first (only block 0's output)
 

@@ -18,10 +18,10 @@ from fsdp_composable import (
     MixedPrecision,
     ModuleWrapPolicy,
     ShardingStrategy,
-    _collectives,
     fully_shard,
 )
-from fsdp_composable._prefetch import default_forward_prefetch
+from fsdp_composable._comm import _collectives
+from fsdp_composable._runtime._prefetch import default_forward_prefetch
 
 
 class CommCounter:

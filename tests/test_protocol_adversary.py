@@ -24,13 +24,12 @@ from torch import nn
 from fsdp_composable import (
     ModuleWrapPolicy,
     ShardingStrategy,
-    _collectives,
-    _rank_agreement,
     fully_shard,
     no_sync,
     set_modules_to_backward_prefetch,
     set_modules_to_forward_prefetch,
 )
+from fsdp_composable._comm import _collectives, _rank_agreement
 
 PG_TIMEOUT_S = 10.0
 

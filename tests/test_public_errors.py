@@ -27,9 +27,9 @@ from fsdp_composable import (
     RankMismatchError,
     ShardedModelWrappedError,
     StateTransitionError,
-    _collectives,
     fully_shard,
 )
+from fsdp_composable._comm import _collectives
 from fsdp_composable._flat_param import HandleTrainingState
 
 PUBLIC_ERRORS = {
@@ -43,7 +43,7 @@ PUBLIC_ERRORS = {
 NOT_IMPORTED = {"fsdp_composable.__main__"}  # importing it runs the main job
 # the main job's own control flow (a signal, a failed rank): raised and caught inside `python -m
 # fsdp_composable`, never by the library to its users
-JOB_ONLY = {"fsdp_composable._job_processes"}
+JOB_ONLY = {"fsdp_composable._job._job_processes"}
 
 
 def _package_exception_classes() -> set[type]:

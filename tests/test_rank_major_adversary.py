@@ -26,8 +26,6 @@ from fsdp_composable import (
     ModuleWrapPolicy,
     ShardingStrategy,
     StateDictType,
-    _collectives,
-    _rank_major,
     fully_shard,
     init_optim_state,
     no_sync,
@@ -38,6 +36,8 @@ from fsdp_composable import (
     state_dict_type,
     unshard_params,
 )
+from fsdp_composable._comm import _collectives
+from fsdp_composable._flat import _rank_major
 
 FULL, SHARDED, LOCAL = StateDictType.FULL_STATE_DICT, StateDictType.SHARDED_STATE_DICT, StateDictType.LOCAL_STATE_DICT
 

@@ -14,8 +14,10 @@ from parity import train_side_by_side
 from test_grad_semantics import no_sync_after_synced
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, _collectives, _rank_major, fully_shard
-from fsdp_composable._rank_major import FlatLayout, build_layout
+from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard
+from fsdp_composable._comm import _collectives
+from fsdp_composable._flat import _rank_major
+from fsdp_composable._flat._rank_major import FlatLayout, build_layout
 
 SHAPES = [(5, 3), (), (2,), (7,), (1, 4), (0, 3)]  # uneven rows, a 0-dim value, fewer rows than ranks, empty
 

@@ -1,7 +1,7 @@
 """``reset_parameters()`` on a sharded model (issue 13): it runs on the full-shape parameters, gives
 exactly the plain model's values under the same seed, agrees on every rank under different seeds, and
 training then goes on in parity with a plain model started from those weights. See
-[Note: reset_parameters after sharding] in ``fsdp_composable/_reset_params.py``.
+[Note: reset_parameters after sharding] in ``fsdp_composable/_init/_reset_params.py``.
 
 Upstream: torch FSDP runs ``reset_parameters()`` on full parameters in
 test/distributed/fsdp/test_fsdp_meta.py::TestFSDPWithMetaDevice::test_simple_model_with_meta_device_reset_params
@@ -30,7 +30,7 @@ from fsdp_composable import (
     fully_shard,
     unshard_params,
 )
-from fsdp_composable._rank_agreement import RankMismatchError
+from fsdp_composable._comm._rank_agreement import RankMismatchError
 
 PG_TIMEOUT_S = 4.0
 

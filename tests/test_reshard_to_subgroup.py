@@ -1,6 +1,6 @@
 """``reshard_after_forward=<int>`` (FSDP2's name): after forward a unit stays sharded over groups of k
 consecutive ranks, so backward all-gathers within k ranks. See [Note: resharding to a smaller group]
-in ``fsdp_composable/_post_forward_group.py``.
+in ``fsdp_composable/_init/_post_forward_group.py``.
 
 Upstream: test/distributed/_composable/fsdp/test_fully_shard_training.py::TestFullyShard1DTrainingCore
 (``reshard_after_forward`` in (True, False, 2)) and test_fully_shard_comm.py (all-gather counts).
@@ -18,7 +18,8 @@ from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_l
 from parity import error_text, local_slice, train_side_by_side
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, _collectives, fully_shard
+from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard
+from fsdp_composable._comm import _collectives
 
 
 def _gpt_parity(k: int, optim: str) -> dict[str, Any]:

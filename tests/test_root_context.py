@@ -11,7 +11,7 @@ from parity import local_slice
 
 from fsdp_composable import fully_shard, no_sync
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
-from fsdp_composable._root_context import RootContext
+from fsdp_composable._runtime._root_context import RootContext
 
 # what used to be copied onto handles and states, and now lives once in the root context (or is derived)
 _NOT_ON_HANDLES = ("step", "siblings", "unshard_stream", "reduce_stream", "ran_pre_backward")

@@ -10,7 +10,9 @@ import torch.distributed as dist
 from models import Block, TinyGPT
 from parity import error_text, gpt_step
 
-from fsdp_composable import ModuleWrapPolicy, _rank_agreement, _safety, fully_shard
+from fsdp_composable import ModuleWrapPolicy, fully_shard
+from fsdp_composable._base import _safety
+from fsdp_composable._comm import _rank_agreement
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:

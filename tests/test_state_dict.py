@@ -18,8 +18,8 @@ from models import Block, OddMLP, TinyGPT
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 
-import fsdp_composable._collectives as collectives
-import fsdp_composable._state_dict_full as sd_full
+import fsdp_composable._comm._collectives as collectives
+import fsdp_composable._state._state_dict_full as sd_full
 from fsdp_composable import (
     FullStateDictConfig,
     LocalStateDictConfig,

@@ -389,7 +389,7 @@ def test_2d_reset_parameters_after_sharding(dist_run) -> None:
     assert not torch.equal(first["blocks.0.up.weight"], _plain().state_dict()["blocks.0.up.weight"])
 
 # ---------------------------------------------------------------------------- 2-D state dicts (issue 14, section 2)
-# [Note: 2-D state-dict values] in fsdp_composable/_tensor_parallel.py. Upstream:
+# [Note: 2-D state-dict values] in fsdp_composable/_comm/_tensor_parallel.py. Upstream:
 # test/distributed/_composable/test_composability/test_2d_composability.py::TestNew2dParallelStateDict
 # (test_fsdp_2d_extension, test_2d_state_dict / test_fsdp_state_dict_with_activation_checkpoint ...) and
 # test/distributed/checkpoint/e2e/test_e2e_save_and_load.py (2-D save, load at another mesh).

@@ -15,9 +15,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import optimizer as torch_optimizer
 
-import fsdp_composable._checkpoint_comm as comm
-import fsdp_composable._collectives as collectives
-import fsdp_composable._torch_interop as interop
+import fsdp_composable._comm._collectives as collectives
+import fsdp_composable._flat._checkpoint_comm as comm
+import fsdp_composable._state._torch_interop as interop
 from fsdp_composable import CPUOffload, StateDictType, fully_shard, optim_state_dict, state_dict_type
 
 

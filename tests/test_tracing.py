@@ -1,4 +1,4 @@
-"""Profiler labels and the debug log (fsdp_composable._trace): every all-gather, reduce-scatter, wait
+"""Profiler labels and the debug log (fsdp_composable._comm._trace): every all-gather, reduce-scatter, wait
 and hook of every unit shows up in a torch.profiler trace named by its unit; FSDP_COMPOSABLE_DEBUG
 logs each unit's unshard, reshard and reduction with sizes; and with both off nothing is entered."""
 
@@ -14,7 +14,8 @@ from unittest import mock
 import torch
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 
-from fsdp_composable import ModuleWrapPolicy, _trace, fully_shard
+from fsdp_composable import ModuleWrapPolicy, fully_shard
+from fsdp_composable._comm import _trace
 
 REPO = Path(__file__).resolve().parent.parent
 UNITS = ["<root>", "blocks.0", "blocks.1"]

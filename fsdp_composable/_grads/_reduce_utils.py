@@ -1,0 +1,557 @@
+"""A unit's gradients: the gradient buffer's lifecycle (`GradState`, checked transitions), the
+divide factors, the reduce-scatter / all-reduce, and `PendingReduce`.
+
+Every function takes the handle first; the per-unit record is `UnitGrads` (``handle.grads``).
+
+[Note: gradients land in the flat buffer]
+Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
+- FLAT: NCCL and other backends reduce one flat tensor. Before a unit's backward we point each
+  trainable original parameter's ``.grad`` at a view of one zeroed, padded, unsharded gradient
+  buffer; autograd accumulates in place into it, and it is exactly the reduce-scatter input: no
+  gather-into-flat copy. A gradient autograd created some other way (the user replaced ``.grad``) is
+  copied in before the reduction.
+- AUTOGRAD: gloo (our point-to-point exchange) sends any list of pieces. ``.grad`` is left to
+  autograd, which allocates each gradient when it is produced (no zero fill, no read-modify-write
+  accumulation), and post-backward hands the gradients themselves, plus a zero tail for the padding,
+  to `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during
+  its backward instead of being allocated whole at its start.
+Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend (nothing could be
+reduced before the end of backward, so there is no point holding a buffer through it); on NCCL their gradients are
+concatenated into one flat tensor there (one write per element, no zero fill). World size 1 keeps FLAT, the buffer
+becoming the gradient uncopied: against AUTOGRAD plus one concatenation (benchmark GPT, one CPU thread) zero fill
+and accumulation took about 25 ms a step, the concatenation about 29 ms, and FLAT's step medians were ahead by
+about 1%. On CUDA every tensor a reduction reads is made on the compute stream before it is issued and kept until
+the compute stream waited for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are
+sent in parts.
+
+[Note: the gradient lifecycle]
+``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
+``flat_param.grad`` (and, exposing original parameters, ``.grad`` views of it between steps):
+- NONE: no unsharded gradient.
+- FLAT / AUTOGRAD: the unit's backward is running; ``.grad`` of its original parameters are
+  unsharded (a buffer's views, or autograd's own tensors).
+- STAGED: inside ``no_sync``, the unit's backward is done; its gradient waits, apart from what earlier
+  micro-batches accumulated (``kept``), for the whole backward to succeed.
+- KEPT_FOR_NO_SYNC: between ``no_sync`` micro-batches: ``kept`` holds their sum; the next backward
+  adds to it (STAGED) or reduces it together with its own gradient (REDUCING).
+- REDUCING: the reduction was issued; its result is added to ``flat_param.grad`` when the whole
+  backward has succeeded (``commit``).
+Nothing of a backward reaches ``.grad`` or ``kept`` before that backward completes: a backward that
+raises midway is dropped whole by `abort` (reductions already issued are waited for, so every rank's
+collectives stay matched, and their results discarded), and training goes on exactly as if the
+failed step never ran. The price: inside ``no_sync`` a unit holds its ``kept`` sum and this
+micro-batch's gradient at once until the end of the backward, and a reduced shard waits (1/N of
+the unit) until then.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+from fsdp_composable._base._grad_mode import NoGrad
+from fsdp_composable._base._grad_records import GradState, ReduceControls, UnitGrads
+from fsdp_composable._base._state_machine import Transitions, check_transition
+from fsdp_composable._comm import _collectives, _trace
+from fsdp_composable._comm._header_fields import for_unit
+from fsdp_composable._comm._tensor_parallel import as_local_grad
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grads import _comm_hooks, _grad_presence, _host_flags
+from fsdp_composable._grads._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
+from fsdp_composable._grads._offload_copies import offload_copy, sync_offload_copies
+
+__all__ = ["GradState", "PendingReduce", "ReduceControls", "UnitGrads", "divide_factors"]
+
+
+_G = GradState
+_GRAD_TRANSITIONS: Transitions = {
+    _G.NONE: frozenset({_G.FLAT, _G.AUTOGRAD}),
+    _G.KEPT_FOR_NO_SYNC: frozenset({_G.FLAT, _G.AUTOGRAD, _G.REDUCING}),
+    # to NONE / KEPT_FOR_NO_SYNC: `abort`
+    _G.FLAT: frozenset({_G.STAGED, _G.REDUCING, _G.NONE, _G.KEPT_FOR_NO_SYNC}),
+    _G.AUTOGRAD: frozenset({_G.STAGED, _G.REDUCING, _G.NONE, _G.KEPT_FOR_NO_SYNC}),
+    _G.STAGED: frozenset({_G.KEPT_FOR_NO_SYNC, _G.NONE}),
+    _G.REDUCING: frozenset({_G.NONE, _G.KEPT_FOR_NO_SYNC}),
+}
+
+
+def init_grads(handle: FlatParamHandle, expose_orig: bool) -> None:
+    handle.grads = UnitGrads(expose_orig)
+
+
+def _set_state(handle: FlatParamHandle, new: GradState) -> None:
+    grads = handle.grads
+    if new in _GRAD_TRANSITIONS[grads.state]:  # the common case, without building the message
+        grads.state = new
+        return
+    check_transition("GradState", f"unit '{handle.unit_fqn or '<root>'}'", grads.state, new, _GRAD_TRANSITIONS)
+    grads.state = new
+
+
+def divide_factors(world: int, reduce_dtype: torch.dtype, factor: Optional[float] = None) -> tuple[float, float]:
+    """(pre, post): the gradient sum is divided by the number of ranks it averages over (or by the
+    user's ``factor``, see `set_gradient_divide_factor`), once.
+
+    Before the sum in float16, whose range the sum of N gradients can overflow; after it otherwise,
+    so the result is rounded once (the same bits either way when N is a power of two)."""
+    divisor = float(world) if factor is None else factor
+    if divisor == 1 or (factor is None and world <= 1):
+        return 1, 1
+    return (divisor, 1) if reduce_dtype == torch.float16 else (1, divisor)
+
+
+def takes_autograd_grads(handle: FlatParamHandle) -> bool:
+    """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
+    (see [Note: gradients land in the flat buffer])."""
+    return handle.layout.world_size > 1 and _collectives.point_to_point(handle.process_group, handle.device)
+
+
+# ---------------------------------------------------------------------------- one backward
+def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[torch.Tensor]]) -> None:
+    """Pre-backward of a trainable unit (parameters already unsharded): take the user's ``.grad``
+    edits into the sharded gradient, then let this backward's gradients land unsharded, starting
+    from ``early`` (by parameter: what a backward of part of the model accumulated since forward).
+
+    ``lazy``: autograd allocates each gradient as it is produced (AUTOGRAD) instead of a zeroed
+    buffer being held from now on (FLAT); see [Note: gradients land in the flat buffer]."""
+    grads = handle.grads
+    for param, grad in zip(handle.params, early):
+        if grad is not None:
+            param.grad = None  # not the user's edit of the sharded gradient: kept out of the stash
+    stash_sharded_grads(handle)
+    if lazy:
+        _set_state(handle, GradState.AUTOGRAD)
+        for param, grad in zip(handle.params, early):
+            param.grad = grad if grad is not None else param.grad
+        return
+    _set_state(handle, GradState.FLAT)
+    _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
+    grads.buffer = _grad_buffer(handle, handle.compute_dtype)
+    views = handle.views_of(grads.buffer)
+    grads.views = (grads.buffer, views)
+    for i, (param, view) in enumerate(zip(handle.params, views)):
+        if param.requires_grad:
+            param.grad = view
+        grad = early[i] if i < len(early) else None
+        if grad is not None:
+            view.copy_(grad)
+            grads.touched[i] = True
+
+
+def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(numel, dtype=dtype, device=handle.device)
+
+
+def _flag_room(handle: FlatParamHandle) -> int:
+    """Elements a NO_SHARD unit's gradient buffer keeps after the padded gradient for the flags, which
+    its all-reduce sends with it (0: sharded, or no rank to agree with); see [Note: which parameters
+    got a gradient]."""
+    alone = handle.group_size == 1 and handle.replicate_group is None
+    if handle.layout.world_size > 1 or alone:
+        return 0
+    return len(handle.params)
+
+
+def _grad_buffer(handle: FlatParamHandle, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
+    """A padded unsharded gradient buffer (zeroed unless ``zero`` is False); under NO_SHARD with other
+    ranks, the view of the front of a tensor whose tail holds the flags (`_flag_room`)."""
+    numel, room = handle.layout.padded_numel, _flag_room(handle)
+    make = torch.zeros if zero else torch.empty
+    whole = make(numel + room, dtype=dtype, device=handle.device)
+    return whole[:numel] if room else whole
+
+
+def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
+    """This backward's gradient of each original parameter (None: it got none), detached from the
+    parameters, and whether it got one (see [Note: which parameters got a gradient]). In FLAT mode
+    a gradient that is not the buffer's view is copied into the buffer."""
+    grads = handle.grads
+    out: list[Optional[torch.Tensor]] = []
+    got: list[bool] = []
+    views: Optional[list[torch.Tensor]] = None
+    if grads.buffer is not None:
+        made = grads.views
+        views = made[1] if made is not None and made[0] is grads.buffer else handle.views_of(grads.buffer)
+    grads.views = None
+    with NoGrad():
+        for i, param in enumerate(handle.params):
+            grad, param.grad = param.grad, None
+            if grad is not None:
+                grad = as_local_grad(param, grad)
+            if views is not None:
+                # the view pre-backward set, accumulated into: the same object (else compare memory)
+                replaced = grad is not None and grad is not views[i] and not _same_memory(grad, views[i])
+                if grad is not None and replaced:
+                    views[i].copy_(grad)
+                out.append(views[i])
+                got.append(replaced or (i < len(grads.touched) and grads.touched[i]))
+            else:
+                out.append(grad)
+                got.append(grad is not None)
+    grads.touched[:] = []
+    return out, got
+
+
+def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether ``a`` is ``b``'s memory (autograd accumulated into the view we gave it), for a ``.grad``
+    that is not the view object itself (e.g. ``views_of`` was called again)."""
+    return (
+        a.untyped_storage()._cdata == b.untyped_storage()._cdata
+        and a.storage_offset() == b.storage_offset()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+    )
+
+
+def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> torch.Tensor:
+    """This backward's gradient as one padded unsharded tensor (FLAT: the buffer itself; AUTOGRAD: one
+    concatenation of autograd's gradients, which writes each element once, with no zero fill first),
+    laid out as `_grad_buffer`."""
+    grads = handle.grads
+    if grads.buffer is not None:
+        return grads.buffer
+    dtype, numel, room = handle.compute_dtype, handle.layout.padded_numel, _flag_room(handle)
+    pieces: list[torch.Tensor] = []
+    at = 0
+    with NoGrad():
+        for info, grad in zip(handle.layout.infos, parts):
+            if info.offset > at:  # the padding of the previous parameter's region
+                pieces.append(_zeros(handle, info.offset - at, dtype))
+            if grad is None:
+                pieces.append(_zeros(handle, info.numel, dtype))
+            else:
+                pieces.append(grad.reshape(-1).to(device=handle.device, dtype=dtype))
+            at = info.offset + info.numel
+        pieces.append(_zeros(handle, numel + room - at, dtype))  # the padding (and the flags' room)
+        whole = torch.cat(pieces)
+    return whole[:numel] if room else whole
+
+
+def stage_for_no_sync(handle: FlatParamHandle) -> None:
+    """Post-backward inside ``no_sync``: hold this backward's gradient until the backward succeeds."""
+    grads = handle.grads
+    parts, grads.staged_got = _take_backward_grads(handle)
+    grads.buffer = _flat_of(handle, parts)
+    _set_state(handle, GradState.STAGED)
+
+
+@_trace.method("reduce")
+def start_reduce(
+    handle: FlatParamHandle,
+    stream: Optional[torch.cuda.Stream] = None,
+    all_reduce_stream: Optional[torch.cuda.Stream] = None,
+) -> "PendingReduce":
+    """Post-backward: issue this backward's gradient reduction (plus the ``no_sync`` sum kept so far).
+
+    On CUDA (``stream``: the reduce stream) the division, HYBRID_SHARD's all-reduce across replicas
+    (on ``all_reduce_stream``, after the reduce-scatter) and a CPU-offloaded gradient's copy to the
+    host are issued now, on the side streams; see [Note: streams without record_stream] and
+    [Note: offloaded gradients reach the host]. On the CPU, `PendingReduce.wait` (in the next unit's
+    post-backward) finishes the reduce-scatter, divides and issues the all-reduce across replicas,
+    which `finish` waits for at the end of backward.
+
+    The kept sum stays as it is until `commit`: if the backward fails, it survives unchanged."""
+    grads = handle.grads
+    world = handle.group_size * handle.replicas
+    pre, post = divide_factors(world, handle.reduce_dtype, grads.controls.divide_factor)
+    hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
+    if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
+        parts: list[Optional[torch.Tensor]] = []
+        flat: Optional[torch.Tensor] = grads.kept
+        got = grads.kept_got
+    else:
+        parts, mine = _take_backward_grads(handle)
+        got = _grad_presence.union(mine, grads.kept_got)
+        flat = None
+        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
+            flat = _flat_of(handle, parts)
+            if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
+                flat = _plus_kept(handle, flat, grads.kept)
+    _set_state(handle, GradState.REDUCING)
+    grads.buffer = None
+    if hook is not None:
+        assert flat is not None
+        host: list[Optional[torch.Tensor]] = []  # CPU offload on CUDA: copied on the stream, not blocking
+        copy = (lambda out: host.append(offload_copy(handle, out))) if stream is not None else None
+        hooked, result, keep = _comm_hooks.start(hook, handle, flat, grads.kept, stream, copy)
+        return PendingReduce(handle, hooked, result, keep, numel=result.numel(), host=host[0] if host else None)
+    group, rdtype = handle.process_group, handle.reduce_dtype
+    with NoGrad():
+        layout = handle.layout
+        # gloo sends each parameter's rows from where they are ([Note: moving chunks]), kept sum or not alike
+        pieces = layout.world_size > 1 and layout.direct and _collectives.point_to_point(group, handle.device)
+        if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
+            send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
+            send = send if layout.direct else [torch.cat(send)]
+        else:
+            one = flat
+            if not (layout.same_order_in or pieces):  # the one copy-in: [Note: rank-major flat shards]
+                one = layout.copy_in(flat, out=_grad_buffer(handle, rdtype, zero=False))
+            elif flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
+                one = _grad_buffer(handle, rdtype, zero=False)
+                one.copy_(flat)
+            if pre != 1:
+                one.div_(pre)
+            send = [one]
+            if pieces:
+                send = _rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
+        assert got is not None
+        # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
+        replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
+        pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
+        pending.partial_only = handle.replicate_group is not None and replicas is None
+        # CPU: in `wait`/`finish`; CUDA: on the last stream; once, on the all-reduced sum (as FSDP2)
+        pending.hook = None if pending.partial_only else grads.controls.all_reduce_hook
+        pending.got = got
+        numel = pending.numel = handle.layout.shard_numel
+        # how the flags travel: [Note: which parameters got a gradient]
+        if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
+            room = _flag_room(handle)
+            whole = _grad_presence.with_room(send[0], room) if room else send[0]
+            assert whole is not None, "a NO_SHARD gradient buffer without room for the flags"
+            out = whole
+            if room:  # the flags ride after the gradient, in the same all-reduce
+                _grad_presence.write_flags(got, out[numel:])
+            pending.own_flags = not room  # no other rank: this rank's flags are the answer
+            shard_world = handle.group_size
+
+            def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                return _collectives.all_reduce(whole, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
+
+        elif _collectives.point_to_point(group, handle.device):  # gloo: the flags end every chunk's pieces
+            flag = _grad_presence.flags(got, rdtype, handle.device)
+            out = torch.empty(numel + flag.numel(), dtype=rdtype, device=handle.device)
+            full = _grad_presence.with_presence(send, handle.layout.world_size, flag)
+            send = [*send, flag]
+
+            def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                return _collectives.reduce_scatter(out, full, group, async_op)
+
+        else:  # the flat gradient as it is, then the flags by a small all-reduce on the same stream
+            assert len(send) == 1
+            out = torch.empty(numel + len(got), dtype=rdtype, device=handle.device)
+            reduced, flags = out[:numel], out[numel:]
+            _grad_presence.write_flags(got, flags)
+            grad = send[0]
+
+            def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                return _collectives.in_order(
+                    lambda: _collectives.reduce_scatter(reduced, grad, group, async_op),
+                    lambda: _collectives.all_reduce(flags, group, dist.ReduceOp.SUM, async_op),
+                )
+
+        pending.out = out
+        pending.send = send  # read on the reduce stream (CUDA): kept until the compute stream waited
+        if _host_flags.on_host(handle.device) and not (pending.own_flags or pending.partial_only):
+            # no device read at the end of backward: [Note: presence flags agreed on the host]
+            pending.host_flags = _host_flags.issue(got, group, replicas)
+        if stream is None:  # CPU: `wait` divides, all-reduces across replicas and runs the user's hook
+            pending.work = _collectives.issue(None, collective, unit=handle.root_fqn)
+            return pending
+        pending.post_divide = 1  # divided on the reduce stream
+        last = replicas is None or all_reduce_stream is None
+        unit = handle.root_fqn
+        pending.work = _collectives.issue(
+            stream, collective, then=lambda: _after_reduce(pending, post, copy_out=last), unit=unit
+        )
+        if not last:
+            assert replicas is not None and all_reduce_stream is not None
+            pending.replica = _collectives.issue(
+                all_reduce_stream,
+                lambda async_op: _collectives.all_reduce(out, replicas, dist.ReduceOp.SUM, async_op),
+                after=stream,
+                then=lambda: _after_reduce(pending, 1, copy_out=True),
+                unit=unit,
+            )
+            pending.replicate_group = None  # issued
+    return pending
+
+
+def _after_reduce(pending: "PendingReduce", divide: float, copy_out: bool) -> None:
+    """On the side stream, once the reduced value is final: divide, run the user's all-reduce hook,
+    and start its copy to the host."""
+    if divide != 1:
+        pending.out.div_(divide)
+    pending.add_partial()
+    if copy_out:
+        _run_hook(pending)
+        pending.host = offload_copy(pending.handle, pending.out)
+
+
+def _run_hook(pending: "PendingReduce") -> None:
+    """The user's all-reduce hook, once, on the final reduced shard gradient (in place)."""
+    hook, pending.hook = pending.hook, None
+    if hook is not None:  # the gradient only, not the presence flags after it
+        hook(pending.out[: pending.numel] if pending.numel else pending.out)
+
+
+def finish_all(reductions: "list[PendingReduce]", handles: "list[FlatParamHandle]") -> None:
+    """End of a step: the compute stream waits for every reduction's last collective, the host for
+    the offload copies, once, and for the flags summed on the host (off the CPU); the flags of units
+    where this rank lacked a gradient are read at once on the CPU."""
+    for reduction in reductions:
+        reduction.finish()
+    sync_offload_copies(reductions, handles)
+    on_host = [(r, r.host_flags) for r in reductions if r.host_flags is not None]
+    _host_flags.finish_many([summed for _, summed in on_host])
+    for reduction, summed in on_host:
+        reduction.present = _host_flags.present(summed)
+    unknown = [r for r in reductions if _reads_flags(r)]
+    flags = [(r.host if r.host is not None else r.out)[r.numel :] for r in unknown]
+    for reduction, present in zip(unknown, _grad_presence.present_of_many(flags)):
+        reduction.present = present
+
+
+def _reads_flags(r: "PendingReduce") -> bool:
+    """Its commit needs the reduced flags: this rank lacked a gradient (else nothing is read), and
+    they were not summed on the host."""
+    return not (r.partial_only or r.own_flags or r.got is None or all(r.got) or r.host_flags is not None)
+
+
+def _rank_major_pieces(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
+    """The rank-major reduce-scatter input as views of ``parts`` (each parameter's flat gradient) and
+    of one zero tensor for the padding: what gloo's point-to-point exchange sends as it is."""
+    layout = handle.layout
+    padding = _zeros(handle, max([i.chunk_numel for i in layout.infos] + [layout.tail]), handle.reduce_dtype)
+    return layout.rank_major_pieces(parts, padding)
+
+
+def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
+    if grad is None:  # unused in this backward: zero, as for every other unit
+        return _zeros(handle, handle.layout.infos[i].numel, handle.reduce_dtype)
+    part = grad.reshape(-1).to(handle.reduce_dtype)
+    return part / pre if pre != 1 else part
+
+
+@dataclass(eq=False)
+class PendingReduce:
+    """A gradient reduction: `wait` finishes the collective (and divides); `finish` also the
+    all-reduce across replicas; `commit` adds the result into the sharded gradient once the backward
+    has succeeded."""
+
+    handle: FlatParamHandle
+    work: _collectives.InFlight
+    out: torch.Tensor
+    send: list[torch.Tensor]  # kept alive until the collective completes
+    replicate_group: Optional[dist.ProcessGroup] = None  # CPU: all-reduce across it, issued in `wait`
+    post_divide: float = 1
+    done: bool = False
+    # HYBRID_SHARD: the all-reduce across replicas in flight (CUDA: issued with the reduce-scatter;
+    # CPU: by `wait`, once the reduce-scatter is done); `finish` waits for it
+    replica: Optional[_collectives.InFlight] = None
+    host: Optional[torch.Tensor] = None  # CUDA + CPU offload: the pinned copy of the result
+    partial_only: bool = False  # not all-reduced across replicas: committed to ``grads.partial``
+    partial_added: bool = False
+    hook: Optional[Callable[[torch.Tensor], None]] = None  # the user's all-reduce hook, until it ran
+    numel: int = 0  # of ``out``: the gradient; after it, the reduced flags of which parameters got one
+    got: Optional[list[bool]] = None  # this rank's flags (None: unknown, all count as present)
+    own_flags: bool = False  # no other rank: ``got`` is the answer, no reduced flags follow ``numel``
+    present: Optional[list[bool]] = None  # read by `finish_all` (None: all present, or not read there)
+    host_flags: Optional[_host_flags.HostFlags] = None  # off the CPU: the flags summed on the host
+
+    @_trace.method("finish_reduce", "out", unit=lambda self: self.handle.unit_fqn)
+    def wait(self) -> None:
+        if self.done:
+            return
+        unit = self.handle.unit_fqn or "<root>"
+        kind = "all-reduce" if self.handle.layout.world_size == 1 else "reduce-scatter"
+        self.done = True
+        self.work.wait(f"the gradient {kind} of unit '{unit}'")
+        # the reduction's input goes now: HYBRID_SHARD's all-reduce across replicas reads the output only
+        # (keeping it to the end of backward held a whole unsharded gradient per unit, as FSDP2 does not)
+        self.send = []
+        if self.post_divide != 1:
+            self.out.div_(self.post_divide)
+        self.add_partial()
+        if self.replicate_group is not None:
+            # HYBRID_SHARD on the CPU: the shard's sum over replicas is issued now and left in flight, so
+            # it overlaps the next units' backward; `finish` waits for it (the end of backward)
+            group, self.replicate_group = self.replicate_group, None
+            with for_unit(self.handle.root_fqn):
+                self.replica = _collectives.InFlight(work=_collectives.all_reduce(self.out, group))
+        if self.replica is None:  # nothing more in flight (CUDA: `_after_reduce` ran it on the last stream)
+            _run_hook(self)
+
+    def finish(self) -> None:
+        """`wait`, and then for the all-reduce across replicas (the compute stream on CUDA; where FSDP2
+        waits for it: at the end of backward, or when the step is abandoned)."""
+        self.wait()
+        if self.replica is not None:
+            replica, self.replica = self.replica, None
+            replica.wait(f"the gradient all-reduce across replicas of unit '{self.handle.unit_fqn or '<root>'}'")
+            self.send = []
+            _run_hook(self)  # CPU: once the all-reduce across replicas is done (CUDA: it already ran)
+
+    def add_partial(self) -> None:
+        """Before the all-reduce across replicas: add the shards earlier backwards kept apart
+        (``set_requires_all_reduce(False)``); the kept sum itself stays until `commit`."""
+        partial = self.handle.grads.partial
+        if partial is not None and not self.partial_only and not self.partial_added:
+            self.out.add_(partial)
+            self.partial_added = True
+
+    def commit(self) -> None:
+        """Add the reduced shard into ``flat_param.grad`` (or, not all-reduced, into the partial sum);
+        the kept ``no_sync`` sum and partial sum it included go."""
+        self.finish()
+        handle = self.handle
+        grads = handle.grads
+        grads.kept = None
+        grads.kept_got = None
+        _set_state(handle, GradState.NONE)
+        if self.partial_only:
+            grads.partial = self.out if grads.partial is None else grads.partial.add_(self.out)
+            return
+        if self.partial_added:
+            grads.partial = None
+        reduced = self.host if self.host is not None else self.out
+        flags = reduced[self.numel :] if _reads_flags(self) and self.present is None else None  # not read yet
+        present = self.present if self.present is not None else _grad_presence.present(self.got, flags)
+        accumulate_sharded_grad(handle, reduced[: self.numel], present)
+
+
+def _plus_kept(handle: FlatParamHandle, flat: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+    """``flat`` plus the ``no_sync`` sum, in the sum's dtype: the reduce dtype, as FSDP2 accumulates."""
+    if flat.dtype == kept.dtype:
+        return flat.add_(kept)
+    return torch.add(kept, flat, out=_grad_buffer(handle, kept.dtype, zero=False))
+
+
+def commit_staged(handle: FlatParamHandle) -> None:
+    """End of a ``no_sync`` backward: add the staged gradient to the kept sum (in the reduce dtype)."""
+    grads = handle.grads
+    staged, grads.buffer = grads.buffer, None
+    assert staged is not None
+    if grads.kept is None:
+        grads.kept = staged.to(handle.reduce_dtype)
+    else:
+        grads.kept.add_(staged)
+    grads.kept_got, grads.staged_got = _grad_presence.union(grads.kept_got, grads.staged_got), None
+    _set_state(handle, GradState.KEPT_FOR_NO_SYNC)
+
+
+def abort(handle: FlatParamHandle) -> None:
+    """Drop everything this backward produced for the unit (its reduction, if any, was waited for
+    by the caller); keep what completed micro-batches accumulated under ``no_sync``."""
+    grads = handle.grads
+    if grads.in_backward():
+        for param in handle.params:
+            param.grad = None
+    grads.buffer = None
+    grads.views = None
+    grads.staged_got = None
+    grads.touched[:] = []
+    if grads.kept is None:
+        grads.kept_got = None
+    back = GradState.KEPT_FOR_NO_SYNC if grads.kept is not None else GradState.NONE
+    if grads.state is not back:
+        _set_state(handle, back)
+
+
+def has_unreduced(handle: FlatParamHandle) -> bool:
+    """The unit holds gradients that no reduction has taken yet (its backward ran, or ``no_sync``)."""
+    return handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD, GradState.KEPT_FOR_NO_SYNC)

@@ -1,0 +1,100 @@
+"""Casts of a sharded model: ``model.half()``, ``.bfloat16()``, ``.double()``, ``.float()``, ``.to(dtype)``.
+
+[Note: casts after sharding]
+As with torch FSDP1 and FSDP2, a sharded model cast with ``nn.Module`` methods trains on in the new
+dtype. ``nn.Module._apply`` assigns ``param.data = fn(param.data)`` (and ``param.grad.data = fn(...)``)
+parameter by parameter, which leaves a unit inconsistent: exposing original parameters, each one's
+``.data`` becomes a cast copy of its slice while the (unregistered) flat shard keeps the old dtype;
+exposing flat parameters (the wrapper's ``use_orig_params=False``), the flat parameter itself is cast
+and the original parameters still view the old shard. So before anything reads a unit (the root's
+forward, ``state_dict()``, ``load_state_dict()``, ``unshard_params``, ``clip_grad_norm_``,
+``optim_state_dict``) `adopt_casts` looks for a handle whose parameters all have one new
+floating-point dtype and rebuilds it (`FlatParamHandle.change_dtype`): the shard in the new dtype
+(from the parameters' cast values), its views, the unsharded buffer in the compute dtype the unit's
+mixed precision now implies (a ``param_dtype`` still applies), and the sharded gradient in the
+gradient dtype. The parameter objects stay the same, so an optimizer built after the cast steps the
+new views; one built before keeps its state in the old dtype, as with a plain model. A unit whose
+``unshard(module, async_op=True)`` was still in flight when the model was cast is resharded first:
+its gather is of the old dtype, so it is dropped (waiting on that handle then does nothing) and the
+unit's next use gathers the new one.
+
+A cast is local to a rank. Ranks whose shards end up in different dtypes disagree at their next
+all-gather: on gloo the collective header carries the dtype the shard had before any mixed-precision
+cast ([Note: collective headers]), so every rank raises `RankMismatchError` instead of training on in
+different precisions. Cast on every rank alike. Moves to another device, units with tensor-parallel
+parameters, and a cast of only some parameters of a handle are not adopted: `_model_edit_checks`
+reports them and puts the parameters back.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from fsdp_composable._comm._tensor_parallel import local_of
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
+from fsdp_composable._grads import _exposed_grads
+
+__all__ = ["adopt_cast", "adopt_casts"]
+
+
+def adopt_casts(states: list[_FSDPState]) -> None:
+    """`adopt_cast` for every handle of ``states``."""
+    for state in states:
+        for handle in state.handles:
+            adopt_cast(handle)
+
+
+def adopt_cast(handle: FlatParamHandle) -> None:
+    """Rebuild ``handle`` if its parameters were all cast alike since it was built (see [Note: casts
+    after sharding]); cheap when nothing was cast: one dtype check."""
+    dtype, values = _cast_to(handle)
+    if dtype is not None:
+        _adopt(handle, dtype, values)
+
+
+def _flat_mode(handle: FlatParamHandle) -> bool:
+    return handle.module._parameters.get(handle.name) is handle.flat_param
+
+
+def _cast_to(handle: FlatParamHandle) -> tuple[Optional[torch.dtype], Optional[list[torch.Tensor]]]:
+    """The dtype ``handle``'s parameters were cast to, and their new values (None: take the flat
+    parameter's); (None, None) when there is nothing to adopt."""
+    if not handle.params or handle.tensor_parallel or handle.training_state is not HandleTrainingState.IDLE:
+        return None, None
+    flat = handle.flat_param
+    if _flat_mode(handle):
+        if flat.dtype == handle.dtype or flat.device != handle.shard_device or not flat.is_floating_point():
+            return None, None
+        return flat.dtype, None
+    if handle.params[0].dtype == handle.dtype:
+        return None, None
+    data = [local_of(p) for p in handle.params]
+    dtype = data[0].dtype
+    views = handle._sharded_views
+    if (
+        not dtype.is_floating_point
+        or any(d.dtype != dtype or d.device != handle.shard_device for d in data)
+        or handle.is_unsharded
+        or any(d.shape != v.shape for d, v in zip(data, views))
+    ):
+        return None, None  # a partial cast, a move, or a cast of unsharded views: `_model_edit_checks` reports it
+    return dtype, data
+
+
+def _adopt(handle: FlatParamHandle, dtype: torch.dtype, values: Optional[list[torch.Tensor]]) -> None:
+    # ``.grad`` of original parameters were cast by ``_apply`` in place of our views: fold what the
+    # user may have assigned into the flat gradient, cast it with the shard, and expose it again
+    _exposed_grads.stash_sharded_grads(handle)
+    handle.change_dtype(dtype, values)
+    grads = handle.grads
+    flat_grad = handle.flat_param.grad
+    grad_dtype = handle.config.grad_dtype(dtype)
+    if flat_grad is not None and flat_grad.dtype != grad_dtype:
+        handle.flat_param.grad = None
+        _exposed_grads.assign_grad(handle.flat_param, flat_grad.to(grad_dtype))
+    if grads.kept is not None and grads.kept.dtype != handle.reduce_dtype:  # between no_sync micro-batches
+        grads.kept = grads.kept.to(handle.reduce_dtype)
+    _exposed_grads.expose_sharded_grads(handle)

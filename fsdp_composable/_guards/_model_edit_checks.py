@@ -1,0 +1,191 @@
+"""Checks, at the root's next forward, that nothing changed the sharded model behind fully_shard's back.
+
+[Note: edits of a sharded model]
+Between steps every original parameter is a view of its slice of the unit's flat shard, and every
+module that registered it still registers that same object. ``nn.Module`` methods can break either
+silently: ``model.half()`` / ``.to(dtype)`` / ``.to(device)`` and ``p.data = t`` repoint ``.data`` at a
+new tensor, which the next unshard would quietly undo (or, in flat-parameter mode, leave the views
+pointing at the old storage); ``module.weight = nn.Parameter(...)``, a new submodule, or tying a
+parameter to one in ``ignored_modules`` registers a tensor no unit manages, so each rank would train its
+own copy. We do not rebuild units on the fly; instead the root pre-forward calls `check_model_unchanged`,
+which raises an error naming the parameter's FQN and what to do. One ``.data`` write is kept instead,
+as FSDP1 with ``use_orig_params=True`` keeps it: ``p.data = t`` with ``t`` of the parameter's dtype and
+device and of the shape of its view (this rank's slice), of its full shape, or of its flattened full
+shape is copied into this rank's shard (`_keep_same_shape_writes`). The ranks must decide alike with
+no collective: a rank holding all of a parameter has a 1-D view of the flattened full shape, so a
+write of that shape is kept everywhere (each rank copies its slice of it), and a write of any other
+shape is refused everywhere, unless it happens to match one rank's slice. For any other changed
+``.data`` the sharded views are restored first, so the model stays usable after the error. The
+checks are identity and pointer comparisons: no collective, and a few microseconds per parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from fsdp_composable._base import _safety
+from fsdp_composable._comm._tensor_parallel import local_of
+from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
+from fsdp_composable._composable_state import registrations
+from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
+from fsdp_composable._guards._data_writes import keep_data_writes, same_data
+from fsdp_composable._guards._dtype_casts import adopt_casts
+from fsdp_composable._runtime._state_dict_keys import _join
+from fsdp_composable._runtime._state_dict_open import close_stale_units
+from fsdp_composable.api import ModelEditedAfterShardingError
+
+__all__ = ["check_data_writes", "check_model_unchanged"]
+
+
+# [Note: cheap edit checks]
+# A full scan (every holder's registration, every module's parameters) costs milliseconds on a large
+# model, too much for every forward. Registering a parameter or a submodule goes through
+# ``nn.Module.register_parameter`` / ``register_module`` (also ``m.w = nn.Parameter(...)`` and
+# ``m.sub = nn.Linear(...)``), whose global registration hooks count registrations in the registry
+# (`_composable_state.registrations`); the full scan runs only when that count moved since the root's
+# last check, which the root context records (``RootContext.checked_registrations``). ``.data``
+# assignments (``.half()``, ``.to()``, ``p.data = t``) have no hook, so every forward compares each
+# parameter's data pointer with its view's: two C calls per parameter. `_torch_interop` installs the
+# hooks with the first `fully_shard` call: registrations before it concern no sharded model.
+
+
+def check_model_unchanged(root: _FSDPState) -> None:
+    """Raise `ModelEditedAfterShardingError` if a parameter of any state under ``root`` was cast, moved,
+    reassigned or replaced, or a parameter was added, since `fully_shard` (see [Note: cheap edit checks]);
+    nothing when a benchmark switched the checks off ([Note: safety switches])."""
+    if not _safety.current().edit_checks:
+        return
+    states = root.all_states or [root]
+    for state in states:
+        close_stale_units(state)  # a state_dict()/load_state_dict() that raised midway
+    adopt_casts(states)  # model.half(), .to(dtype): see [Note: casts after sharding]
+    ctx = root.ctx
+    if ctx is None or ctx.checked_registrations != registrations():
+        for state in states:
+            for handle in state.handles:
+                _check_handle(handle)
+        _check_no_new_parameters(root, states)
+        if ctx is not None:
+            ctx.checked_registrations = registrations()
+    check_data_writes(states)
+
+
+def check_data_writes(states: list[_FSDPState]) -> None:
+    """Keep the ``p.data = t`` writes that can be kept, undo and refuse the others (also at the entry
+    of `unshard_params`, which would otherwise gather the shard without them). A unit whose every
+    parameter still is its view has nothing to keep or undo: one comparison per parameter finds it."""
+    edited = [h for state in states for h in state.handles if not _views_intact(h)]
+    if edited:
+        _keep_same_shape_writes(edited)
+        _restore_views(edited)
+
+
+def _views_intact(handle: FlatParamHandle) -> bool:
+    views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+    for param, view in zip(handle.params, views):
+        if not same_data(param, view):
+            return False
+    return True
+
+
+def _keep_same_shape_writes(handles: list[FlatParamHandle]) -> None:
+    for handle in handles:
+        keep_data_writes(handle)
+
+
+def _fqn(handle: FlatParamHandle, fqn: str) -> str:
+    return _join(handle.unit_fqn, fqn)
+
+
+def _check_handle(handle: FlatParamHandle) -> None:
+    flat = handle.flat_param
+    if flat.dtype != handle.dtype or flat.device != handle.shard_device:
+        # flat-parameter mode: `.half()`/`.to()` cast the registered flat parameter itself
+        _raise_cast(handle, handle.unit_fqn or "<root>", flat, "flat parameter of unit", restored=False)
+    for param, info in zip(handle.params, handle.layout.infos):
+        for module, attr, fqn in info.holders:
+            # flat-parameter mode keeps original parameters as plain attributes instead
+            if module._parameters.get(attr) is not param and module.__dict__.get(attr) is not param:
+                _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
+
+
+def _restore_views(handles: list[FlatParamHandle]) -> None:
+    """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
+    first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
+    for handle in handles:
+        views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
+        if all(same_data(p, v) for p, v in zip(handle.params, views)):
+            continue
+        changed = False
+        for param, info, view in zip(handle.params, handle.layout.infos, views):
+            data = local_of(param)
+            if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
+                continue
+            changed = True
+            if first is None:
+                first = (handle, _fqn(handle, info.fqn), data)
+        if changed:
+            handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+    if first is not None:
+        _raise_cast(*first, "parameter", restored=True)
+
+
+def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str, restored: bool) -> None:
+    if data.dtype != handle.dtype:
+        raise ModelEditedAfterShardingError(
+            f"{what} '{fqn}' was cast from {handle.dtype} to {data.dtype} after fully_shard, but not together "
+            "with every parameter of its unit (or the unit has tensor-parallel parameters). A cast after "
+            "fully_shard must cover whole units alike: cast the model or a unit's module (model.half(), "
+            f".to(dtype)); or pass mixed_precision=MixedPrecision(param_dtype={data.dtype}) to compute in "
+            f"{data.dtype}, or cast before calling fully_shard."
+            + (f" The parameters were put back to {handle.dtype}" if restored else "")
+        )
+    if data.device != handle.shard_device:
+        raise ModelEditedAfterShardingError(
+            f"{what} '{fqn}' was moved from {handle.shard_device} to {data.device} after fully_shard "
+            "(model.to(device), .cuda(), .cpu()). Move the model before calling fully_shard (or pass device_id=)."
+            + (f" The parameters were put back on {handle.shard_device}" if restored else "")
+        )
+    raise ModelEditedAfterShardingError(
+        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t) by a tensor of shape "
+        f"{tuple(data.shape)}: between steps such a write is kept (copied into this rank's shard) only with the "
+        "parameter's dtype, device and the shape of this rank's slice or of the whole parameter. Change values "
+        "in place inside `with unshard_params(model, writeback=True):` "
+        "(p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone"
+    )
+
+
+def _raise_replaced(fqn: str, current: object) -> None:
+    now = "nothing" if current is None else f"a new {type(current).__name__}"
+    raise ModelEditedAfterShardingError(
+        f"parameter '{fqn}' was replaced after fully_shard (its module now registers {now}), so the units "
+        "no longer manage it and each rank would train its own copy. Build the model completely (new "
+        "parameters, tied weights, swapped submodules) before calling fully_shard, or assign values in place "
+        "inside `with unshard_params(model, writeback=True):`"
+    )
+
+
+def _check_no_new_parameters(root: _FSDPState, states: list[_FSDPState]) -> None:
+    # A parameter tied (before fully_shard) to one in ignored_modules is ignored everywhere, like FSDP1.
+    ignored_modules = {m for s in states for m in s.ignored_modules}
+    ignored_params = {p for s in states for p in s.ignored_params}
+    for name, module in root.module.named_modules():
+        if module in ignored_modules:
+            continue
+        for attr, param in module._parameters.items():
+            if param is None or type(param) is FlatParameter or getattr(param, FSDP_FLATTENED, False):
+                continue
+            if param not in ignored_params:
+                _raise_added(_join(name, attr), module)
+
+
+def _raise_added(fqn: str, module: nn.Module) -> None:
+    raise ModelEditedAfterShardingError(
+        f"parameter '{fqn}' ({type(module).__name__}) was added or replaced after fully_shard, so no unit manages it "
+        "and each "
+        "rank would train its own copy. Add parameters and submodules before calling fully_shard, or put the "
+        "new module in ignored_modules of a fully_shard call made after adding it"
+    )

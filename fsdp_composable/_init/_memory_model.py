@@ -1,0 +1,265 @@
+"""The memory model behind `estimate_memory`: each predicted unit's costs, the per-rank terms of a
+training step (see [Note: the memory model]), and the activations a forward saves for backward,
+measured on fake tensors (see [Note: measuring activations])."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+
+from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat_param import _build_layout
+from fsdp_composable._init._sharding_plan import UnitPlan, _itemsize, _unit_plan
+from fsdp_composable._init._wrap_utils import SubmoduleState
+
+__all__: list[str] = []
+
+# optimizer name -> how many tensors of a parameter's shape and dtype it keeps per trainable parameter
+OPTIMIZER_STATE_FACTORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
+
+
+@dataclass(frozen=True)
+class _UnitCost:
+    """A predicted unit plus what its memory terms need beyond the plan."""
+
+    plan: UnitPlan
+    is_root: bool
+    requires_grad: bool
+    trainable_shard_numel: int  # elements of trainable parameters in rank 0's shard
+    compute_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    grad_dtype: torch.dtype  # of the sharded gradient kept between steps
+    needs_unsharded_buffer: bool  # the handle allocates an unsharded buffer (see FlatParamHandle)
+    reshard_after_forward: bool  # (unless it is the root unit)
+    # its all-gather lands in a second, rank-major buffer that is copied out ([Note: moving chunks])
+    copied_out: bool = False
+
+
+def _unit_cost(
+    sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str], device: torch.device
+) -> _UnitCost:
+    config = base.with_overrides(sub.overrides)
+    layout = _build_layout(sub.params, sub.holders, 0, world_size if config.sharded else 1)
+    dtype = sub.params[0].dtype
+    plan = _unit_plan(sub.fqn, layout, dtype, config, fqns)
+    trainable = 0
+    for param, info in zip(sub.params, layout.infos):
+        if param.requires_grad:
+            start, end = layout.shard_range(info)
+            trainable += end - start
+    return _UnitCost(
+        plan=plan,
+        is_root=sub.fqn == "",
+        requires_grad=any(p.requires_grad for p in sub.params),
+        trainable_shard_numel=trainable,
+        compute_dtype=config.compute_dtype(dtype),
+        reduce_dtype=config.reduce_dtype(dtype),
+        grad_dtype=config.grad_dtype(dtype),
+        needs_unsharded_buffer=config.needs_unsharded_buffer(dtype, device),
+        reshard_after_forward=config.reshard_after_forward,
+        copied_out=not layout.same_order and (device.type != "cpu" or not layout.direct),
+    )
+
+
+# [Note: the memory model]
+# Bytes are per rank, for rank 0: each parameter is padded with rows at the end of its last chunks, so
+# rank 0's chunks are whole rows of every parameter and its optimizer state is the largest.
+# Terms, with P/S a unit's padded/shard numel, b its parameter dtype size, c its compute dtype size
+# (MixedPrecision.param_dtype, else b) and r its reduce dtype size (reduce_dtype, else c):
+# - sharded_params: sum of S*b. NO_SHARD (or world size 1) keeps the whole unit, S = P = numel.
+# - sharded_grads: sum of S*b over units with a trainable parameter (the reduced gradient is cast
+#   back to the parameter dtype and kept in the flat parameter's .grad; S*r with
+#   keep_low_precision_grads).
+# - optimizer_state: factor * (trainable elements in the shard) * b; factor 2 for adam/adamw
+#   (exp_avg, exp_avg_sq, same dtype as the parameter), 1 for sgd-momentum, 0 for sgd. Scalar
+#   step counters are ignored.
+# - unsharded_params: P*c for every unit whose handle keeps an unsharded buffer (sharded, or
+#   NO_SHARD with a different compute dtype) and that is unsharded at the peak in backward:
+#   the root unit (never resharded after forward), every non-root SHARD_GRAD_OP/NO_SHARD unit
+#   (unsharded from its forward to its backward), and the largest FULL_SHARD units that can be
+#   unsharded at once: two with BACKWARD_PRE prefetch (the current unit and the prefetched one) or
+#   forward prefetch, else one (`ShardConfig.units_in_flight`; the limiter allows that many), plus
+#   the largest unit whose all-gather lands in a second buffer before its copy-out (every unit of
+#   several parameters on CUDA, the small ones on gloo: [Note: moving chunks]): the next unit's
+#   gather is issued before the current one's wait. Which
+#   units keep a buffer and stay unsharded, and every dtype, are `UnitConfig`'s rules, the ones the
+#   runtime follows (see [Note: one place for each rule] in `_config`).
+# - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
+#   differs from c; the largest such unit. This assumes a unit's reduction input is freed before
+#   the next unit's backward allocates its buffer; a runtime that holds every reduction until the
+#   end of backward has all units' buffers live at once (their sum, not the largest). On gloo there
+#   is no flat buffer: autograd's per-parameter gradients reach this size only at the end of the
+#   unit's backward, while the previous unit's are still being sent; the two roughly cancel.
+# - activations: see [Note: measuring activations]; only with a batch_example.
+# peak_bytes: the step peaks either where backward starts (activations all saved) or where it ends
+# (every sharded gradient back). The runtime drops a unit's sharded gradient as soon as the user
+# clears its `.grad` (`zero_grad()`, set_to_none by default), so at the start of backward there are
+# none, and by its end the activations are freed: peak = sharded_params + optimizer_state +
+# unsharded_params + unsharded_grads + max(activations, sharded_grads). Measured against the
+# benchmark model this is within a few percent (benchmarks/README.md). upper_bound_bytes is the
+# plain sum. Neither counts fragmentation, communication buffers or CPU-offload accounting.
+def _memory_terms(
+    units: Sequence[_UnitCost], factor: int, optimizer: str, in_flight: int
+) -> tuple[dict[str, int], dict[str, str]]:
+    breakdown = {
+        "sharded_params": sum(u.plan.shard_bytes for u in units),
+        "sharded_grads": sum(u.plan.shard_numel * _itemsize(u.grad_dtype) for u in units if u.requires_grad),
+        "optimizer_state": factor * sum(u.trainable_shard_numel * _itemsize(u.plan.dtype) for u in units),
+        "unsharded_params": _unsharded_param_bytes(units, in_flight),
+        "unsharded_grads": max((_grad_buffer_bytes(u) for u in units if u.requires_grad), default=0),
+    }
+    explanations = {
+        "sharded_params": "this rank's shard of every flat parameter",
+        "sharded_grads": "sharded gradient of every unit with a trainable parameter",
+        "optimizer_state": f"{optimizer}: {factor} x the trainable sharded parameters",
+        "unsharded_params": _unsharded_param_explanation(units, in_flight),
+        "unsharded_grads": "largest unit's unsharded gradient buffer (compute + reduce dtype)",
+    }
+    return breakdown, explanations
+
+
+def _unsharded_bytes(unit: _UnitCost) -> int:
+    return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
+
+
+def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
+    """(units unsharded through the whole step, the largest FULL_SHARD units unsharded at once)."""
+    with_buffer = [u for u in units if u.needs_unsharded_buffer]
+    kept = [u for u in with_buffer if u.is_root or not u.reshard_after_forward]
+    transient = [u for u in with_buffer if not u.is_root and u.reshard_after_forward]
+    return kept, sorted(transient, key=_unsharded_bytes, reverse=True)[:in_flight]
+
+
+def _unsharded_param_bytes(units: Sequence[_UnitCost], in_flight: int) -> int:
+    kept, transient = _in_flight_units(units, in_flight)
+    return sum(_unsharded_bytes(u) for u in (*kept, *transient)) + _copy_out_bytes(units)
+
+
+def _copy_out_bytes(units: Sequence[_UnitCost]) -> int:
+    """The largest buffer an all-gather lands in before its copy-out (one at a time)."""
+    return max([_unsharded_bytes(u) for u in units if u.copied_out], default=0)
+
+
+def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> str:
+    kept, transient = _in_flight_units(units, in_flight)
+    parts = ["root unit"] if any(u.is_root for u in kept) else []
+    if len(kept) > len(parts):
+        parts.append(f"{len(kept) - len(parts)} SHARD_GRAD_OP/NO_SHARD unit(s) kept unsharded")
+    if transient:
+        parts.append(f"{len(transient)} largest FULL_SHARD unit(s) in flight")
+    if _copy_out_bytes(units):
+        parts.append("1 gathered before its copy-out")
+    return " + ".join(parts) or "none: full-precision NO_SHARD computes on the shard itself"
+
+
+def _grad_buffer_bytes(unit: _UnitCost) -> int:
+    padded = unit.plan.padded_numel
+    copy_bytes = padded * _itemsize(unit.reduce_dtype) if unit.reduce_dtype != unit.compute_dtype else 0
+    return padded * _itemsize(unit.compute_dtype) + copy_bytes
+
+
+# ---------------------------------------------------------------------------- activations
+# [Note: measuring activations]
+# We copy the module with fake tensors (`FakeTensorMode`: every parameter and buffer replaced by a
+# tensor of the same shape that records device and dtype but owns no memory; in the compute dtype
+# under mixed precision), fake the batch too, and run one forward with grad enabled inside
+# `torch.autograd.graph.saved_tensors_hooks`. The pack hook sees every tensor autograd saves for
+# backward; we add up the bytes of each distinct storage once (views share a storage) and skip the
+# parameters' and buffers' storages (parameters are counted as unsharded_params). This is what the
+# forward keeps alive until backward; temporaries freed during forward and the loss are not counted.
+# The fake tensors claim the device the parameters are on (CPU for a meta-device module), so each op
+# picks the kernel it would pick there: on the meta device scaled_dot_product_attention takes its
+# math path and saves the attention matrix, which the CPU and CUDA kernels do not (24% too much on
+# the benchmark model). A forward that reads tensor values (`.item()`, data-dependent shapes) cannot
+# run on fake tensors: we raise and say so. The copy is a `copy.deepcopy` whose memo maps each
+# parameter and buffer to its fake replacement, so only plain (unregistered) tensor attributes are
+# copied as they are.
+def _activation_bytes(module: nn.Module, batch_example: Any, config: UnitConfig) -> int:
+    mp = config.mixed_precision
+    param_dtype = mp.param_dtype if mp is not None else None
+    buffer_dtype = mp.buffer_dtype if mp is not None else None
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)  # plain tensor attributes become fake on use
+    device = _forward_device(module)
+    fake_module = _fake_copy(module, fake_mode, device, param_dtype, buffer_dtype)
+    input_dtype = config.input_dtype(is_root=True)
+    args, kwargs = _call_args(batch_example)
+    with fake_mode:
+        args, kwargs = pytree.tree_map_only(torch.Tensor, lambda t: _fake_like(t, device, input_dtype), (args, kwargs))
+    model_storages = {_storage_key(t) for t in [*fake_module.parameters(), *fake_module.buffers()]}
+    counted: set[int] = set()
+    kept: list[torch.Tensor] = []  # keep saved storages alive so no storage address is reused
+    total = 0
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        nonlocal total
+        key = _storage_key(t)
+        if key not in model_storages and key not in counted:
+            counted.add(key)
+            total += t.untyped_storage().nbytes()
+        kept.append(t)
+        return t
+
+    try:
+        with fake_mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            fake_module(*args, **kwargs)
+    except Exception as e:
+        raise RuntimeError(
+            f"estimate_memory could not run {type(module).__name__}.forward(batch_example) on fake tensors "
+            f"({type(e).__name__}: {e}); make the forward value-independent (no .item(), no data-dependent "
+            "shapes), or leave batch_example=None and add activations yourself"
+        ) from e
+    return total
+
+
+def _forward_device(module: nn.Module) -> torch.device:
+    """Where the forward's kernels are chosen for: the parameters' device, CPU for a meta module."""
+    device = next((p.device for p in module.parameters()), torch.device("cpu"))
+    return torch.device("cpu") if device.type == "meta" else device
+
+
+def _call_args(batch_example: Any) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    if isinstance(batch_example, torch.Tensor):
+        return (batch_example,), {}
+    if isinstance(batch_example, (tuple, list)):
+        return tuple(batch_example), {}
+    if isinstance(batch_example, dict):
+        return (), dict(batch_example)
+    raise TypeError(
+        "estimate_memory argument 'batch_example' must be a tensor, a tuple of positional arguments or a dict "
+        f"of keyword arguments for module.forward, got {type(batch_example).__name__}"
+    )
+
+
+def _fake_like(t: torch.Tensor, device: torch.device, dtype: Optional[torch.dtype]) -> torch.Tensor:
+    """A fake tensor shaped like ``t`` on ``device``; call inside the fake mode."""
+    cast = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return torch.empty(t.shape, device=device, dtype=cast).requires_grad_(t.requires_grad and cast.is_floating_point)
+
+
+def _fake_copy(
+    module: nn.Module,
+    fake_mode: FakeTensorMode,
+    device: torch.device,
+    param_dtype: Optional[torch.dtype],
+    buffer_dtype: Optional[torch.dtype],
+) -> nn.Module:
+    """A deep copy whose parameters and buffers are fake tensors on ``device``; tied parameters stay tied."""
+    memo: dict[int, Any] = {}
+    with fake_mode:
+        for p in module.parameters():
+            dtype = param_dtype if param_dtype is not None and p.is_floating_point() else p.dtype
+            memo[id(p)] = nn.Parameter(_fake_like(p, device, dtype), requires_grad=p.requires_grad)
+        for b in module.buffers():
+            dtype = buffer_dtype if buffer_dtype is not None and b.is_floating_point() else b.dtype
+            memo[id(b)] = _fake_like(b, device, dtype)
+    return copy.deepcopy(module, memo)
+
+
+def _storage_key(t: torch.Tensor) -> int:
+    return int(t.untyped_storage()._cdata)

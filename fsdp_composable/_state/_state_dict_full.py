@@ -1,0 +1,105 @@
+"""FULL_STATE_DICT: full tensors, gathered one unit at a time.
+
+[Note: full state dicts from sharded units]
+Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
+``state_dict()`` would hold shard slices. Each unit is therefore unsharded around its subtree's save
+and load (see [Note: a unit is unsharded around its subtree's save and load]): FULL points the
+parameters at views of the all-gathered flat tensor, so ``nn.Module`` saves and loads full shapes
+itself, under every FQN and through every hook of the model's own modules.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from fsdp_composable._comm import _tensor_parallel
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_full_flat
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
+from fsdp_composable._state._state_dict_settings import _config, _copy, _drops_values, _rank0_only
+from fsdp_composable._state._state_dict_sharded import _take_assigned
+from fsdp_composable.api import StateDictType
+
+__all__: list[str] = []
+
+
+def _copy_out(state: _FSDPState, view: torch.Tensor) -> torch.Tensor:
+    """A copy of ``view`` that owns its memory (on the CPU if the config asks), so the source can be freed."""
+    return _copy(view, _config(state))  # type: ignore[no-any-return]
+
+
+def _open_full(handle: FlatParamHandle) -> _OpenUnit:
+    """Every parameter of the unit becomes a full-shape view of its all-gathered flat tensor (full precision)."""
+    _check_registered(handle)
+    full = _gather_full_flat(handle)
+    for param, info in zip(handle.params, handle.layout.infos):
+        _tensor_parallel.point_at(param, full[info.offset : info.offset + info.numel].view(info.shape))
+    return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
+
+
+def _take_over_views(
+    state: _FSDPState, handle: FlatParamHandle, full: torch.Tensor, state_dict: dict[str, Any], prefix: str
+) -> None:
+    """Replace every saved tensor that views ``full`` (a parameter, or a piece a module's hook cut from
+    one) by a copy that owns its memory, or drop it for ``rank0_only`` on other ranks."""
+    storage = full.untyped_storage().data_ptr()
+    drop = _drops_values(state)
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        local = value._local_tensor if isinstance(value, DTensor) else value
+        if not (
+            type(local) is torch.Tensor
+            and local.device == full.device
+            and local.untyped_storage().data_ptr() == storage
+        ):
+            continue
+        if isinstance(value, DTensor):
+            # [Note: tensor-parallel parameters]: full over data parallelism, as the tensor-parallel
+            # model holds it; ``rank0_only`` wants the whole tensor in one process
+            config = _config(state)
+            if drop or _rank0_only(config):
+                whole = _tensor_parallel.full_tensor(value, handle.device)
+                if drop:
+                    del state_dict[key]
+                else:
+                    state_dict[key] = _copy_out(state, whole)
+            else:
+                state_dict[key] = DTensor.from_local(
+                    _copy_out(state, local),
+                    value.device_mesh,
+                    value.placements,
+                    run_check=False,
+                    shape=value.shape,
+                    stride=value.stride(),
+                )
+        elif drop:
+            del state_dict[key]
+        else:
+            state_dict[key] = _copy_out(state, value)
+
+
+def _match_tp_placements(
+    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """FULL load: a tensor-parallel parameter takes a plain full tensor (e.g. from the unsharded model)
+    or a DTensor of any layout; give it the parameter's own layout (see [Note: 2-D state-dict values])."""
+    for attr, k in attrs:
+        spec = handle.layout.infos[k].tp
+        value = state_dict.get(prefix + attr)
+        if spec is None or not isinstance(value, torch.Tensor) or value.shape != spec.shape:
+            continue
+        if not _tensor_parallel.is_tp_value(value, spec):
+            local = _tensor_parallel.tp_local_of(value, spec, handle.device).to(handle.dtype)
+            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(spec, local)
+
+
+def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    assert opened.full is not None
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    with torch.no_grad():
+        handle.flat_param.data.copy_(layout.shard_of(opened.full))

@@ -1,0 +1,256 @@
+"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
+
+[Note: sharded state dicts are DTensors in torch.chunk layout]
+A unit's flat shard is rank-major ([Note: rank-major flat shards] in `_rank_major`): this rank holds
+rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous.
+That is exactly the piece a ``Shard(0)`` DTensor describes, so every value is an ordinary DTensor of
+the parameter's original shape over a 1-D mesh of the unit's process group, whose local tensor is
+cut from the shard without communication (``Replicate()`` for 0-dim parameters and for units that
+are not sharded); `torch.distributed.checkpoint` saves and loads it at any world size. Loading
+copies each chunk back where the shard holds it. Nothing is gathered in full.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_composable._comm import _collectives, _tensor_parallel
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat._checkpoint_comm import comm_device_of, gather_flags
+from fsdp_composable._flat._flat_layout import _chunk_shape, _is_replicated_info, _saved_shape, _stride
+from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
+from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
+from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit, _unit_name
+from fsdp_composable._state._state_dict_settings import _to_output
+from fsdp_composable.api import StateDictType
+
+__all__: list[str] = []
+
+
+def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) -> _OpenUnit:
+    """Register a `DTensor` parameter of the original shape in place of each original parameter."""
+    _check_registered(handle)
+    layout = handle.layout
+    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
+    mesh = _mesh_of(handle.process_group, comm_device_of(handle))
+    opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
+    for param, info, chunk in zip(handle.params, layout.infos, chunks):
+        local = _to_output(state, chunk) if for_save else chunk
+        dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
+        opened.dparams.append(dparam)
+        for module, attr, _ in info.holders:
+            opened.swaps.append((module, attr, param, dparam))
+            module._parameters[attr] = dparam
+    return opened
+
+
+def _match_sharded_placements(
+    handle: FlatParamHandle, opened: _OpenUnit, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+) -> None:
+    """SHARDED load: each checkpoint value of a parameter the module holds becomes a DTensor of the open
+    unit's layout (a full tensor or a DTensor of another placement: this rank's chunk of it)."""
+    layout = handle.layout
+    for attr, k in attrs:
+        info, target = layout.infos[k], opened.dparams[k].data
+        assert isinstance(target, DTensor)
+        value = state_dict.get(prefix + attr)
+        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
+            continue  # absent, or nn.Module reports the size mismatch
+        if (
+            isinstance(value, DTensor)
+            and value.device_mesh == target.device_mesh
+            and value.placements == target.placements
+        ):
+            continue
+        chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
+        chunk = chunk.view(_chunk_shape(info, layout, layout.rank))
+        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+
+
+def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+    """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
+    into the open unit and register the original parameters again."""
+    layout = handle.layout
+    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
+        expected = opened.dparams[k] if opened.dparams else param
+        for module, attr, _ in info.holders:
+            current = module._parameters.get(attr)
+            if current is expected or current is None:
+                continue
+            with torch.no_grad():
+                if opened.full is not None:
+                    value = _whole(current.detach(), info, handle.device)
+                    opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
+                else:
+                    target = expected.data
+                    assert isinstance(target, DTensor)
+                    chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
+                    target.to_local().copy_(chunk.view(target.to_local().shape))
+            module._parameters[attr] = expected
+
+
+def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
+    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard. A
+    parameter loaded on some ranks but not others keeps its values on every rank and is reported on
+    every rank (see [Note: a sharded load is all or nothing per key])."""
+    _take_assigned(handle, opened)
+    layout = handle.layout
+    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
+    by_rank = gather_flags(handle, loaded)
+    partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
+    chunks = []
+    for dparam in opened.dparams:
+        assert isinstance(dparam.data, DTensor)
+        chunks.append(dparam.data.to_local().reshape(-1).to(handle.dtype))
+    flat = _chunks_to_flat(handle, chunks)
+    with torch.no_grad():
+        current = handle.flat_param.detach()
+        for k, info in enumerate(layout.infos):
+            if partial[k]:
+                start, end = layout.shard_range(info)
+                flat[start:end] = current[start:end]
+                _report_partial_key(handle, opened, info, by_rank[:, k])
+        handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
+
+
+# [Note: a sharded load is all or nothing per key]
+# Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
+# zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
+# ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
+# loaded (`_write_back_sharded`), and a difference is an error on every rank.
+def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamInfo, flags: torch.Tensor) -> None:
+    if opened.error_msgs is None:
+        return
+    key = opened.prefix + info.fqn
+    if any(f"'{key}'" in m for m in opened.error_msgs):
+        return  # the key comparison of the whole state dict already reported it
+    lacking = [r for r, f in enumerate(flags.tolist()) if not f]
+    opened.error_msgs.append(
+        f"SHARDED_STATE_DICT: parameter '{key}' of {_unit_name(handle)} was loaded on some ranks but not on "
+        f"ranks {lacking} (of its process group); every rank must load the same keys. It keeps its previous "
+        "values on every rank"
+    )
+
+
+def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
+    """Each original parameter's ``Shard(0)`` chunk (or whole value, if replicated) on this rank, from a
+    flat tensor laid out like the unit's shard: new tensors, cut where the shard holds them."""
+    layout = handle.layout
+    out = []
+    for info in layout.infos:
+        start, end = layout.shard_range(info)
+        out.append(flat_shard[start:end].view(_chunk_shape(info, layout, layout.rank)).clone())
+    return out
+
+
+def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
+    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from its chunks."""
+    layout = handle.layout
+    like = chunks[0] if chunks else handle.flat_param.detach()
+    flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
+    for info, chunk in zip(layout.infos, chunks):
+        start, end = layout.shard_range(info)
+        flat[start:end] = chunk.reshape(-1)
+    return flat
+
+
+def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The 1-D mesh naming ``group``'s ranks. Built per call, not cached: it only names the ranks (no
+    communication, ~0.2 ms) and meshes compare by value, so equal meshes need not be one object."""
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
+    placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
+    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
+
+
+def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
+    """``info``'s SHARDED value whose local tensor is ``chunk``: over ``mesh`` (the unit's process
+    group), or for a tensor-parallel parameter over the 2-D mesh (see [Note: 2-D state-dict values])."""
+    if info.tp is not None:
+        replicated = _is_replicated_info(info, handle.layout)
+        return _tensor_parallel.as_sharded_value(chunk, handle.process_group, info.tp, replicated)
+    return _as_dtensor(chunk, info, handle.layout, mesh)
+
+
+def _is_replicated(value: DTensor) -> bool:
+    return all(isinstance(p, Replicate) for p in value.placements)
+
+
+# [Note: a global value to this rank's piece]
+# Loading (the model's SHARDED and FULL state dicts, ``assign=True``, optimizer state, both optimizer
+# APIs) always starts from a *global* value of an original parameter: a full tensor or a DTensor of
+# any placement and mesh size (of the global shape for a tensor-parallel parameter). `_whole` makes it
+# the unit's full value of the parameter, `_local_chunk` this rank's ``Shard(0)`` chunk of it (without
+# communication when it already is one), and `to_flat_shard` this rank's flat shard from the values of
+# several parameters: the one conversion of global values, built on the unit's `FlatLayout`.
+def _whole(value: torch.Tensor, info: ParamInfo, device: torch.device) -> torch.Tensor:
+    """``info``'s whole value (a tensor-parallel parameter's: this rank's tensor-parallel piece) from
+    a full tensor or a DTensor of any placement (a collective for a sharded DTensor)."""
+    if info.tp is not None:
+        return _tensor_parallel.tp_local_of(value, info.tp, device)
+    if isinstance(value, DTensor):
+        return value.to_local() if _is_replicated(value) else _tensor_parallel.full_tensor(value, device)
+    return value
+
+
+def _local_chunk(
+    value: torch.Tensor,
+    info: ParamInfo,
+    layout: FlatLayout,
+    device: torch.device,
+    group: Optional[dist.ProcessGroup] = None,
+) -> torch.Tensor:
+    """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement
+    (``device``: the unit's). A tensor-parallel parameter's value has the global shape; ``group`` is then
+    the unit's process group."""
+    if info.tp is not None:
+        assert group is not None
+        replicated = _is_replicated_info(info, layout)
+        if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
+            return value.to_local().reshape(-1)
+    elif (
+        isinstance(value, DTensor)
+        and not _is_replicated_info(info, layout)
+        and tuple(value.placements) == (Shard(0),)
+        and value.device_mesh.size() == layout.world_size
+    ):
+        return value.to_local().reshape(-1)
+    lo, hi = layout.param_range(info)
+    return _whole(value, info, device).reshape(-1)[lo:hi]
+
+
+def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]], dtype: torch.dtype) -> torch.Tensor:
+    """This rank's flat shard (zero elsewhere) on the shard's device, from the global values of some of
+    the unit's parameters (parameter index, value): each value's chunk goes where the shard holds it
+    (a collective only for a DTensor of another layout, which `_local_chunk` gathers)."""
+    layout, device = handle.layout, handle.flat_param.device
+    flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
+    for k, value in values:
+        start, end = layout.shard_range(layout.infos[k])
+        chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
+        flat[start:end] = chunk.to(dtype=dtype, device=device)
+    return flat
+
+
+# ---------------------------------------------------------------------------- SHARDED_STATE_DICT
+def _replicate_buffers(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """Every persistent buffer under ``state.module`` (not in ignored modules) as a replicated DTensor."""
+    mesh = _mesh_of(state.process_group, _collectives.comm_device(state.process_group, state.device))
+    for owner, fqn in _clean_module_fqns(state.module).items():
+        if owner in state.ignored_modules:
+            continue
+        for name, buf in owner._buffers.items():
+            key = prefix + _join(fqn, name)
+            value = state_dict.get(key)
+            if buf is None or name in owner._non_persistent_buffers_set or not isinstance(value, torch.Tensor):
+                continue
+            if not isinstance(value, DTensor):
+                state_dict[key] = DTensor.from_local(_to_output(state, value), mesh, [Replicate()], run_check=False)
