@@ -12,6 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from fsdp_composable import _flat_param
+from fsdp_composable._base import _param_major
 from fsdp_composable._comm import _collectives
 from fsdp_composable._grads import _reduce_utils
 from fsdp_composable._runtime import _forward_methods, _grad_utils, _runtime_utils
@@ -58,6 +59,8 @@ class Recorder:
         self.copies: list[tuple[str, str, bool, bool]] = []
         self.host_writes: list[str] = []  # host scalars written into device tensors (a blocking copy each)
         self.collectives: list[tuple[str, str, int]] = []  # (collective, stream, output numel), as issued
+        # param-major outputs of all-gathers whose copy-out has not run yet: storage -> the gather's stream
+        self.copy_pending: dict[int, str] = {}
 
     def fail(self, text: str) -> None:
         if text not in self.violations:
@@ -261,6 +264,8 @@ def recording() -> Iterator[Recorder]:
                 rec.root_forward_wait = False
             time = s.tick()
             rec.collectives.append((name, s.name, out.numel()))
+            if name == "all_gather" and kwargs.get("regions", args[5] if len(args) > 5 else None) is not None:
+                rec.copy_pending[storage_key(out)] = s.name  # a native gather lands rank-major: copied out next
             for t in [out, *inputs]:
                 rec.track(t)
             rec.written[storage_key(out)] = (s.name, time)
@@ -274,12 +279,27 @@ def recording() -> Iterator[Recorder]:
 
     for name in ("all_gather", "reduce_scatter", "all_reduce"):
         collective(name, True)
+    copy_out = _param_major.copy_out
+
+    def recorded_copy_out(gathered: torch.Tensor, regions: Any) -> None:
+        s = rec.current
+        if regions:
+            k = storage_key(regions[0])
+            stream = rec.copy_pending.pop(k, None)
+            if stream is not None and stream != s.name:
+                rec.fail(f"a copy-out ran on the {s.name} stream, not on the {stream} stream after its all-gather")
+            rec.written[k] = (s.name, s.tick())  # what the compute stream reads is the copy-out's write
+        copy_out(gathered, regions)
+
+    patch(_param_major, "copy_out", recorded_copy_out)
 
     def reading(method: Callable[..., Any], what: Callable[[Any], list[torch.Tensor]]) -> Callable[..., Any]:
         def run(self: Any, *args: Any, **kwargs: Any) -> Any:
             result = method(self, *args, **kwargs)
             for t in what(self):
                 k = storage_key(t)
+                if k in rec.copy_pending:
+                    rec.fail(f"{method.__name__}: the compute stream read a buffer whose copy-out never ran")
                 if k in rec.written:
                     src, time = rec.written[k]
                     if src != "compute" and rec.compute.seen(src) < time:
