@@ -8,8 +8,9 @@ original ``nn.Parameter`` objects are never replaced: we only repoint their ``.d
 - sharded: each original parameter is a 1-D view of its chunk in the local shard (possibly empty),
   so the optimizer steps original parameters in place and writes through to the shard.
 - unsharded: each original parameter is a view, with its original shape, into the front of its
-  region of the param-major unsharded buffer, which the copy-out after the all-gather fills (the
-  all-gather writes it directly when both orders are the same tensor).
+  region of the param-major unsharded buffer, which the all-gather fills: directly where both orders
+  are one tensor or gloo moves each chunk where it goes, else through one copy-out ([Note: moving
+  chunks]).
 
 Because the parameter objects stay the same, autograd's saved tensors and gradient accumulators
 survive every transition: backward reads ``param.data`` after the pre-backward unshard has
