@@ -420,11 +420,9 @@ class FlatParamHandle:
         assert group is not None and full is not None and self.is_unsharded
         per = self.layout.world_size // dist.get_world_size(group)  # shards each rank of the group keeps
         first = dist.get_rank(group) * per
-        if self.layout.same_order:
-            n = self.layout.shard_numel
-            kept = full[first * n : (first + per) * n].clone()
-        else:  # the rank-major rows of those shards: gathered within the group, they are the whole
-            kept = self.layout.ranks_of(full, first, first + per)
+        # the rank-major rows of those shards (a 0-dim parameter's from the front copy it views):
+        # gathered within the group, they are the whole
+        kept = self.layout.ranks_of(full, first, first + per)
         # the next unshard's stream waits for this copy only, not for all compute issued before it
         event = _collectives.compute_stream(self.device).record_event() if self.device.type != "cpu" else None
         self.reshard()

@@ -17,10 +17,6 @@ def _is_replicated_info(info: ParamInfo, layout: FlatLayout) -> bool:
     return layout.world_size == 1 or info.replicated
 
 
-def _chunk_shape(info: ParamInfo, layout: FlatLayout, rank: int) -> torch.Size:
-    return layout.local_shape(info, rank)
-
-
 def _saved_shape(info: ParamInfo) -> torch.Size:
     """The shape of ``info``'s value in a FULL or SHARDED state dict: the global shape."""
     return info.tp.shape if info.tp is not None else info.shape

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_composable._comm import _collectives, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat._checkpoint_comm import comm_device_of, gather_flags
-from fsdp_composable._flat._flat_layout import _chunk_shape, _is_replicated_info, _saved_shape, _stride
+from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape, _stride
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit, _unit_name
@@ -69,7 +69,7 @@ def _match_sharded_placements(
         ):
             continue
         chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-        chunk = chunk.view(_chunk_shape(info, layout, layout.rank))
+        chunk = chunk.view(layout.local_shape(info))
         state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
 
 
@@ -145,7 +145,7 @@ def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[t
     out = []
     for info in layout.infos:
         start, end = layout.shard_range(info)
-        out.append(flat_shard[start:end].view(_chunk_shape(info, layout, layout.rank)).clone())
+        out.append(flat_shard[start:end].view(layout.local_shape(info)).clone())
     return out
 
 
