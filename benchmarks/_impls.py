@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import os
 from dataclasses import dataclass, field
+from types import ModuleType
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
@@ -26,9 +27,9 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.nn.parallel import DistributedDataParallel
 
+import fsdp_composable
 from benchmarks._floor import build_floor
 from benchmarks._model import BenchGPT, Block, ModelConfig, gpt_loss, make_batch
-from fsdp_composable import MixedPrecision, ModuleWrapPolicy, ShardingStrategy, fully_shard
 
 __all__ = ["IMPLS", "Built", "build"]
 
@@ -69,18 +70,24 @@ def _optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 
 def _build_ours(
-    model: nn.Module, strategy: str, bf16: bool, device: torch.device, forward_prefetch: Optional[bool]
+    model: nn.Module,
+    strategy: str,
+    bf16: bool,
+    device: torch.device,
+    forward_prefetch: Optional[bool],
+    lib: ModuleType = fsdp_composable,
 ) -> Built:
-    mp = MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
-    fully_shard(
+    """``lib``: this tree's package, or an earlier commit's (`_build_ours_before`)."""
+    mp = lib.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    lib.fully_shard(
         model,
-        ModuleWrapPolicy({Block}),
-        strategy=ShardingStrategy[strategy],
+        lib.ModuleWrapPolicy({Block}),
+        strategy=lib.ShardingStrategy[strategy],
         mixed_precision=mp,
         device_id=device if device.type == "cuda" else None,
         forward_prefetch=forward_prefetch,
     )
-    handles = list(fully_shard.state(model).handles)
+    handles = list(lib.fully_shard.state(model).handles)
 
     def flat_tensors() -> Iterator[Optional[torch.Tensor]]:
         for h in handles:
@@ -88,26 +95,20 @@ def _build_ours(
             yield h.flat_param.grad
 
     prefetch = "" if forward_prefetch is None else f", forward_prefetch={forward_prefetch}"
-    notes = [f"fully_shard(ModuleWrapPolicy({{Block}}), strategy={strategy}{prefetch}) -> {len(handles)} units"]
+    call = "fully_shard" if lib is fsdp_composable else f"{lib.__name__}.fully_shard"
+    notes = [f"{call}(ModuleWrapPolicy({{Block}}), strategy={strategy}{prefetch}) -> {len(handles)} units"]
     return Built(model, _optimizer(model.parameters()), notes, flat_tensors)
 
 
-def _build_ours_before(model: nn.Module, strategy: str, device: torch.device) -> Built:
+def _build_ours_before(
+    model: nn.Module, strategy: str, bf16: bool, device: torch.device, forward_prefetch: Optional[bool]
+) -> Built:
     """``ours`` as an earlier commit built it: its package, exported under another name by
     `bench_before_after.py`, named by the environment."""
     name = os.environ.get(BEFORE_PACKAGE)
     if not name:
         raise ValueError(f"impl='ours-before' needs {BEFORE_PACKAGE}: run it through benchmarks/bench_before_after.py")
-    lib = importlib.import_module(name)
-    lib.fully_shard(
-        model,
-        lib.ModuleWrapPolicy({Block}),
-        strategy=lib.ShardingStrategy[strategy],
-        device_id=device if device.type == "cuda" else None,
-    )
-    units = len(list(lib.fully_shard.state(model).handles))
-    notes = [f"{name}.fully_shard(ModuleWrapPolicy({{Block}})) -> {units} units"]
-    return Built(model, _optimizer(model.parameters()), notes)
+    return _build_ours(model, strategy, bf16, device, forward_prefetch, importlib.import_module(name))
 
 
 def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size: int) -> Built:
@@ -156,7 +157,7 @@ def build(
     if impl == "ours":
         return _build_ours(model, strategy, bf16, device, forward_prefetch)
     if impl == BEFORE:
-        return _build_ours_before(model, strategy, device)
+        return _build_ours_before(model, strategy, bf16, device, forward_prefetch)
     if impl == "floor":
         optimizer = build_floor(model, Block, _optimizer)
         return Built(model, optimizer, ["unsharded compute, a FULL_SHARD step's gloo messages, AdamW over shards"])
