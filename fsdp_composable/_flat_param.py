@@ -37,6 +37,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat._faces import contiguous_strides, face_mesh, face_value, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
 
@@ -73,15 +74,6 @@ _HANDLE_TRANSITIONS: Transitions = {
 
 # where a reshard defers freeing the unsharded storage on CUDA (see `FlatParamHandle._free_unsharded`)
 _IN_STEP = frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.BACKWARD_POST})
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class FlatParameter(nn.Parameter):
@@ -144,7 +136,7 @@ class FlatParamHandle:
         self.layout = _build_layout(params, holders, rank, world)
         # derived from the layout, which never changes, so that the views made every step cost one call
         # per parameter: [Note: views made every step]
-        self._view_specs = [(i.shape, _contiguous_strides(i.shape), i.offset) for i in self.layout.infos]
+        self._view_specs = [(i.shape, contiguous_strides(i.shape), i.offset) for i in self.layout.infos]
         self._shard_ranges = [self.layout.shard_range(i) for i in self.layout.infos]
         self.dtype = params[0].dtype if params else torch.float32
         self.compute_dtype = config.compute_dtype(self.dtype)
@@ -164,6 +156,13 @@ class FlatParamHandle:
         self._unsharded_regions: list[torch.Tensor] = []
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []
+        # each parameter's DTensor face ([Note: parameter faces]); a tensor-parallel unit's parameters
+        # are DTensors already and are their own faces
+        self.faces: list[nn.Parameter] = []
+        self.registered: list[nn.Parameter] = params  # what the holders register now: faces or params
+        self.flat_mode = False  # the wrapper's use_orig_params=False: see `_flat_mode`
+        # where each parameter is registered: (the holder's ``_parameters``, attribute) pairs
+        self._slots = [[(m._parameters, attr) for m, attr, _ in i.holders] for i in self.layout.infos]
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
         self._alloc_at_wait = False  # the pending unshard allocates the unsharded storage at its wait
@@ -215,6 +214,7 @@ class FlatParamHandle:
     def _init_views(self) -> None:
         layout = self.layout
         self._sharded_views = self.sharded_views_of(self.flat_param.data)
+        self._init_faces()
         if self._needs_buffer:
             self._unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_views = self.views_of(self._unsharded)
@@ -222,6 +222,43 @@ class FlatParamHandle:
             self._free_unsharded()
         else:
             self._unsharded_views = list(self._sharded_views)
+
+    def _init_faces(self) -> None:
+        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces])."""
+        if self.tensor_parallel:
+            self.faces = list(self.params)
+            return
+        layout = self.layout
+        locals_ = [v.view(layout.local_shape(i)) for v, i in zip(self._sharded_views, layout.infos)]
+        if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
+            for face, local in zip(self.faces, locals_):
+                repoint_face(face, local)
+            return
+        mesh = self._mesh = face_mesh(self.process_group, self.device)
+        self.faces = [
+            make_face(local, info, layout, mesh, p.requires_grad) for p, info, local in zip(self.params, layout.infos, locals_)
+        ]
+        for face, param in zip(self.faces, self.params):
+            face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
+            setattr(face, FSDP_FLATTENED, True)
+
+    def face_grad(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s gradient as its face shows it, from its 1-D slice ``view`` of a flat shard."""
+        info = self.layout.infos[i]
+        return face_value(view.view(self.layout.local_shape(info)), info, self.layout, self._mesh)
+
+    def register_params(self) -> None:
+        """Register the original parameters, whatever they view (a save or load that gives them their full shape)."""
+        self._register(self.params)
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        if self.flat_mode:  # the original parameters are plain attributes, the flat parameter is registered
+            self.registered = self.params
+            return
+        self.registered = params
+        for slots, param in zip(self._slots, params):
+            for registered, attr in slots:
+                registered[attr] = param
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each original parameter's view, in its shape, of a padded unsharded flat tensor.
@@ -304,9 +341,11 @@ class FlatParamHandle:
 
     def use_sharded_views(self) -> None:
         self._point_params_at(self._sharded_views)
+        self._register(self.faces)
 
     def use_unsharded_views(self) -> None:
         self._point_params_at(self._unsharded_views)
+        self._register(self.params)
 
     # ---------------------------------------------------------------- unshard / reshard
     @property

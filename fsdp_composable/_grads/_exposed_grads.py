@@ -31,11 +31,11 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
         if _first_exposed_cleared(handle):
             handle.flat_param.grad = None
-        for param in handle.params:
+        for param in handle.faces:
             param.grad = None
         grads.exposed = []
         return
-    current = [p.grad for p in handle.params]
+    current = [p.grad for p in handle.faces]
     untouched = len(ours) == len(current) and all(g is v for g, v in zip(current, ours))
     if not ours and all(g is None for g in current):
         pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
@@ -59,7 +59,7 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                     missing.discard(i)
         handle.flat_param.grad = flat_grad
         grads.missing = frozenset(missing)
-    for param, grad in zip(handle.params, current):
+    for param, grad in zip(handle.faces, current):
         if grad is not None:
             param.grad = None
     grads.exposed = []
@@ -82,7 +82,7 @@ def _any_rebound(handle: FlatParamHandle, current: list[Optional[torch.Tensor]])
 def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
     """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
     exposed = handle.grads.exposed
-    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
+    return next((p.grad is None for p, g in zip(handle.faces, exposed) if g is not None), False)
 
 
 def release_cleared_grads(handle: FlatParamHandle) -> None:
@@ -92,7 +92,7 @@ def release_cleared_grads(handle: FlatParamHandle) -> None:
     if not grads.exposed:
         return
     cleared = (
-        all(p.grad is None for p in handle.params)
+        all(p.grad is None for p in handle.faces)
         if _safety.current().grad_bookkeeping
         else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
     )
@@ -114,9 +114,9 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
         return
     exposed: list[Optional[torch.Tensor]] = []
     views = handle.sharded_views_of(flat_grad)
-    for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
+    for i, (param, info, view) in enumerate(zip(handle.faces, handle.layout.infos, views)):
         if param.requires_grad and i not in grads.missing:
-            grad = view if info.tp is None else as_param_grad(info.tp, view)
+            grad = handle.face_grad(i, view) if info.tp is None else as_param_grad(info.tp, view)
             assign_grad(param, grad)
             exposed.append(grad)
         else:

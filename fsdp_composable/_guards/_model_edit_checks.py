@@ -105,10 +105,10 @@ def _check_handle(handle: FlatParamHandle) -> None:
     if flat.dtype != handle.dtype or flat.device != handle.shard_device:
         # flat-parameter mode: `.half()`/`.to()` cast the registered flat parameter itself
         _raise_cast(handle, handle.unit_fqn or "<root>", flat, "flat parameter of unit", restored=False)
-    for param, info in zip(handle.params, handle.layout.infos):
+    for param, registered, info in zip(handle.params, handle.registered, handle.layout.infos):
         for module, attr, fqn in info.holders:
             # flat-parameter mode keeps original parameters as plain attributes instead
-            if module._parameters.get(attr) is not param and module.__dict__.get(attr) is not param:
+            if module._parameters.get(attr) is not registered and module.__dict__.get(attr) is not param:
                 _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
 
 

@@ -19,6 +19,7 @@ def _use_flat_params(state: _FSDPState) -> None:
     """Unregister original parameters (kept reachable as plain attributes for forward) and
     register each unit's flat parameter on its module."""
     for handle in state.handles:
+        handle.flat_mode = True
         for param in handle.params:
             setattr(param, FLAT_MODE, True)
         for module, name, param in _registrations(handle):
@@ -34,3 +35,5 @@ def _use_orig_params(state: _FSDPState) -> None:
         for module, name, param in _registrations(handle):
             module.__dict__.pop(name, None)
             module._parameters[name] = param
+        handle.flat_mode = False
+        handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()

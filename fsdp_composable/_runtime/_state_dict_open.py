@@ -58,7 +58,7 @@ def _unit_name(handle: FlatParamHandle) -> str:
 
 def _check_registered(handle: FlatParamHandle) -> None:
     """Every holder still registers its original parameter (else we would save or overwrite another)."""
-    for param, info in zip(handle.params, handle.layout.infos):
+    for param, info in zip(handle.registered, handle.layout.infos):
         for module, attr, fqn in info.holders:
             if module._parameters.get(attr) is not param:
                 raise RuntimeError(

@@ -38,6 +38,7 @@ def _open_full(handle: FlatParamHandle) -> _OpenUnit:
     full = _gather_full_flat(handle)
     for param, info in zip(handle.params, handle.layout.infos):
         _tensor_parallel.point_at(param, full[info.offset : info.offset + info.numel].view(info.shape))
+    handle.register_params()
     return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
 
 

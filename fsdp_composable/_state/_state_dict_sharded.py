@@ -40,7 +40,7 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
     chunks = _flat_to_chunks(handle, handle.flat_param.detach())
     mesh = _mesh_of(handle.process_group, comm_device_of(handle))
     opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
-    for param, info, chunk in zip(handle.params, layout.infos, chunks):
+    for param, info, chunk in zip(handle.registered, layout.infos, chunks):
         local = _to_output(state, chunk) if for_save else chunk
         dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
         opened.dparams.append(dparam)
@@ -77,7 +77,7 @@ def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
     into the open unit and register the original parameters again."""
     layout = handle.layout
-    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
+    for param, info, k in zip(handle.registered, layout.infos, range(len(layout.infos))):
         expected = opened.dparams[k] if opened.dparams else param
         for module, attr, _ in info.holders:
             current = module._parameters.get(attr)

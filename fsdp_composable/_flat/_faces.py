@@ -1,0 +1,71 @@
+"""Each original parameter's face: the ``DTensor`` parameter a module registers between steps.
+
+[Note: parameter faces]
+Between steps a module registers, in place of each original parameter, a new ``nn.Parameter`` whose
+data is a ``DTensor`` of the parameter's global shape: ``Shard(0)`` over the unit's process group (or
+``Replicate()`` for a parameter every rank holds whole), whose local tensor is a view of the
+parameter's chunk in the unit's flat shard ([Note: rank-major flat shards]). So torch sees a
+parameter as torch FSDP2 shows it (``p.shape``, ``p.numel()``, ``named_parameters()``, ``nn.init``,
+the optimizer over ``DTensor`` state), and an optimizer step writes straight into the buffer the next
+all-gather sends. In forward and backward the module registers the original parameter again, which
+views the unsharded buffer: autograd and the user's forward see plain tensors, exactly as before.
+The face objects live as long as the unit and its dtype: a load or a cast that replaces the shard
+points the faces at the new one (`repoint_faces`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
+
+from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
+
+__all__ = ["face_mesh", "make_face", "repoint_face"]
+
+
+def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (a zero-size dimension counts as one)."""
+    strides: list[int] = []
+    step = 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
+
+
+def face_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
+    """The 1-D mesh naming ``group``'s ranks on ``device``'s type (no communication)."""
+    return DeviceMesh.from_group(group, device.type)
+
+
+def _placement(info: ParamInfo, layout: FlatLayout) -> Placement:
+    return Replicate() if info.replicated or layout.world_size == 1 else Shard(0)
+
+
+def face_value(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
+    """The ``DTensor`` of ``info``'s global shape whose local tensor is ``local`` (this rank's chunk)."""
+    return DTensor.from_local(
+        local,
+        mesh,
+        [_placement(info, layout)],
+        run_check=False,
+        shape=info.shape,
+        stride=contiguous_strides(info.shape),
+    )
+
+
+def make_face(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
+    """A new face parameter viewing ``local``."""
+    with torch.no_grad():
+        return nn.Parameter(face_value(local, info, layout, mesh), requires_grad=requires_grad)
+
+
+def repoint_face(face: nn.Parameter, local: torch.Tensor) -> None:
+    """Point ``face`` at ``local`` (a new shard of the same dtype): the object, which optimizers hold,
+    stays the same."""
+    assert isinstance(face, DTensor) and local.dtype == face.dtype
+    face._local_tensor = local
