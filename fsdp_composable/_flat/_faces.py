@@ -61,7 +61,14 @@ def face_value(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: D
 def make_face(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
     """A new face parameter viewing ``local``."""
     with torch.no_grad():
-        return nn.Parameter(face_value(local, info, layout, mesh), requires_grad=requires_grad)
+        face = nn.Parameter(face_value(local, info, layout, mesh), requires_grad=requires_grad)
+    face._fsdp_face = True  # type: ignore[attr-defined]
+    return face
+
+
+def is_face(param: torch.Tensor) -> bool:
+    """Whether ``param`` is a face (not an original parameter, which a module registers only in a step)."""
+    return getattr(param, "_fsdp_face", False)
 
 
 def repoint_face(face: nn.Parameter, local: torch.Tensor) -> None:

@@ -207,6 +207,7 @@ def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bo
             grad_view = grad_full[info.offset : info.offset + info.numel].view(info.shape)
         param.grad = as_param_grad(info.tp, grad_view) if grad_view is not None else None
         entry.grad_views.append(grad_view)
+    handle.register_params()
     return entry
 
 

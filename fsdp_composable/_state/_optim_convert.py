@@ -475,7 +475,7 @@ def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:
             if id(handle) in seen:
                 continue
             seen.add(id(handle))
-            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.params):
+            if id(handle.flat_param) in ids or any(id(p) in ids for p in (*handle.params, *handle.faces)):
                 out.append(handle)
     return out
 

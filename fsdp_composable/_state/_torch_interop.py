@@ -99,6 +99,7 @@ from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
+from fsdp_composable._flat._faces import is_face
 from fsdp_composable._guards._ddp_guard import refuse_ddp_of_sharded
 from fsdp_composable._runtime._grad_utils import NormPieces
 from fsdp_composable._state._optim_convert import (
@@ -186,6 +187,11 @@ def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:
         )
 
 
+def _hidden_original(param: torch.Tensor) -> bool:
+    """An original parameter that a face replaces between steps ([Note: parameter faces])."""
+    return not is_face(param) and not isinstance(param, DTensor)
+
+
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _module_to_states:  # nothing was ever sharded in this process
         return
@@ -211,6 +217,12 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
             if not getattr(param, FSDP_FLATTENED, False):
                 continue
             fqn = getattr(param, "_fsdp_fqn", "?")
+            if not getattr(param, FLAT_MODE, False) and _hidden_original(param):
+                raise RuntimeError(
+                    f"the optimizer holds parameter '{fqn}' as it was before fully_shard: fully_shard registers a "
+                    "new DTensor parameter in its place, which the optimizer would never step. Build the optimizer "
+                    "after fully_shard, from model.parameters()"
+                )
             if getattr(param, FLAT_MODE, False):
                 raise RuntimeError(
                     f"the optimizer holds original parameter '{fqn}', but FullyShardedDataParallel("
