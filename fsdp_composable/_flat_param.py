@@ -236,7 +236,8 @@ class FlatParamHandle:
             return
         mesh = self._mesh = face_mesh(self.process_group, self.device)
         self.faces = [
-            make_face(local, info, layout, mesh, p.requires_grad) for p, info, local in zip(self.params, layout.infos, locals_)
+            make_face(local, info, layout, mesh, p.requires_grad)
+            for p, info, local in zip(self.params, layout.infos, locals_)
         ]
         for face, param in zip(self.faces, self.params):
             face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]

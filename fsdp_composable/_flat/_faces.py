@@ -58,7 +58,9 @@ def face_value(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: D
     )
 
 
-def make_face(local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh, requires_grad: bool) -> nn.Parameter:
+def make_face(
+    local: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh, requires_grad: bool
+) -> nn.Parameter:
     """A new face parameter viewing ``local``."""
     with torch.no_grad():
         face = nn.Parameter(face_value(local, info, layout, mesh), requires_grad=requires_grad)

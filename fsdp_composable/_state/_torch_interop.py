@@ -98,8 +98,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
-from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
 from fsdp_composable._flat._faces import is_face
+from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
 from fsdp_composable._guards._ddp_guard import refuse_ddp_of_sharded
 from fsdp_composable._runtime._grad_utils import NormPieces
 from fsdp_composable._state._optim_convert import (
