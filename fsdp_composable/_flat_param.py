@@ -29,6 +29,8 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fsdp_composable._base._copy_guard import refusal, refuse_copies
 from fsdp_composable._base._grad_records import UnitGrads
@@ -37,7 +39,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._flat._faces import contiguous_strides, face_mesh, face_value, make_face, repoint_face
+from fsdp_composable._flat._faces import contiguous_strides, face_mesh, face_spec, face_value, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
 
@@ -159,6 +161,9 @@ class FlatParamHandle:
         # each parameter's DTensor face ([Note: parameter faces]); a tensor-parallel unit's parameters
         # are DTensors already and are their own faces
         self.faces: list[nn.Parameter] = []
+        self._mesh: Optional[DeviceMesh] = None  # the faces' mesh: the process group's ranks
+        self._face_specs: dict[torch.dtype, list[DTensorSpec]] = {}
+        self._local_shapes = [self.layout.local_shape(i) for i in self.layout.infos]
         self.registered: list[nn.Parameter] = params  # what the holders register now: faces or params
         self.flat_mode = False  # the wrapper's use_orig_params=False: see `_flat_mode`
         # where each parameter is registered: (the holder's ``_parameters``, attribute) pairs
@@ -228,25 +233,30 @@ class FlatParamHandle:
         if self.tensor_parallel:
             self.faces = list(self.params)
             return
-        layout = self.layout
-        locals_ = [v.view(layout.local_shape(i)) for v, i in zip(self._sharded_views, layout.infos)]
+        locals_ = [v.view(shape) for v, shape in zip(self._sharded_views, self._local_shapes)]
         if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
             for face, local in zip(self.faces, locals_):
                 repoint_face(face, local)
             return
-        mesh = self._mesh = face_mesh(self.process_group, self.device)
-        self.faces = [
-            make_face(local, info, layout, mesh, p.requires_grad)
-            for p, info, local in zip(self.params, layout.infos, locals_)
-        ]
+        specs = self.face_specs(self.dtype)
+        self.faces = [make_face(local, spec, p.requires_grad) for p, spec, local in zip(self.params, specs, locals_)]
         for face, param in zip(self.faces, self.params):
             face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
             setattr(face, FSDP_FLATTENED, True)
 
+    def face_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
+        """Each parameter's face spec in ``dtype`` (made once per dtype)."""
+        specs = self._face_specs.get(dtype)
+        if specs is None:
+            if self._mesh is None:
+                self._mesh = face_mesh(self.process_group, self.device)
+            mesh, layout = self._mesh, self.layout
+            specs = self._face_specs[dtype] = [face_spec(info, layout, mesh, dtype) for info in layout.infos]
+        return specs
+
     def face_grad(self, i: int, view: torch.Tensor) -> torch.Tensor:
         """Parameter ``i``'s gradient as its face shows it, from its 1-D slice ``view`` of a flat shard."""
-        info = self.layout.infos[i]
-        return face_value(view.view(self.layout.local_shape(info)), info, self.layout, self._mesh)
+        return face_value(view.view(self._local_shapes[i]), self.face_specs(view.dtype)[i])
 
     def register_params(self) -> None:
         """Register the original parameters, whatever they view (a save or load that gives them their full shape)."""
