@@ -356,6 +356,10 @@ class FlatParamHandle:
 
     def use_unsharded_views(self) -> None:
         self._point_params_at(self._unsharded_views)
+        if self.registered is self.faces and not self.tensor_parallel:
+            for param, face in zip(self.params, self.faces):  # frozen or unfrozen between steps, on the face
+                if param.requires_grad is not face.requires_grad:
+                    param.requires_grad_(face.requires_grad)
         self._register(self.params)
 
     # ---------------------------------------------------------------- unshard / reshard
