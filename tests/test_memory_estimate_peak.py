@@ -43,13 +43,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "NO_SHARD": {"strategy": ShardingStrategy.NO_SHARD},
     "NO_SHARD bf16": {"strategy": ShardingStrategy.NO_SHARD, "mixed_precision": BF16},
     "HYBRID_SHARD": {"strategy": ShardingStrategy.HYBRID_SHARD},
+    "HYBRID_SHARD bf16": {"strategy": ShardingStrategy.HYBRID_SHARD, "mixed_precision": BF16},
     "reshard_after_forward=2": {"reshard_after_forward": 2},
     "reshard_after_forward=2 bf16": {"reshard_after_forward": 2, "mixed_precision": BF16},
 }
 BY_WORLD_SIZE = {
     # HYBRID_SHARD needs 2 x 2 ranks; at 2 ranks an int is SHARD_GRAD_OP (1) or FULL_SHARD (2), which
     # test_memory_estimate_int_reshard.py shows the estimate and the runtime both take as those
-    2: [c for c in CONFIGS if c != "HYBRID_SHARD" and "reshard_after_forward" not in c],
+    2: [c for c in CONFIGS if "HYBRID_SHARD" not in c and "reshard_after_forward" not in c],
     4: list(CONFIGS),
 }
 
