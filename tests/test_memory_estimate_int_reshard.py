@@ -81,7 +81,7 @@ optimizer_state        232     232 B  adam: 2 x the trainable sharded parameters
 unsharded_params       528     528 B  root unit + 2 largest FULL_SHARD unit(s) in flight + 1 gathered before its copy-out
 unsharded_grads        192     192 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
 activations            288     288 B  saved for backward by forward(batch_example), once per storage
-post_forward_shards    224     224 B  1/2 of every non-root unit, kept from forward to backward
+post_forward_shards    224     224 B  1/2 of every non-root FULL_SHARD unit, kept from forward to backward
 -------------------  -----  --------  --------------------------------------------------------------------------------------
 peak                 1,580  1.54 KiB  params + optimizer + unsharded + max(activations + post-forward shards, sharded grads)""",  # noqa: E501
     )

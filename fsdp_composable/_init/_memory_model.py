@@ -138,10 +138,10 @@ def _memory_terms(
         "unsharded_params": _unsharded_param_explanation(units, in_flight),
         "unsharded_grads": "largest unit's unsharded gradient buffer (compute + reduce dtype)",
     }
-    ranks = {u.post_forward_ranks for u in units if u.post_forward_ranks is not None}
-    if ranks:  # reshard_after_forward=<int>: one k per call
+    k = next((u.post_forward_ranks for u in units if u.post_forward_ranks is not None), None)
+    if k is not None:  # reshard_after_forward=<int>: one k per call
         breakdown["post_forward_shards"] = sum(_post_forward_bytes(u) for u in units if not u.is_root)
-        explanations["post_forward_shards"] = f"1/{min(ranks)} of every non-root unit, kept from forward to backward"
+        explanations["post_forward_shards"] = f"1/{k} of every non-root FULL_SHARD unit, kept from forward to backward"
     return breakdown, explanations
 
 
