@@ -33,6 +33,7 @@ from torch import nn
 from fsdp_composable._base._copy_guard import refusal, refuse_copies
 from fsdp_composable._base._grad_records import UnitGrads
 from fsdp_composable._base._state_machine import Transitions, check_transition
+from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
@@ -73,15 +74,6 @@ _HANDLE_TRANSITIONS: Transitions = {
 
 # where a reshard defers freeing the unsharded storage on CUDA (see `FlatParamHandle._free_unsharded`)
 _IN_STEP = frozenset({_H.FORWARD, _H.BACKWARD_PRE, _H.BACKWARD_POST})
-
-
-def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class FlatParameter(nn.Parameter):
@@ -144,7 +136,7 @@ class FlatParamHandle:
         self.layout = _build_layout(params, holders, rank, world)
         # derived from the layout, which never changes, so that the views made every step cost one call
         # per parameter: [Note: views made every step]
-        self._view_specs = [(i.shape, _contiguous_strides(i.shape), i.offset) for i in self.layout.infos]
+        self._view_specs = [(i.shape, contiguous_strides(i.shape), i.offset) for i in self.layout.infos]
         self._shard_ranges = [self.layout.shard_range(i) for i in self.layout.infos]
         self.dtype = params[0].dtype if params else torch.float32
         self.compute_dtype = config.compute_dtype(self.dtype)
