@@ -57,6 +57,13 @@ class UnitConfig:
         return self.strategy in _RESHARD_AFTER_FORWARD
 
     @property
+    def reshards_to_post_forward_group(self) -> bool:
+        """Whether ``reshard_after_forward=<int>`` applies to the unit: FULL_SHARD units only (a unit a
+        `CustomPolicy` made SHARD_GRAD_OP or NO_SHARD keeps its own rule); see [Note: resharding to a
+        smaller group] in `_post_forward_group`."""
+        return self.strategy is ShardingStrategy.FULL_SHARD
+
+    @property
     def low_precision_compute(self) -> bool:
         """Whether parameters are cast for compute; then each BatchNorm becomes a full-precision unit."""
         return self.mixed_precision is not None and self.mixed_precision.param_dtype is not None

@@ -35,6 +35,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec
 from fsdp_composable._base._copy_guard import refusal, refuse_copies
 from fsdp_composable._base._grad_records import UnitGrads
 from fsdp_composable._base._state_machine import Transitions, check_transition
+from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at

@@ -19,7 +19,7 @@ therefore what `describe` returns on rank 0 after sharding, and every byte count
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -35,8 +35,10 @@ from fsdp_composable._init._memory_model import (
     _unit_cost,
     _UnitCost,
 )
+from fsdp_composable._init._post_forward_group import resolve_post_forward_ranks
 from fsdp_composable._init._sharding_plan import ROOT_NAME, MemoryEstimate, ShardingPlan, UnitPlan, _join, _unit_plan
 from fsdp_composable._init._wrap_utils import SubmoduleState, _as_policy, _flat_groups, _get_submodule_to_states
+from fsdp_composable._names._fsdp2_names import implied_strategy, post_forward_ranks
 from fsdp_composable._state._state_dict_utils import _clean_module_fqns
 from fsdp_composable.api import BackwardPrefetch, MixedPrecision, ShardingStrategy
 
@@ -99,6 +101,7 @@ def estimate_memory(
     batch_example: Any = None,
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: Optional[bool] = None,
+    reshard_after_forward: Union[bool, int, None] = None,
 ) -> MemoryEstimate:
     """Predict per-rank bytes of training ``module`` under ``fully_shard(module, policy, ...)``.
 
@@ -108,8 +111,9 @@ def estimate_memory(
     for ``module.forward``, one rank's batch) adds the activations its forward saves for backward,
     measured with fake tensors (see [Note: measuring activations]). ``world_size`` is the number of
     ranks each unit is sharded over: for HYBRID_SHARD, the shard group's size. The remaining
-    arguments mean what they mean to `fully_shard`. See [Note: the memory model] for what each term
-    counts.
+    arguments mean what they mean to `fully_shard` (``reshard_after_forward``: FSDP2's name, True,
+    False or an int k that divides ``world_size``; an int adds the ``post_forward_shards`` term). See
+    [Note: the memory model] for what each term counts.
     """
     _check_estimate_args(
         module,
@@ -121,15 +125,18 @@ def estimate_memory(
         backward_prefetch,
         forward_prefetch,
         batch_example,
+        reshard_after_forward,
     )
     args = ShardConfig(
         policy=policy,
-        strategy=strategy,
+        strategy=implied_strategy(strategy, None, reshard_after_forward, api="estimate_memory"),
         mixed_precision=mixed_precision,
         backward_prefetch=backward_prefetch,
         forward_prefetch=forward_prefetch,
         api="estimate_memory",
+        reshard_after_forward_ranks=post_forward_ranks(reshard_after_forward),
     )
+    args = resolve_post_forward_ranks(module, args, world_size)  # k: 1 is SHARD_GRAD_OP, world_size FULL_SHARD
     base = args.unit_config(world_size)  # the rules fully_shard applies (world size 1 is NO_SHARD)
     strategy = base.strategy
     fqns = _clean_module_fqns(module)
@@ -140,7 +147,7 @@ def estimate_memory(
     for sub in subs.values():
         for params, holders in _flat_groups(sub):  # one handle per dtype/requires_grad group
             group = SubmoduleState(sub.fqn, params, holders, sub.overrides)
-            units.append(_unit_cost(group, base, world_size, fqns, device))
+            units.append(_unit_cost(group, base, world_size, fqns, device, args.reshard_after_forward_ranks))
     plan = ShardingPlan(tuple(u.plan for u in units), world_size, 0)
     in_flight = args.units_in_flight
     breakdown, explanations = _memory_terms(units, OPTIMIZER_STATE_FACTORS[optimizer], optimizer, in_flight)
@@ -167,6 +174,7 @@ def _check_estimate_args(
     backward_prefetch: Any,
     forward_prefetch: Any,
     batch_example: Any,
+    reshard_after_forward: Any,
 ) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"estimate_memory argument 'module' must be an nn.Module, got {type(module).__name__}")
@@ -203,6 +211,11 @@ def _check_estimate_args(
     if forward_prefetch is not None and not isinstance(forward_prefetch, bool):
         raise TypeError(
             f"estimate_memory argument 'forward_prefetch' must be True, False or None, got {forward_prefetch!r}"
+        )
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):  # bool is an int
+        raise TypeError(
+            "estimate_memory argument 'reshard_after_forward' must be True, False, an int (the number of ranks "
+            f"to stay sharded over after forward) or None, got {reshard_after_forward!r}"
         )
     if batch_example is not None:
         _call_args(batch_example)

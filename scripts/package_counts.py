@@ -99,10 +99,11 @@ LAYERS: Layers = [
     (
         "base",
         "records every layer shares: public enums, configs and errors, unit configs, the registry, state "
-        "machines, per-unit switches, gradient records, safety switches, copy refusal, param-major index arithmetic",
+        "machines, per-unit switches, gradient records, safety switches, copy refusal, param-major index arithmetic, "
+        "contiguous strides",
         {
             "": "api _config _composable_state",
-            "_base": "_state_machine _copy_guard _safety _unit_switches _grad_records _grad_mode _param_major",
+            "_base": "_state_machine _copy_guard _safety _unit_switches _grad_records _grad_mode _param_major _strides",
         },
     ),
     (

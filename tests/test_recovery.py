@@ -12,7 +12,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_composable import ModuleWrapPolicy, ShardingStrategy, fully_shard, no_sync, register_fsdp_forward_method
+from fsdp_composable import (
+    ModuleWrapPolicy,
+    ShardingStrategy,
+    clip_grad_norm_,
+    fully_shard,
+    no_sync,
+    register_fsdp_forward_method,
+    unshard_params,
+)
 
 
 class Injected(Exception):
@@ -202,3 +210,63 @@ def generate_and_unit_first() -> dict[str, Any]:
 def test_registered_method_calling_self_and_unit_called_first(dist_run) -> None:
     for r in dist_run(2, generate_and_unit_first):
         assert r == {"unit": True, "gen": True, "interrupted": True, "equal": True}
+
+
+# ---------------------------------------------------------------------------- entry points after an interrupted forward
+def _use_entry_point(model: Net, entry: str, step: int) -> None:
+    """Call ``entry`` first after the step's start, then train the step."""
+    off = {"on": False}
+    if entry == "no_sync":
+        with no_sync(model):
+            _loss(model, _batch(step, 0), "", off).backward()
+    elif entry == "unshard_params":
+        with unshard_params(model):
+            pass
+    elif entry == "reset_parameters":
+        torch.manual_seed(7)
+        model.mid.reset_parameters()
+    elif entry == "clip_grad_norm_":
+        clip_grad_norm_(model, 1.0)
+    _loss(model, _batch(step, 1), "", off).backward()
+
+
+def entry_point_after_interrupted_forward(entry: str) -> str:
+    """A ``KeyboardInterrupt`` escapes a root forward (torch runs none of the forward hooks after it, so
+    the forward stays open); the next call is ``entry``, between steps: it closes the interrupted
+    forward's step and does its work, and training goes on bit for bit like a run without the interrupt.
+    The error text otherwise."""
+    params = []
+    for interrupt in (True, False):
+        torch.manual_seed(0)
+        model = Net()
+        fully_shard(model, ModuleWrapPolicy({nn.Linear}))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        on = {"on": False}
+        _install(model, "forward_interrupt", on)
+        for step in range(3):
+            if step == 1 and interrupt:
+                on["on"] = True
+                try:
+                    model(_batch(step, 9))
+                except KeyboardInterrupt:
+                    pass
+                finally:
+                    on["on"] = False
+            try:
+                _use_entry_point(model, entry, step)
+            except Exception as e:
+                return f"{type(e).__name__}: {e}"
+            opt.step()
+            opt.zero_grad()
+        params.append([p.detach().clone() for p in model.parameters()])
+    return "equal" if all(torch.equal(a, b) for a, b in zip(*params)) else "differs"
+
+
+def test_entry_points_close_a_forward_left_open_by_keyboard_interrupt(dist_run) -> None:
+    """``no_sync``, ``unshard_params``, ``reset_parameters()`` and ``clip_grad_norm_`` called from inside
+    a running forward refuse (tests/test_bad_runtime_inputs.py); called after a forward that a
+    ``BaseException`` left open, they close it and work."""
+    entries = ["no_sync", "unshard_params", "reset_parameters", "clip_grad_norm_"]
+    for entry in entries:
+        for r in dist_run(2, entry_point_after_interrupted_forward, entry):
+            assert r == "equal", (entry, r)

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
 
+from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives
 
 __all__ = ["TPSpec"]
@@ -241,7 +242,7 @@ def as_sharded_value(local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPS
         sharded_placements(spec, dp_replicated),
         run_check=False,
         shape=spec.shape,
-        stride=_contiguous_stride(spec.shape),
+        stride=contiguous_strides(spec.shape),
     )
 
 
@@ -294,9 +295,3 @@ def tp_local_of(value: torch.Tensor, spec: TPSpec, device: torch.device) -> torc
     return local_part_of_full(value, spec)
 
 
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))

@@ -22,9 +22,3 @@ def _saved_shape(info: ParamInfo) -> torch.Size:
     return info.tp.shape if info.tp is not None else info.shape
 
 
-def _stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, running = [], 1
-    for size in reversed(shape):
-        stride.append(running)
-        running *= max(size, 1)
-    return tuple(reversed(stride))

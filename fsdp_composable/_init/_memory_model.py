@@ -39,10 +39,17 @@ class _UnitCost:
     reshard_after_forward: bool  # (unless it is the root unit)
     # its all-gather lands in a second, rank-major buffer that is copied out ([Note: moving chunks])
     copied_out: bool = False
+    # reshard_after_forward=<int>: the k ranks it stays sharded over after forward (None: not used)
+    post_forward_ranks: Optional[int] = None
 
 
 def _unit_cost(
-    sub: SubmoduleState, base: UnitConfig, world_size: int, fqns: dict[nn.Module, str], device: torch.device
+    sub: SubmoduleState,
+    base: UnitConfig,
+    world_size: int,
+    fqns: dict[nn.Module, str],
+    device: torch.device,
+    post_forward_ranks: Optional[int] = None,
 ) -> _UnitCost:
     config = base.with_overrides(sub.overrides)
     layout = _build_layout(sub.params, sub.holders, 0, world_size if config.sharded else 1)
@@ -64,6 +71,7 @@ def _unit_cost(
         needs_unsharded_buffer=config.needs_unsharded_buffer(dtype, device),
         reshard_after_forward=config.reshard_after_forward,
         copied_out=not layout.same_order and (device.type != "cpu" or not layout.direct),
+        post_forward_ranks=post_forward_ranks if config.reshards_to_post_forward_group else None,
     )
 
 
@@ -97,13 +105,22 @@ def _unit_cost(
 #   is no flat buffer: autograd's per-parameter gradients reach this size only at the end of the
 #   unit's backward, while the previous unit's are still being sent; the two roughly cancel.
 # - activations: see [Note: measuring activations]; only with a batch_example.
+# - post_forward_shards: only with reshard_after_forward=<int> (k ranks): P/k*c for every non-root unit
+#   it applies to (`UnitConfig.reshards_to_post_forward_group`), the slice of the unsharded flat
+#   parameter each keeps from its post-forward to its backward's all-gather ([Note: resharding to a
+#   smaller group]). They pile up through forward, as the activations do, and are all alive where
+#   backward starts. The root unit's is left out: its backward comes first, so at the peak it is
+#   unsharded again (counted in unsharded_params) and its slice gone. The one or two units in flight
+#   at that moment have consumed theirs too; counting them keeps the term an upper bound.
 # peak_bytes: the step peaks either where backward starts (activations all saved) or where it ends
 # (every sharded gradient back). The runtime drops a unit's sharded gradient as soon as the user
 # clears its `.grad` (`zero_grad()`, set_to_none by default), so at the start of backward there are
-# none, and by its end the activations are freed: peak = sharded_params + optimizer_state +
-# unsharded_params + unsharded_grads + max(activations, sharded_grads). Measured against the
-# benchmark model this is within a few percent (benchmarks/README.md). upper_bound_bytes is the
-# plain sum. Neither counts fragmentation, communication buffers or CPU-offload accounting.
+# none, and by its end the activations and post-forward slices are freed: peak = sharded_params +
+# optimizer_state + unsharded_params + unsharded_grads + max(activations + post_forward_shards,
+# sharded_grads). Measured against the benchmark model this is within a few percent
+# (benchmarks/README.md), and against every strategy, bf16 and reshard_after_forward=2 within 10%
+# (tests/test_memory_estimate_peak.py). upper_bound_bytes is the plain sum. Neither counts
+# fragmentation, communication buffers or CPU-offload accounting.
 def _memory_terms(
     units: Sequence[_UnitCost], factor: int, optimizer: str, in_flight: int
 ) -> tuple[dict[str, int], dict[str, str]]:
@@ -121,7 +138,18 @@ def _memory_terms(
         "unsharded_params": _unsharded_param_explanation(units, in_flight),
         "unsharded_grads": "largest unit's unsharded gradient buffer (compute + reduce dtype)",
     }
+    k = next((u.post_forward_ranks for u in units if u.post_forward_ranks is not None), None)
+    if k is not None:  # reshard_after_forward=<int>: one k per call
+        breakdown["post_forward_shards"] = sum(_post_forward_bytes(u) for u in units if not u.is_root)
+        explanations["post_forward_shards"] = f"1/{k} of every non-root FULL_SHARD unit, kept from forward to backward"
     return breakdown, explanations
+
+
+def _post_forward_bytes(unit: _UnitCost) -> int:
+    """The slice a unit keeps from its post-forward to its backward: 1/k of its unsharded flat parameter."""
+    if unit.post_forward_ranks is None:
+        return 0
+    return unit.plan.padded_numel // unit.post_forward_ranks * _itemsize(unit.compute_dtype)
 
 
 def _unsharded_bytes(unit: _UnitCost) -> int:

@@ -42,18 +42,19 @@ __all__ = ["init_post_forward_groups", "reshard_root_if_given", "resolve_post_fo
 
 def resolve_post_forward_ranks(module: nn.Module, args: ShardConfig, world_size: int) -> ShardConfig:
     """``args`` with an int ``reshard_after_forward`` resolved against the shard group's size: 1 is
-    SHARD_GRAD_OP, ``world_size`` plain FULL_SHARD, any other divisor stays; raises before any collective."""
+    SHARD_GRAD_OP, ``world_size`` plain FULL_SHARD, any other divisor stays; raises before any collective
+    (``args.api`` names the caller: `estimate_memory` resolves it the same way)."""
     k = args.reshard_after_forward_ranks
     if k is None:
         return args
     if args.strategy is not ShardingStrategy.FULL_SHARD:
         raise ValueError(
-            f"fully_shard({type(module).__name__}): reshard_after_forward={k} (an int) needs "
+            f"{args.api}({type(module).__name__}): reshard_after_forward={k} (an int) needs "
             f"strategy=ShardingStrategy.FULL_SHARD with a 1-D process group, not {args.strategy.name}"
         )
     if k < 1 or k > world_size or world_size % k:
         raise ValueError(
-            f"fully_shard({type(module).__name__}): reshard_after_forward={k} must be a divisor of the shard "
+            f"{args.api}({type(module).__name__}): reshard_after_forward={k} must be a divisor of the shard "
             f"group's size {world_size} (the number of consecutive ranks to stay sharded over after forward)"
         )
     if k == 1:
@@ -70,7 +71,7 @@ def init_post_forward_groups(state: _FSDPState, k: Optional[int]) -> None:
         return
     mine = subgroup(state.process_group, k, lambda: _new_groups(state.process_group, k, state.rank))
     for handle in state.handles:
-        if handle.config.strategy is ShardingStrategy.FULL_SHARD and handle.layout.world_size > 1:
+        if handle.config.reshards_to_post_forward_group and handle.layout.world_size > 1:
             handle.post_forward_group = mine
 
 

@@ -19,6 +19,8 @@ __all__ = ["MemoryEstimate", "ShardingPlan", "UnitPlan"]
 ROOT_NAME = "<root>"
 
 TERMS = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "unsharded_grads", "activations")
+# terms that only apply to some calls: shown only when estimated (post_forward_shards: reshard_after_forward=<int>)
+OPTIONAL_TERMS = ("post_forward_shards",)
 
 
 # ---------------------------------------------------------------------------- result types
@@ -102,8 +104,9 @@ class MemoryEstimate:
     """Per-rank bytes of one training step, by term (see [Note: the memory model]).
 
     ``plan`` is the predicted `describe` result on rank 0; ``breakdown`` maps each term in `TERMS`
-    to bytes (``activations`` only when a ``batch_example`` was given); ``explanations`` says what
-    each term counted. ``str()`` is a breakdown table.
+    to bytes (``activations`` only when a ``batch_example`` was given), and ``post_forward_shards``
+    with ``reshard_after_forward=<int>``; ``explanations`` says what each term counted. ``str()`` is
+    a breakdown table.
     """
 
     plan: ShardingPlan
@@ -121,7 +124,7 @@ class MemoryEstimate:
         """The larger of the two candidate peaks of a step (see [Note: the memory model])."""
         b = self.breakdown
         held = b["sharded_params"] + b["optimizer_state"] + b["unsharded_params"] + b["unsharded_grads"]
-        return held + max(b.get("activations", 0), b["sharded_grads"])
+        return held + max(b.get("activations", 0) + b.get("post_forward_shards", 0), b["sharded_grads"])
 
     @property
     def upper_bound_bytes(self) -> int:
@@ -266,19 +269,23 @@ def _format_params(plan: ShardingPlan) -> list[str]:
     return _table(("unit", "parameter", "shape", "numel"), rows, footer, right={3})
 
 
+def _term_row(est: MemoryEstimate, term: str) -> tuple[str, str, str, str]:
+    n = est.breakdown[term]
+    return (term, f"{n:,}", _human_bytes(n), est.explanations.get(term, ""))
+
+
 def _format_estimate(est: MemoryEstimate) -> str:
-    rows = []
-    for term in TERMS:
-        if term in est.breakdown:
-            n = est.breakdown[term]
-            rows.append((term, f"{n:,}", _human_bytes(n), est.explanations.get(term, "")))
-        else:
-            rows.append((term, "-", "-", "not estimated: pass batch_example="))
+    rows = [
+        _term_row(est, term) if term in est.breakdown else (term, "-", "-", "not estimated: pass batch_example=")
+        for term in TERMS
+    ]
+    rows += [_term_row(est, term) for term in OPTIONAL_TERMS if term in est.breakdown]
+    slices = " + post-forward shards" if "post_forward_shards" in est.breakdown else ""
     footer = (
         "peak",
         f"{est.peak_bytes:,}",
         _human_bytes(est.peak_bytes),
-        "params + optimizer + unsharded + max(activations, sharded grads)",
+        f"params + optimizer + unsharded + max(activations{slices}, sharded grads)",
     )
     plan = est.plan
     header = (

@@ -86,7 +86,7 @@ def map_fsdp2_names(
                 "DeviceMesh; slice or flatten it"
             )
         process_group = mesh
-    strategy = _strategy(strategy, mesh, reshard_after_forward)
+    strategy = implied_strategy(strategy, mesh, reshard_after_forward)
     ignored_modules, single = split_ignored_params(module, args.ignored_modules, ignored_params)
     return OurArgs(
         process_group,
@@ -94,12 +94,12 @@ def map_fsdp2_names(
         _mixed_precision(args.mixed_precision, mp_policy),
         _cpu_offload(args.cpu_offload, offload_policy),
         ignored_modules,
-        reshard_after_forward_ranks=_post_forward_ranks(reshard_after_forward),
+        reshard_after_forward_ranks=post_forward_ranks(reshard_after_forward),
         ignored_params=(*args.ignored_params, *single),
     )
 
 
-def _post_forward_ranks(reshard_after_forward: Any) -> Optional[int]:
+def post_forward_ranks(reshard_after_forward: Any) -> Optional[int]:
     """FSDP2's int: the group size to reshard to after forward (checked against the group at init)."""
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
         return reshard_after_forward
@@ -126,12 +126,16 @@ def _check_placements(module: nn.Module, fn: Any, ignored_params: Any) -> None:
         )
 
 
-def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any) -> ShardingStrategy:
+def implied_strategy(
+    strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any, api: str = "fully_shard"
+) -> ShardingStrategy:
+    """The strategy ``reshard_after_forward`` (and a 2-D ``mesh``) imply over ``strategy``; ``api`` names
+    the caller in messages (`estimate_memory` takes the same argument)."""
     hybrid = mesh is not None and mesh.ndim == 2
     given = reshard_after_forward
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, (bool, int)):
         raise ValueError(
-            f"fully_shard argument 'reshard_after_forward' must be True, False or an int (the number of ranks "
+            f"{api} argument 'reshard_after_forward' must be True, False or an int (the number of ranks "
             f"to stay sharded over after forward), got {reshard_after_forward!r}"
         )
     if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
@@ -156,7 +160,7 @@ def _strategy(strategy: ShardingStrategy, mesh: Any, reshard_after_forward: Any)
         implied, why = ShardingStrategy.SHARD_GRAD_OP, "reshard_after_forward=False"
     if strategy not in (ShardingStrategy.FULL_SHARD, implied):
         raise ValueError(
-            f"fully_shard: strategy=ShardingStrategy.{strategy.name} conflicts with {why} (which means "
+            f"{api}: strategy=ShardingStrategy.{strategy.name} conflicts with {why} (which means "
             f"ShardingStrategy.{implied.name}); pass only one of them"
         )
     return implied

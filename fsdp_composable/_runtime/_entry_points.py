@@ -4,7 +4,12 @@ previous step stopped midway ([Note: a step that stops midway]).
 
 The stack-frame walk in `_live_forward` recognises torch's ``nn.Module._call_impl``: it changes
 nothing in torch but depends on its internals (listed as 7. in `_torch_interop`, which cannot hold
-it: it imports the runtime that uses it)."""
+it: it imports the runtime that uses it). The library's own counter (``open_forwards``, kept by the
+root pre/post-forward hooks) cannot replace it: torch runs no hook when a ``BaseException`` leaves a
+forward (``_call_impl`` runs its ``always_call`` hooks for an ``Exception`` only), so the counter
+alone cannot tell an entry point called inside a running forward (refused) from one called after
+an interrupted forward (which closes that step and goes on): tests/test_bad_runtime_inputs.py pins
+the first, tests/test_recovery.py the second."""
 
 from __future__ import annotations
 

@@ -13,8 +13,11 @@ did, every rank copies the kept values back and every rank's ``load_state_dict``
 own load was fine is told which ranks failed). The copy lives in a context variable for the one
 load call that made it (it is recognised by torch's ``error_msgs`` list of that call), never in a
 module-level container; an exception that leaves a load midway leaves a stale copy that the next
-load replaces. torch hands its load hooks ``strict=True`` whatever the caller passed, so the
-caller's ``strict`` is read (never changed) from the frame of ``nn.Module.load_state_dict``.
+load replaces. torch hands its load hooks ``strict=True`` whatever the caller passed (its
+``load_state_dict`` passes a literal ``True`` to ``_load_from_state_dict``, which hands it to every
+pre-hook; post-hooks get only the keys, and strictness is applied after them), so the caller's
+``strict`` is read (never changed) from the frame of ``nn.Module.load_state_dict``: a strict load with
+a missing or unexpected key is refused on every rank, a non-strict one loads (tests/test_misuse.py).
 """
 
 from __future__ import annotations

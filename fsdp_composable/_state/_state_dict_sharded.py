@@ -20,10 +20,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat._checkpoint_comm import comm_device_of, gather_flags
-from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape, _stride
+from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit, _unit_name
@@ -168,7 +169,8 @@ def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
 
 def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
     placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
-    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=_stride(info.shape))
+    stride = contiguous_strides(info.shape)
+    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=stride)
 
 
 def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
