@@ -40,7 +40,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._flat._faces import contiguous_strides, face_mesh, face_spec, face_value, make_face, repoint_face
+from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
 

@@ -116,7 +116,7 @@ LAYERS: Layers = [
         "flat",
         "the flat buffers: FlatParameter and FlatParamHandle, their rank-major layout and copies, their layout "
         "as per-parameter pieces, their checkpoint collectives",
-        {"": "_flat_param", "_flat": "_rank_major _flat_layout _checkpoint_comm"},
+        {"": "_flat_param", "_flat": "_rank_major _faces _flat_layout _checkpoint_comm"},
     ),
     (
         "grads",

@@ -23,19 +23,10 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Placement
 
+from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 
-__all__ = ["contiguous_strides", "face_mesh", "face_spec", "face_value", "is_face", "make_face", "repoint_face"]
-
-
-def contiguous_strides(shape: torch.Size) -> tuple[int, ...]:
-    """The strides of a contiguous tensor of ``shape`` (a zero-size dimension counts as one)."""
-    strides: list[int] = []
-    step = 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
+__all__ = ["face_mesh", "face_spec", "face_value", "is_face", "make_face", "repoint_face"]
 
 
 def face_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
