@@ -1,11 +1,12 @@
 """FULL_STATE_DICT: full tensors, gathered one unit at a time.
 
 [Note: full state dicts from sharded units]
-Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
-``state_dict()`` would hold shard slices. Each unit is therefore unsharded around its subtree's save
-and load (see [Note: a unit is unsharded around its subtree's save and load]): FULL points the
-parameters at views of the all-gathered flat tensor, so ``nn.Module`` saves and loads full shapes
-itself, under every FQN and through every hook of the model's own modules.
+Between steps a module registers its parameters' faces, DTensors holding this rank's chunks, so the
+plain ``state_dict()`` would hold those. Each unit is therefore unsharded around its subtree's save
+(see [Note: a unit is unsharded around its subtree's save and load]): FULL registers the original
+parameters, pointed at views of the all-gathered flat tensor, so ``nn.Module`` saves full tensors
+itself, under every FQN and through every hook of the model's own modules. A FULL load needs no
+gather: each rank copies its chunk of the full values into the faces ([Note: loading into the faces]).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def _match_tp_placements(
 
 def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     assert opened.full is not None
-    _take_assigned(handle, opened)
+    _take_assigned(handle, handle.registered, opened.full)
     layout = handle.layout
     with torch.no_grad():
         handle.flat_param.data.copy_(layout.shard_of(opened.full))

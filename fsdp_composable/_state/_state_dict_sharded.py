@@ -1,13 +1,25 @@
-"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
+"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout, and loading into the faces.
 
-[Note: sharded state dicts are DTensors in torch.chunk layout]
+[Note: sharded state dicts are the faces]
 A unit's flat shard is rank-major ([Note: rank-major flat shards] in `_rank_major`): this rank holds
-rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous.
-That is exactly the piece a ``Shard(0)`` DTensor describes, so every value is an ordinary DTensor of
-the parameter's original shape over a 1-D mesh of the unit's process group, whose local tensor is
-cut from the shard without communication (``Replicate()`` for 0-dim parameters and for units that
-are not sharded); `torch.distributed.checkpoint` saves and loads it at any world size. Loading
-copies each chunk back where the shard holds it. Nothing is gathered in full.
+rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous,
+which is the piece a ``Shard(0)`` DTensor describes. Between steps each module registers its
+parameters' faces ([Note: parameter faces]), DTensors of that layout, so ``nn.Module.state_dict()``
+saves them as they are: the SHARDED values are the faces (detached: they view the live shard, as
+torch FSDP2's do; ``offload_to_cpu`` gives CPU copies), and `torch.distributed.checkpoint` saves and
+loads them at any world size. Nothing is gathered and no unit is opened. A tensor-parallel unit's
+parameters are DTensors over their 1-D slices, not faces: its save and load still open the unit with
+2-D values (see [Note: 2-D state-dict values]).
+
+[Note: loading into the faces]
+FULL and SHARDED loads copy straight into the faces: a placement hook on each module holding a
+parameter (`_match_sharded_placements`) turns the value it will load (a full tensor, or a DTensor of
+any layout, e.g. DCP's at another world size) into a DTensor of the face's layout holding this rank's
+chunk, so ``nn.Module``'s ``copy_`` writes the flat shard locally. A load that fails on any rank is
+undone on every rank by [Note: a refused load writes nothing], and a key some ranks lack is refused on
+every rank by the key comparison (`_compare_keys_across_ranks`), so each key loads everywhere or
+nowhere. ``assign=True`` registers the checkpoint's tensors: `_take_assigned` copies them into the
+faces and registers the faces again.
 """
 
 from __future__ import annotations
@@ -28,7 +40,7 @@ from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit, _unit_name
-from fsdp_composable._state._state_dict_settings import _to_output
+from fsdp_composable._state._state_dict_settings import _config, _to_output
 from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
@@ -52,13 +64,19 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
 
 
 def _match_sharded_placements(
-    handle: FlatParamHandle, opened: _OpenUnit, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+    handle: FlatParamHandle,
+    targets: list[nn.Parameter],
+    attrs: list[tuple[str, int]],
+    state_dict: dict[str, Any],
+    prefix: str,
 ) -> None:
-    """SHARDED load: each checkpoint value of a parameter the module holds becomes a DTensor of the open
-    unit's layout (a full tensor or a DTensor of another placement: this rank's chunk of it)."""
+    """SHARDED (and, for faces, FULL) load: each checkpoint value of a parameter the module holds becomes a
+    DTensor laid out like its target (the face, or a tensor-parallel unit's opened parameter): a full
+    tensor or a DTensor of another placement gives this rank's chunk of it, so ``nn.Module``'s ``copy_``
+    is a local copy."""
     layout = handle.layout
     for attr, k in attrs:
-        info, target = layout.infos[k], opened.dparams[k].data
+        info, target = layout.infos[k], targets[k].data
         assert isinstance(target, DTensor)
         value = state_dict.get(prefix + attr)
         if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
@@ -74,33 +92,33 @@ def _match_sharded_placements(
         state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
 
 
-def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+def _take_assigned(handle: FlatParamHandle, expected: list[nn.Parameter], full: Optional[torch.Tensor] = None) -> None:
     """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
-    into the open unit and register the original parameters again."""
+    into ``expected`` (the faces, or a tensor-parallel unit's opened parameters; FULL: into ``full``, the
+    flat tensor they view) and register ``expected`` again."""
     layout = handle.layout
-    for param, info, k in zip(handle.registered, layout.infos, range(len(layout.infos))):
-        expected = opened.dparams[k] if opened.dparams else param
+    for k, info in enumerate(layout.infos):
         for module, attr, _ in info.holders:
             current = module._parameters.get(attr)
-            if current is expected or current is None:
+            if current is expected[k] or current is None:
                 continue
             with torch.no_grad():
-                if opened.full is not None:
+                if full is not None:
                     value = _whole(current.detach(), info, handle.device)
-                    opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
+                    full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
                 else:
-                    target = expected.data
+                    target = expected[k].data
                     assert isinstance(target, DTensor)
                     chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
                     target.to_local().copy_(chunk.view(target.to_local().shape))
-            module._parameters[attr] = expected
+            module._parameters[attr] = expected[k]
 
 
 def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
     """Every rank agrees which parameters were loaded; the chunks go back into the flat shard. A
     parameter loaded on some ranks but not others keeps its values on every rank and is reported on
-    every rank (see [Note: a sharded load is all or nothing per key])."""
-    _take_assigned(handle, opened)
+    every rank (see [Note: a tensor-parallel sharded load is all or nothing per key])."""
+    _take_assigned(handle, opened.dparams)
     layout = handle.layout
     loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
     by_rank = gather_flags(handle, loaded)
@@ -120,7 +138,7 @@ def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set
         handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
 
 
-# [Note: a sharded load is all or nothing per key]
+# [Note: a tensor-parallel sharded load is all or nothing per key]
 # Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
 # zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
 # ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
@@ -240,6 +258,19 @@ def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]
         chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
         flat[start:end] = chunk.to(dtype=dtype, device=device)
     return flat
+
+
+def _offload_faces(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """SHARDED with ``offload_to_cpu``: the saved faces (which view the shard) as DTensors on the CPU."""
+    if not _config(state).offload_to_cpu:
+        return
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        if isinstance(value, DTensor) and value.device.type != "cpu":
+            local = value.to_local().cpu()
+            state_dict[key] = DTensor.from_local(
+                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
+            )
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT

@@ -24,7 +24,14 @@ from fsdp_composable._runtime._module_controls import reshard_left_unsharded
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._runtime._state_dict_keys import _join as _join
 from fsdp_composable._runtime._state_dict_keys import _register_prefix_hooks as _register_prefix_hooks
-from fsdp_composable._runtime._state_dict_open import _close, _close_stale, _open, _open_unit, _take_open
+from fsdp_composable._runtime._state_dict_open import (
+    _check_registered,
+    _close,
+    _close_stale,
+    _open,
+    _open_unit,
+    _take_open,
+)
 from fsdp_composable._runtime._state_dict_open import close_stale_units as close_stale_units
 from fsdp_composable._state._state_dict_atomic import decide_after_load, keep_before_load
 from fsdp_composable._state._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
@@ -41,8 +48,10 @@ from fsdp_composable._state._state_dict_settings import (
 from fsdp_composable._state._state_dict_sharded import (
     _is_replicated,
     _match_sharded_placements,
+    _offload_faces,
     _open_sharded,
     _replicate_buffers,
+    _take_assigned,
     _write_back_sharded,
 )
 from fsdp_composable.api import StateDictConfig, StateDictType
@@ -155,7 +164,10 @@ def _pre_state_dict_hook(
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
     elif kind is StateDictType.SHARDED_STATE_DICT:
-        _open(state, handle, _open_sharded(state, handle, for_save=True))
+        if handle.tensor_parallel:  # 2-D values: see [Note: 2-D state-dict values]
+            _open(state, handle, _open_sharded(state, handle, for_save=True))
+        else:  # the faces are the values: see [Note: sharded state dicts are the faces]
+            _check_registered(handle)
 
 
 def _post_state_dict_hook(
@@ -172,6 +184,8 @@ def _post_state_dict_hook(
         return
     opened = _take_open(state, handle)
     if opened is None:
+        if _kind(state) is StateDictType.SHARDED_STATE_DICT:
+            _offload_faces(state, state_dict, prefix)
         return
     try:
         if opened.full is not None:
@@ -204,6 +218,10 @@ def _pre_load_state_dict_hook(
         return
     if kind is StateDictType.FULL_STATE_DICT:
         _check_not_rank0_only_load(state)
+    if not handle.tensor_parallel:
+        _check_registered(handle)  # the values are copied into the faces: see [Note: loading into the faces]
+        return
+    if kind is StateDictType.FULL_STATE_DICT:
         opened = _open_full(handle)
     else:
         opened = _open_sharded(state, handle, for_save=False)  # values are matched by `_match_placements`
@@ -234,19 +252,26 @@ def _match_placements(
     """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
     ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk.
     Under FULL, a tensor-parallel parameter's value becomes a DTensor laid out like the parameter."""
+    if not handle.tensor_parallel:
+        if _kind(state) is not StateDictType.LOCAL_STATE_DICT and handle.registered is handle.faces:
+            _match_sharded_placements(handle, handle.faces, attrs, state_dict, prefix)
+        return
     opened = _open_unit(state, handle)
     if opened is None:
         return
     if opened.kind is StateDictType.FULL_STATE_DICT:
         _match_tp_placements(handle, attrs, state_dict, prefix)
     else:
-        _match_sharded_placements(handle, opened, attrs, state_dict, prefix)
+        _match_sharded_placements(handle, opened.dparams, attrs, state_dict, prefix)
 
 
 @_rank_agreement.entry_point("load_state_dict()")
 def _post_load_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, incompatible_keys: Any
 ) -> None:
+    if not handle.tensor_parallel and _kind(state) is not StateDictType.LOCAL_STATE_DICT:
+        _take_assigned(handle, handle.faces)
+        return
     opened = _take_open(state, handle)
     if opened is None:
         return

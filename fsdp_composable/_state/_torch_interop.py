@@ -13,9 +13,9 @@
 3. torch's ``clip_grad_norm_`` routed through `_clip_grad_norm_` when given our parameters (the global
    norm instead of this rank's), installed by the first `fully_shard` call. Why, and why a closure
    cell: see [Note: torch's clip_grad_norm_].
-4. On each root module, a state-dict and a load-state-dict pre-hook (``nn.Module``'s public hooks)
-   that recognise torch's ``torch.distributed.checkpoint.state_dict`` API and switch the state-dict
-   type its options ask for. Why, and why frames are read: see [Note: torch's model state-dict API].
+4. On each root module, a state-dict pre-hook (``nn.Module``'s public hook) that recognises torch's
+   ``torch.distributed.checkpoint.state_dict`` API and switches the state-dict type its options ask
+   for. Why, and why frames are read: see [Note: torch's model state-dict API].
 5. ``nn.Module``'s global parameter and module registration hooks (public:
    ``register_module_parameter_registration_hook`` / ``register_module_module_registration_hook``),
    installed by the first `fully_shard` call: they count registrations in the registry, telling the
@@ -56,20 +56,23 @@ arguments).
 [Note: torch's model state-dict API]
 torch's API calls ``model.state_dict()`` / ``model.load_state_dict()`` and post-processes the result
 by its ``StateDictOptions``; it only switches torch FSDP's own state-dict type, which it finds by
-type. Our default type is FULL (the unsharded model's state dict), so left alone it would gather
-the whole model on every rank even for the default options, which torch (and DCP) mean to be
-sharded. So while torch's API runs on a root we manage, the root's state-dict pre-hooks set the
-type its options ask for, the way torch does for its own FSDP:
+type. Loading needs no switch: the parameters are the faces, torch gives them values in their own
+layout (``full_state_dict=True``: it distributes the full tensors over the faces' layout itself), and
+every load copies a value of any layout into the faces ([Note: loading into the faces]). Saving
+does: our default type is FULL (the unsharded model's state dict), so left alone it would gather the
+whole model on every rank even for the default options, which torch (and DCP) mean to be sharded.
+So while torch's API saves a root we manage, the root's state-dict pre-hook sets the type its
+options ask for, the way torch does for its own FSDP:
 - ``full_state_dict=False`` (the default): SHARDED, ``DTensor``s of the original shapes that DCP
   saves at N ranks and loads at M;
 - ``full_state_dict=True``: FULL (full tensors; ``cpu_offload=True`` also means ``offload_to_cpu``
   and ``rank0_only``, as torch sets for its FSDP).
 A one-shot post-hook puts the previous type back. A call is torch's when one of the frames above
-the hook runs torch's ``_get_model_state_dict`` / ``_load_model_state_dict`` with this module as its
-``model``: torch passes its options to ``model.state_dict()`` by no public means (it only switches
-torch FSDP's own type, found by class), so the frames are read, never changed; were torch to rename
-them, nothing is switched and the default FULL state dict still saves and loads correctly with DCP
-at any world size (full tensors on every rank), just not sharded.
+the hook runs torch's ``_get_model_state_dict`` with this module as its ``model``: torch passes its
+options to ``model.state_dict()`` by no public means (it only switches torch FSDP's own type, found
+by class), so the frames are read, never changed; were torch to rename it, nothing is switched and
+the default FULL state dict still saves and loads correctly with DCP at any world size (full
+tensors on every rank), just not sharded.
 The optimizer's half needs no detection: see [Note: torch's optimizer state dict].
 """
 
@@ -496,34 +499,33 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
     return pieces.norm(norm_type, dtype, handles[0].device if handles else params[0].device)
 
 
-def _torch_codes() -> tuple[CodeType, ...]:
-    """The code objects of torch's model state-dict functions; none if their module was never imported
-    (then torch's API cannot be running)."""
+def _torch_code() -> Optional[CodeType]:
+    """The code object of torch's ``_get_model_state_dict``; None if its module was never imported (then
+    torch's API cannot be running)."""
     dsd = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    fns = [getattr(dsd, name, None) for name in ("_get_model_state_dict", "_load_model_state_dict")]
-    return tuple(inspect.unwrap(fn).__code__ for fn in fns if fn is not None)
+    fn = getattr(dsd, "_get_model_state_dict", None)
+    return inspect.unwrap(fn).__code__ if fn is not None else None
 
 
-def _torch_call_options(module: nn.Module) -> Optional[tuple[Any, bool]]:
-    """(``_StateDictInfo``, is a load) of the torch API call working on ``module`` right now, or None."""
-    codes = _torch_codes()
-    if not codes:
+def _torch_call_options(module: nn.Module) -> Optional[Any]:
+    """The ``_StateDictInfo`` of the torch API call saving ``module`` right now, or None."""
+    code = _torch_code()
+    if code is None:
         return None
     frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
-        if frame.f_code in codes and frame.f_locals.get("model") is module:
-            return frame.f_locals.get("info"), frame.f_code is codes[-1]
+        if frame.f_code is code and frame.f_locals.get("model") is module:
+            return frame.f_locals.get("info")
         frame = frame.f_back
     return None
 
 
 def _register_torch_api_hooks(module: nn.Module) -> None:
-    """Called by `fully_shard` before it builds its state, so that on the root these pre-hooks run
+    """Called by `fully_shard` before it builds its state, so that on the root this pre-hook runs
     before the state-dict hooks of `_state_dict_utils` read the type."""
     if _state_dict_pre_hook in getattr(module, "_state_dict_pre_hooks", {}).values():
         return
     module.register_state_dict_pre_hook(_state_dict_pre_hook)
-    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
 class _OneShot:
@@ -545,25 +547,17 @@ def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> Non
         hook.handle = module.register_state_dict_post_hook(hook)
 
 
-def _load_state_dict_pre_hook(module: nn.Module, *args: Any) -> None:
-    hook = _switch(module)
-    if hook is not None:
-        hook.handle = module.register_load_state_dict_post_hook(hook)
-
-
 def _switch(module: nn.Module) -> Optional[_OneShot]:
     """Set the type torch's options ask for on every state under ``module``, if torch's API is the
     caller; then returns the one-shot hook that restores it, for the caller to register."""
     _restore(module)  # a previous call that raised halfway
-    call = _torch_call_options(module)
+    info = _torch_call_options(module)
     states = _get_fsdp_states(module)
-    if call is None or not states:
+    if info is None or not states:
         return None
-    info, is_load = call
     config: StateDictConfig
     if getattr(info, "full_state_dict", False):
-        # On load torch has already given every rank the full tensors (or broadcast them).
-        rank0 = bool(getattr(info, "cpu_offload", False)) and not is_load
+        rank0 = bool(getattr(info, "cpu_offload", False))
         kind, config = StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=rank0, rank0_only=rank0)
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()
@@ -572,7 +566,6 @@ def _switch(module: nn.Module) -> Optional[_OneShot]:
 
 def _restore(module: nn.Module) -> None:
     """Run the one-shot hooks a call that raised halfway left on ``module``."""
-    for hooks in (getattr(module, "_state_dict_hooks", {}), getattr(module, "_load_state_dict_post_hooks", {})):
-        for hook in list(hooks.values()):
-            if isinstance(hook, _OneShot):
-                hook()
+    for hook in list(getattr(module, "_state_dict_hooks", {}).values()):
+        if isinstance(hook, _OneShot):
+            hook()
