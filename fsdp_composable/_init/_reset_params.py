@@ -181,6 +181,7 @@ def _summon(handle: FlatParamHandle) -> _Summoned:
         point_at(param, view)
         entry.views.append(view)
         entry.grad_views.append(None)
+    handle.register_params()  # the module's own reset sees them, not the faces; `_restore_handle` puts the faces back
     return entry
 
 

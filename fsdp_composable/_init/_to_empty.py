@@ -34,6 +34,7 @@ from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._guards._dtype_casts import mark_faces
 from fsdp_composable._init._group_units import unit_roots_named_modules
 
 __all__ = ["install_to_empty", "to_empty_keeping_shards"]
@@ -110,11 +111,15 @@ def to_empty_keeping_shards(
     for tensor, data in saved:
         if local_of(tensor) is not data:
             point_at(tensor, data)
+    for handle in handles:
+        mark_faces(handle)
     return module
 
 
 def _unit_tensors(handle: FlatParamHandle) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params]
+    # the faces too: torch's to_empty swaps a DTensor face's contents for an empty DTensor
+    faces = [] if handle.tensor_parallel else handle.faces
+    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params, *faces]
     grads = [t.grad for t in tensors if t.grad is not None]
     return tensors + grads
 
