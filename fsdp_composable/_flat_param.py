@@ -224,19 +224,19 @@ class FlatParamHandle:
             self._unsharded_views = list(self._sharded_views)
 
     def _init_faces(self) -> None:
-        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces])."""
-        if self.tensor_parallel:
-            self.faces = list(self.params)
-            return
+        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces]). A
+        tensor-parallel parameter is a DTensor already and is its own face (repointed by
+        `_point_params_at`); the plain parameters of its unit get faces as any other."""
         layout = self.layout
         locals_ = [v.view(layout.local_shape(i)) for v, i in zip(self._sharded_views, layout.infos)]
         if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
-            for face, local in zip(self.faces, locals_):
-                repoint_face(face, local)
+            for face, param, local in zip(self.faces, self.params, locals_):
+                if face is not param:
+                    repoint_face(face, local)
             return
         mesh = self._mesh = face_mesh(self.process_group, self.device)
         self.faces = [
-            make_face(local, info, layout, mesh, p.requires_grad)
+            p if info.tp is not None else make_face(local, info, layout, mesh, p.requires_grad)
             for p, info, local in zip(self.params, layout.infos, locals_)
         ]
         for face, param in zip(self.faces, self.params):
