@@ -256,6 +256,9 @@ class FlatParamHandle:
         if self.flat_mode:  # the original parameters are plain attributes, the flat parameter is registered
             self.registered = self.params
             return
+        for shown, new in zip(self.registered, params):  # a freeze (requires_grad_) carries over
+            if new.requires_grad != shown.requires_grad:
+                new.requires_grad_(shown.requires_grad)
         self.registered = params
         for slots, param in zip(self._slots, params):
             for registered, attr in slots:

@@ -314,6 +314,47 @@ def test_reshard_after_forward_and_backward(dist_run: Any, world: int) -> None:
         assert r["refused"].startswith("RuntimeError") and "'l1'" in r["refused"], r["refused"]
 
 
+def parameters_while_unsharded() -> dict[str, Any]:
+    """What ``named_parameters()`` gives while units are left unsharded between steps: the unsharded
+    originals (plain, full shape and values), as FSDP2 registers them; resharded, the same face
+    objects as before (an optimizer built from them keeps stepping them), gradients shown on them."""
+    ref, model = _pair()
+    faces = dict(model.named_parameters())
+    unshard(model.l1)
+    after_unshard = dict(model.named_parameters())
+    ref_params = dict(ref.named_parameters())
+    l1 = [after_unshard[n] for n in ("l1.weight", "l1.bias")]
+    out: dict[str, Any] = {
+        "unshard": [_shown(p) for p in after_unshard.values()],
+        "l1_values": all(torch.equal(p, ref_params[n]) for n, p in after_unshard.items() if n.startswith("l1.")),
+        "l1_plain": all(type(p) is nn.Parameter for p in l1),
+    }
+    reshard(model.l1)
+    out["same_faces"] = all(p is faces[n] for n, p in model.named_parameters())
+    batch, local = _batch(0)
+    mlp_loss(ref, batch).backward()
+    set_reshard_after_backward(model, False)
+    mlp_loss(model, local).backward()
+    kept = list(model.named_parameters())
+    out["kept"] = [(_shown(p), p.grad is None) for _, p in kept]
+    for unit in (model.l1, model.l2[0], model.l2[2], model.l3):
+        reshard(unit)
+    out["same_faces_after_backward"] = all(p is faces[n] for n, p in model.named_parameters())
+    out["grads"] = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parameters_of_units_left_unsharded(dist_run: Any, world: int) -> None:
+    shapes = [(7, 5), (7,), (3, 7), (3,), (7, 3), (7,), (1, 7), (1,)]
+    for r in dist_run(world, parameters_while_unsharded):
+        assert r["unshard"] == [(s, "Parameter" if i < 2 else "DTensor") for i, s in enumerate(shapes)]
+        assert r["l1_values"] and r["l1_plain"] and r["same_faces"] and r["same_faces_after_backward"]
+        # kept whole after backward: every unit registers its original, whose gradient is not shown yet
+        assert r["kept"] == [((s, "Parameter"), True) for s in shapes]
+        assert r["grads"] < 1e-6
+
+
 def embedding_unit() -> dict[str, Any]:
     torch.manual_seed(0)
     ref = TinyGPT(n_layers=2)

@@ -205,19 +205,25 @@ class NormPieces:
             total = torch.maximum(total, term) if inf else total + term
         return total if inf else total ** (1.0 / norm_type)
 
-    def add_unit(self, handle: FlatParamHandle, grad: Optional[torch.Tensor]) -> None:
-        """A unit's flat gradient shard."""
+    def add_unit(
+        self, handle: FlatParamHandle, grad: Optional[torch.Tensor], params: Optional[set[int]] = None
+    ) -> None:
+        """A unit's flat gradient shard (or, with ``params``, the slices of those original parameters)."""
         dp = handle.process_group if handle.layout.world_size > 1 else None
         replicated = dp is not None and any(info.replicated for info in handle.layout.infos)
-        if not handle.tensor_parallel and not replicated:
+        if not handle.tensor_parallel and params is None and not replicated:
             target = self.expect(dp, None)
             if grad is not None:
                 target.append(grad)
             return
         slices = handle.sharded_views_of(grad) if grad is not None else [None] * len(handle.params)
-        for info, piece in zip(handle.layout.infos, slices):
+        for param, info, piece in zip(handle.params, handle.layout.infos, slices):
+            if params is not None and id(param) not in params:
+                continue
             # a 0-dim parameter's gradient is whole (and equal) in every rank's shard: counted once, here
             target = self.expect(None if info.replicated else dp, tp_group_of(info.tp))
+            if params is not None:
+                piece = _tensor_parallel.local_of(param.grad) if param.grad is not None else None
             if piece is not None:
                 target.append(piece)
 
