@@ -230,17 +230,20 @@ class FlatParamHandle:
             self._unsharded_views = list(self._sharded_views)
 
     def _init_faces(self) -> None:
-        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces])."""
-        if self.tensor_parallel:
-            self.faces = list(self.params)
-            return
+        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces]). A
+        tensor-parallel parameter is a DTensor already and is its own face (repointed by
+        `_point_params_at`); the plain parameters of its unit get faces as any other."""
         locals_ = [v.view(shape) for v, shape in zip(self._sharded_views, self._local_shapes)]
         if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
-            for face, local in zip(self.faces, locals_):
-                repoint_face(face, local)
+            for face, param, local in zip(self.faces, self.params, locals_):
+                if face is not param:
+                    repoint_face(face, local)
             return
         specs = self.face_specs(self.dtype)
-        self.faces = [make_face(local, spec, p.requires_grad) for p, spec, local in zip(self.params, specs, locals_)]
+        self.faces = [
+            p if info.tp is not None else make_face(local, spec, p.requires_grad)
+            for p, info, spec, local in zip(self.params, self.layout.infos, specs, locals_)
+        ]
         for face, param in zip(self.faces, self.params):
             face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
             setattr(face, FSDP_FLATTENED, True)
@@ -267,6 +270,9 @@ class FlatParamHandle:
         if self.flat_mode:  # the original parameters are plain attributes, the flat parameter is registered
             self.registered = self.params
             return
+        for shown, new in zip(self.registered, params):  # a freeze (requires_grad_) carries over
+            if new.requires_grad != shown.requires_grad:
+                new.requires_grad_(shown.requires_grad)
         self.registered = params
         for slots, param in zip(self._slots, params):
             for registered, attr in slots:
@@ -357,10 +363,6 @@ class FlatParamHandle:
 
     def use_unsharded_views(self) -> None:
         self._point_params_at(self._unsharded_views)
-        if self.registered is self.faces and not self.tensor_parallel:
-            for param, face in zip(self.params, self.faces):  # frozen or unfrozen between steps, on the face
-                if param.requires_grad is not face.requires_grad:
-                    param.requires_grad_(face.requires_grad)
         self._register(self.params)
 
     # ---------------------------------------------------------------- unshard / reshard
