@@ -40,8 +40,6 @@ class _OpenUnit:
     # tensor-parallel SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
     swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     dparams: list[nn.Parameter] = field(default_factory=list)  # SHARDED: one per ParamInfo
-    prefix: str = ""
-    error_msgs: Optional[list[str]] = None
 
 
 def close_stale_units(state: _FSDPState) -> None:
