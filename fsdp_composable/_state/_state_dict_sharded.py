@@ -63,33 +63,30 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle) -> _OpenUnit:
     return opened
 
 
-def _match_sharded_placements(
-    handle: FlatParamHandle,
-    targets: list[nn.Parameter],
-    attrs: list[tuple[str, int]],
-    state_dict: dict[str, Any],
-    prefix: str,
+def _match_face_placements(
+    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """SHARDED (and, for faces, FULL) load: each checkpoint value of a parameter the module holds becomes a
-    DTensor laid out like its target (the face, or a tensor-parallel unit's opened parameter): a full
-    tensor or a DTensor of another placement gives this rank's chunk of it, so ``nn.Module``'s ``copy_``
-    is a local copy."""
+    """FULL and SHARDED load: each checkpoint value of a parameter the module holds (a full tensor or a
+    DTensor of any layout) becomes a DTensor laid out like the parameter's face, holding this rank's
+    chunk, so ``nn.Module``'s ``copy_`` is a local copy (see [Note: loading into the faces])."""
     layout = handle.layout
     for attr, k in attrs:
-        info, target = layout.infos[k], targets[k].data
-        assert isinstance(target, DTensor)
+        info, face = layout.infos[k], handle.faces[k]
         value = state_dict.get(prefix + attr)
         if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
             continue  # absent, or nn.Module reports the size mismatch
-        if (
-            isinstance(value, DTensor)
-            and value.device_mesh == target.device_mesh
-            and value.placements == target.placements
-        ):
+        if not isinstance(face, DTensor) or info.tp is not None:
+            # a tensor-parallel unit's parameter: a DTensor over its 1-D slice of the shard (plain if not
+            # tensor-parallel itself), see [Note: 2-D state-dict values]
+            chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
+            chunk = chunk.view(handle._sharded_views[k].shape).to(handle.dtype)
+            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(info.tp, chunk)
+            continue
+        if isinstance(value, DTensor) and value.device_mesh == face.device_mesh and value.placements == face.placements:
             continue
         chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-        chunk = chunk.view(layout.local_shape(info))
-        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+        chunk = chunk.view(layout.local_shape(info)).to(handle.dtype)
+        state_dict[prefix + attr] = _as_dtensor(chunk, info, layout, face.device_mesh)
 
 
 def _take_assigned(handle: FlatParamHandle) -> None:
@@ -107,23 +104,6 @@ def _take_assigned(handle: FlatParamHandle) -> None:
                 chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
                 local.copy_(chunk.view(local.shape))
             module._parameters[attr] = face
-
-
-def _match_tp_placements(
-    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
-) -> None:
-    """FULL or SHARDED load of a tensor-parallel unit: its parameters are, between steps, DTensors over
-    their 1-D slices of the shard; a full tensor or a DTensor of any layout becomes that, holding this
-    rank's chunk (see [Note: 2-D state-dict values])."""
-    layout = handle.layout
-    for attr, k in attrs:
-        info = layout.infos[k]
-        value = state_dict.get(prefix + attr)
-        if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
-            continue
-        chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-        chunk = chunk.view(handle._sharded_views[k].shape).to(handle.dtype)
-        state_dict[prefix + attr] = _tensor_parallel.as_param_grad(info.tp, chunk)
 
 
 def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:

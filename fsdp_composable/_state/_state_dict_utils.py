@@ -46,8 +46,7 @@ from fsdp_composable._state._state_dict_settings import (
 )
 from fsdp_composable._state._state_dict_sharded import (
     _is_replicated,
-    _match_sharded_placements,
-    _match_tp_placements,
+    _match_face_placements,
     _offload_faces,
     _open_sharded,
     _replicate_buffers,
@@ -240,15 +239,11 @@ def _match_placements(
     prefix: str,
     *args: Any,
 ) -> None:
-    """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
-    ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk.
-    Under FULL, a tensor-parallel parameter's value becomes a DTensor laid out like the parameter."""
+    """Give the checkpoint value of each parameter this module holds its face's layout (see [Note: loading
+    into the faces])."""
     if _kind(state) is StateDictType.LOCAL_STATE_DICT or handle.registered is not handle.faces:
         return  # LOCAL gives the faces' layout itself; in a step there is nothing to match
-    if handle.tensor_parallel:
-        _match_tp_placements(handle, attrs, state_dict, prefix)
-    else:
-        _match_sharded_placements(handle, handle.faces, attrs, state_dict, prefix)
+    _match_face_placements(handle, attrs, state_dict, prefix)
 
 
 @_rank_agreement.entry_point("load_state_dict()")
