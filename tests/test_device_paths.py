@@ -255,7 +255,6 @@ def test_meta_model_lands_on_the_chosen_device(monkeypatch: pytest.MonkeyPatch) 
 _ALLOWED = {
     "_rank_agreement.py:_post_recv torch.empty": "the headers travel on gloo groups only, on the CPU",
     "_tensor_parallel.py:_mesh_from_groups torch.full": "the mesh layout, built from gathered values",
-    "_checkpoint_comm.py:gather_flags torch.zeros": "the result when there are no flags: not communicated",
     "_rank_agreement.py:begin .tolist()": "this rank's header, on the CPU (gloo groups only)",
     "demo.py:train_step .item()": "the demo's reported loss, read once per step for printing",
     "_host_flags.py:issue torch.tensor": "the presence flags are summed over a CPU group, on the CPU",

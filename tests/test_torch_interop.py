@@ -158,7 +158,6 @@ def comm_devices() -> dict[str, list[str]]:
     try:
         for name, call in (
             ("gather_full_flat", lambda: comm.gather_full_flat(handle, shard)),  # type: ignore[arg-type]
-            ("gather_flags", lambda: comm.gather_flags(handle, [True, False])),  # type: ignore[arg-type]
             ("any_rank", lambda: comm.any_rank(handle, True)),  # type: ignore[arg-type]
         ):
             where[0] = name
@@ -174,7 +173,7 @@ def comm_devices() -> dict[str, list[str]]:
 
 def test_checkpoint_collectives_use_the_comm_device(dist_run) -> None:
     seen = dist_run(1, comm_devices)[0]
-    assert seen == {name: ["meta"] for name in ("gather_full_flat", "gather_flags", "any_rank")}
+    assert seen == {name: ["meta"] for name in ("gather_full_flat", "any_rank")}
 
 
 def offload_round_trip() -> dict[str, Any]:

@@ -40,8 +40,6 @@ class _OpenUnit:
     # tensor-parallel SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
     swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     dparams: list[nn.Parameter] = field(default_factory=list)  # SHARDED: one per ParamInfo
-    prefix: str = ""
-    error_msgs: Optional[list[str]] = None
 
 
 def close_stale_units(state: _FSDPState) -> None:
@@ -50,12 +48,9 @@ def close_stale_units(state: _FSDPState) -> None:
         _close_stale(state, handle)
 
 
-def _unit_name(handle: FlatParamHandle) -> str:
-    return f"unit '{handle.unit_fqn or '<root>'}'"
-
-
 def _check_registered(handle: FlatParamHandle) -> None:
-    """Every holder still registers its original parameter (else we would save or overwrite another)."""
+    """Every holder still registers what the unit registered (its faces between steps), else we would
+    save or overwrite another tensor."""
     for param, info in zip(handle.registered, handle.layout.infos):
         for module, attr, fqn in info.holders:
             if module._parameters.get(attr) is not param:
@@ -89,7 +84,3 @@ def _open(state: _FSDPState, handle: FlatParamHandle, opened: _OpenUnit) -> None
 
 def _take_open(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
     return state.open_units.pop(handle, None)  # type: ignore[no-any-return]
-
-
-def _open_unit(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
-    return state.open_units.get(handle)  # type: ignore[no-any-return]

@@ -22,7 +22,6 @@ from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_f
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
 from fsdp_composable._state._state_dict_settings import _config, _copy, _drops_values, _rank0_only
-from fsdp_composable._state._state_dict_sharded import _take_assigned
 from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
@@ -82,26 +81,3 @@ def _take_over_views(
             del state_dict[key]
         else:
             state_dict[key] = _copy_out(state, value)
-
-
-def _match_tp_placements(
-    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
-) -> None:
-    """FULL load: a tensor-parallel parameter takes a plain full tensor (e.g. from the unsharded model)
-    or a DTensor of any layout; give it the parameter's own layout (see [Note: 2-D state-dict values])."""
-    for attr, k in attrs:
-        spec = handle.layout.infos[k].tp
-        value = state_dict.get(prefix + attr)
-        if spec is None or not isinstance(value, torch.Tensor) or value.shape != spec.shape:
-            continue
-        if not _tensor_parallel.is_tp_value(value, spec):
-            local = _tensor_parallel.tp_local_of(value, spec, handle.device).to(handle.dtype)
-            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(spec, local)
-
-
-def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
-    assert opened.full is not None
-    _take_assigned(handle, handle.registered, opened.full)
-    layout = handle.layout
-    with torch.no_grad():
-        handle.flat_param.data.copy_(layout.shard_of(opened.full))
