@@ -283,7 +283,8 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     if not handles:
         return None
     numbers = _numbering(optim)
-    units = [_unit_of(h) for h in handles]
+    # faces' state is torch's own DTensors already: only flat and tensor-parallel units are converted
+    units = [_unit_of(h) for h in handles if id(h.flat_param) in numbers or h.tensor_parallel]
     collected = [_collect(u, optim) for u in units]
     _check_same_on_all_ranks(units, collected)
     state = dict(state_dict["state"])
@@ -300,7 +301,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
                     for key, v in state[number].items()
                 }
             continue
-        for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
+        for param, entry in zip(handle.faces, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
     # The same order on every rank: a parameter with no state here (its slice is empty and it was
@@ -309,7 +310,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     # may list the parameters in different orders).
     built: dict[int, tuple[int, int]] = {}
     for h, handle in enumerate(handles):
-        for k, param in enumerate([handle.flat_param, *handle.params]):
+        for k, param in enumerate([handle.flat_param, *handle.faces]):
             if id(param) in numbers:
                 built[numbers[id(param)]] = (h, k)
 
@@ -368,7 +369,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
     saved_of_unit = []
     for handle in handles:
         flat_key = key_of.get(id(handle.flat_param))
-        keys = [flat_key] * len(handle.params) if flat_key is not None else [key_of.get(id(p)) for p in handle.params]
+        keys = [flat_key] * len(handle.faces) if flat_key is not None else [key_of.get(id(p)) for p in handle.faces]
         saved_of_unit.append([saved_state.get(key) if usable and key is not None else None for key in keys])
     _check_saved_same_on_all_ranks(units, saved_of_unit, usable)
     if not usable:
@@ -382,7 +383,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
             if isinstance(entry, Mapping):
                 state[flat_key] = {key: _flat_local(unit, key, v) for key, v in entry.items()}
             continue
-        keys = [key_of.get(id(p)) for p in handle.params]
+        keys = [key_of.get(id(p)) for p in handle.faces]
         for key, entry in zip(keys, _local_state(unit, [s if isinstance(s, Mapping) else None for s in saved])):
             if key is not None and entry is not None:
                 state[key] = entry
