@@ -283,14 +283,15 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     if not handles:
         return None
     numbers = _numbering(optim)
-    # faces' state is torch's own DTensors already: only flat and tensor-parallel units are converted
-    units = [_unit_of(h) for h in handles if id(h.flat_param) in numbers or h.tensor_parallel]
+    units = [_unit_of(h) for h in handles]
     collected = [_collect(u, optim) for u in units]
     _check_same_on_all_ranks(units, collected)
     state = dict(state_dict["state"])
     config = ShardedStateDictConfig()
     for unit, c in zip(units, collected):
         handle = unit.handle
+        if id(handle.flat_param) not in numbers and not handle.tensor_parallel:
+            continue  # faces' state is torch's own DTensors already
         if id(handle.flat_param) in numbers:
             number = numbers[id(handle.flat_param)]
             if isinstance(state.get(number), Mapping):
