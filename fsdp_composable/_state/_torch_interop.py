@@ -484,7 +484,7 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
             counted.add(id(handle.flat_param))
             pieces.add_unit(handle, handle.flat_param.grad)
         else:
-            counted.update(id(p) for p in handle.params if id(p) in ids)
+            counted.update(id(p) for p in handle.faces if id(p) in ids)
             pieces.add_unit(handle, None, ids)
     # gradients of parameters no unit manages are each rank's own: [Note: clipping ignored parameters]
     groups = (handles[0].process_group, handles[0].replicate_group) if handles else ()
