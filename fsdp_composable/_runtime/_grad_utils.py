@@ -217,7 +217,7 @@ class NormPieces:
                 target.append(grad)
             return
         slices = handle.sharded_views_of(grad) if grad is not None else [None] * len(handle.params)
-        for param, info, piece in zip(handle.params, handle.layout.infos, slices):
+        for param, info, piece in zip(handle.faces, handle.layout.infos, slices):
             if params is not None and id(param) not in params:
                 continue
             # a 0-dim parameter's gradient is whole (and equal) in every rank's shard: counted once, here

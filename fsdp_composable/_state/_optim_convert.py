@@ -95,7 +95,7 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
     n = len(layout.infos)
     ids = {id(p) for p in _optimizer_params(optim)}
     whole = id(handle.flat_param) in ids
-    held = tuple(whole or id(p) in ids for p in handle.params)
+    held = tuple(whole or id(p) in ids for p in handle.faces)
     out = _UnitState([False] * n, {}, [{} for _ in range(n)], held)
     sharded = layout.world_size > 1
     flat_state = optim.state.get(handle.flat_param)
@@ -112,23 +112,24 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
                 for scalars in out.scalars:
                     scalars[key] = value
         return out
-    for k, (info, param, view) in enumerate(zip(layout.infos, handle.params, handle._sharded_views)):
-        state = optim.state.get(param)
+    for k, (info, face, view) in enumerate(zip(layout.infos, handle.faces, handle._sharded_views)):
+        state = optim.state.get(face)
         if not state:
             continue
         out.has_state[k] = True
         start, end = layout.shard_range(info)
+        local_shape = face.to_local().shape if isinstance(face, DTensor) else view.shape
         for key, value in state.items():
-            if info.tp is not None and isinstance(value, DTensor):
-                value = value.to_local()  # the optimizer's DTensor over the 1-D slice, like the parameter
-            if key != STEP and isinstance(value, torch.Tensor) and value.shape == view.shape:
+            if isinstance(value, DTensor) and isinstance(face, DTensor):
+                value = value.to_local()  # the optimizer's DTensor laid out like its face
+            if key != STEP and isinstance(value, torch.Tensor) and value.shape == local_shape:
                 flat = out.flats.get((key, value.dtype))
                 if flat is None:
                     flat = torch.zeros(layout.shard_numel, dtype=value.dtype, device=value.device)
                     out.flats[(key, value.dtype)] = flat
                 flat[start:end] = value.detach().reshape(-1)
             elif sharded and isinstance(value, torch.Tensor) and value.dim() > 0:
-                raise _bad_state_shape(key, unit.fqns[k], value.shape, view.shape)
+                raise _bad_state_shape(key, unit.fqns[k], value.shape, local_shape)
             else:
                 out.scalars[k][key] = value
     return out
@@ -376,8 +377,8 @@ def _split_saved(unit: _Unit, saved_state: Mapping[str, Any]) -> tuple[list[Any]
             continue
         scalars.append({})
         for key, value in state.items():
-            if info.tp is not None and isinstance(value, DTensor) and not _in_global_form(unit.handle.params[k], value):
-                scalars[k][key] = value  # already this rank's slice, as the optimizer keeps it
+            if isinstance(value, DTensor) and not _in_global_form(unit.handle.faces[k], value):
+                scalars[k][key] = value  # already this rank's piece, as the optimizer keeps it
             elif key != STEP and isinstance(value, torch.Tensor) and value.shape == _saved_shape(info):
                 groups.setdefault((key, value.dtype), []).append((k, value))
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -406,9 +407,10 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             start, end = layout.shard_range(layout.infos[k])
             entry = out[k]
             assert entry is not None
-            local = flat[start:end].view(handle._sharded_views[k].shape).clone()
-            # a tensor-parallel parameter's state is a DTensor over its 1-D slice, as the optimizer makes it
-            entry[key] = _tensor_parallel.as_param_grad(layout.infos[k].tp, local)
+            local = flat[start:end].clone()
+            # a DTensor laid out like the parameter the optimizer holds (its face), as the optimizer makes it
+            tp = layout.infos[k].tp
+            entry[key] = handle.face_grad(k, local) if tp is None else _tensor_parallel.as_param_grad(tp, local)
     return out
 
 
@@ -475,7 +477,7 @@ def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:
             if id(handle) in seen:
                 continue
             seen.add(id(handle))
-            if id(handle.flat_param) in ids or any(id(p) in ids for p in (*handle.params, *handle.faces)):
+            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.faces):
                 out.append(handle)
     return out
 
@@ -487,8 +489,8 @@ def _unit_of(handle: FlatParamHandle) -> _Unit:
 def _in_global_form(param: torch.Tensor, value: Any) -> bool:
     """A DTensor state value that is not what the optimizer itself keeps: a tensor-parallel parameter's
     own state is a DTensor laid out like the parameter over its 1-D slice."""
-    if not isinstance(value, DTensor):
-        return False
+    if not isinstance(value, DTensor):  # a full value of a face's state
+        return isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
     return not (
         isinstance(param, DTensor)
         and value.device_mesh == param.device_mesh

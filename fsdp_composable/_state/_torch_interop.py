@@ -293,6 +293,8 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     config = ShardedStateDictConfig()
     for unit, c in zip(units, collected):
         handle = unit.handle
+        if id(handle.flat_param) not in numbers and not handle.tensor_parallel:
+            continue  # faces' state is torch's own DTensors already
         if id(handle.flat_param) in numbers:
             number = numbers[id(handle.flat_param)]
             if isinstance(state.get(number), Mapping):
@@ -303,7 +305,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
                     for key, v in state[number].items()
                 }
             continue
-        for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
+        for param, entry in zip(handle.faces, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
     # The same order on every rank: a parameter with no state here (its slice is empty and it was
@@ -312,7 +314,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     # may list the parameters in different orders).
     built: dict[int, tuple[int, int]] = {}
     for h, handle in enumerate(handles):
-        for k, param in enumerate([handle.flat_param, *handle.params]):
+        for k, param in enumerate([handle.flat_param, *handle.faces]):
             if id(param) in numbers:
                 built[numbers[id(param)]] = (h, k)
 
@@ -371,7 +373,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
     saved_of_unit = []
     for handle in handles:
         flat_key = key_of.get(id(handle.flat_param))
-        keys = [flat_key] * len(handle.params) if flat_key is not None else [key_of.get(id(p)) for p in handle.params]
+        keys = [flat_key] * len(handle.faces) if flat_key is not None else [key_of.get(id(p)) for p in handle.faces]
         saved_of_unit.append([saved_state.get(key) if usable and key is not None else None for key in keys])
     _check_saved_same_on_all_ranks(units, saved_of_unit, usable)
     if not usable:
@@ -385,7 +387,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
             if isinstance(entry, Mapping):
                 state[flat_key] = {key: _flat_local(unit, key, v) for key, v in entry.items()}
             continue
-        keys = [key_of.get(id(p)) for p in handle.params]
+        keys = [key_of.get(id(p)) for p in handle.faces]
         for key, entry in zip(keys, _local_state(unit, [s if isinstance(s, Mapping) else None for s in saved])):
             if key is not None and entry is not None:
                 state[key] = entry
@@ -485,7 +487,7 @@ def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
             counted.add(id(handle.flat_param))
             pieces.add_unit(handle, handle.flat_param.grad)
         else:
-            counted.update(id(p) for p in handle.params if id(p) in ids)
+            counted.update(id(p) for p in handle.faces if id(p) in ids)
             pieces.add_unit(handle, None, ids)
     # gradients of parameters no unit manages are each rank's own: [Note: clipping ignored parameters]
     groups = (handles[0].process_group, handles[0].replicate_group) if handles else ()
