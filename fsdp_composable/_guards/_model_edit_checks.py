@@ -30,9 +30,11 @@ from fsdp_composable._base import _safety
 from fsdp_composable._comm._tensor_parallel import local_of
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._composable_state import registrations
+from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
-from fsdp_composable._guards._data_writes import keep_data_writes, same_data
-from fsdp_composable._guards._dtype_casts import adopt_casts
+from fsdp_composable._grads import _exposed_grads
+from fsdp_composable._guards._data_writes import same_data
+from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces
 from fsdp_composable._runtime._state_dict_keys import _join
 from fsdp_composable._runtime._state_dict_open import close_stale_units
 from fsdp_composable.api import ModelEditedAfterShardingError
@@ -66,6 +68,7 @@ def check_model_unchanged(root: _FSDPState) -> None:
     if ctx is None or ctx.checked_registrations != registrations():
         for state in states:
             for handle in state.handles:
+                mark_faces(handle)  # what `_apply` took with a face's contents
                 _check_handle(handle)
         _check_no_new_parameters(root, states)
         if ctx is not None:
@@ -74,26 +77,31 @@ def check_model_unchanged(root: _FSDPState) -> None:
 
 
 def check_data_writes(states: list[_FSDPState]) -> None:
-    """Keep the ``p.data = t`` writes that can be kept, undo and refuse the others (also at the entry
-    of `unshard_params`, which would otherwise gather the shard without them). A unit whose every
-    parameter still is its view has nothing to keep or undo: one comparison per parameter finds it."""
+    """Point back at the shard, and refuse, whatever no longer views it: a face whose contents a partial
+    cast or a move swapped (``_apply``), an original parameter whose ``.data`` was replaced while
+    registered (also at the entry of `unshard_params`, which would otherwise gather the shard
+    without it). A unit whose every tensor still views its shard costs one comparison per parameter."""
     edited = [h for state in states for h in state.handles if not _views_intact(h)]
     if edited:
-        _keep_same_shape_writes(edited)
         _restore_views(edited)
 
 
+def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """What the holders register now (the faces between steps) and the views their memory must be."""
+    if handle.is_unsharded:
+        return handle.params, handle._unsharded_views
+    if handle.registered is handle.faces and not handle.tensor_parallel:
+        return handle.faces, handle._sharded_views
+    return handle.params, handle._sharded_views
+
+
+def _intact(param: torch.Tensor, view: torch.Tensor) -> bool:
+    data = local_of(param)
+    return same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()
+
+
 def _views_intact(handle: FlatParamHandle) -> bool:
-    views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-    for param, view in zip(handle.params, views):
-        if not same_data(param, view):
-            return False
-    return True
-
-
-def _keep_same_shape_writes(handles: list[FlatParamHandle]) -> None:
-    for handle in handles:
-        keep_data_writes(handle)
+    return all(_intact(p, v) for p, v in zip(*_exposed(handle)))
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -112,22 +120,31 @@ def _check_handle(handle: FlatParamHandle) -> None:
                 _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
 
 
+def _point_faces_back(handle: FlatParamHandle) -> None:
+    """Swap each face that no longer views its slice of the shard back to a ``DTensor`` that does
+    (``_apply`` swapped its contents: [Note: casts after sharding]); its gradient is exposed again."""
+    layout = handle.layout
+    for face, info, view in zip(handle.faces, layout.infos, handle._sharded_views):
+        if _intact(face, view):
+            continue
+        face.grad = None
+        value = face_value(view.view(layout.local_shape(info)), info, layout, face.device_mesh)  # type: ignore[attr-defined]
+        torch.utils.swap_tensors(face, nn.Parameter(value, requires_grad=face.requires_grad))
+    mark_faces(handle)
+    _exposed_grads.expose_sharded_grads(handle)
+
+
 def _restore_views(handles: list[FlatParamHandle]) -> None:
-    """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
+    """Point every tensor that no longer views its slice back at it; raise for the first one."""
     first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
     for handle in handles:
-        views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-        if all(same_data(p, v) for p, v in zip(handle.params, views)):
-            continue
-        changed = False
-        for param, info, view in zip(handle.params, handle.layout.infos, views):
-            data = local_of(param)
-            if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
-                continue
-            changed = True
-            if first is None:
-                first = (handle, _fqn(handle, info.fqn), data)
-        if changed:
+        exposed, views = _exposed(handle)
+        for param, info, view in zip(exposed, handle.layout.infos, views):
+            if first is None and not _intact(param, view):
+                first = (handle, _fqn(handle, info.fqn), local_of(param))
+        if exposed is handle.faces and not handle.tensor_parallel:
+            _point_faces_back(handle)
+        else:
             handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
         _raise_cast(*first, "parameter", restored=True)
