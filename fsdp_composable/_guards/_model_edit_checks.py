@@ -34,7 +34,7 @@ from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._guards._data_writes import same_data
-from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces
+from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces, storage_of
 from fsdp_composable._runtime._state_dict_keys import _join
 from fsdp_composable._runtime._state_dict_open import close_stale_units
 from fsdp_composable.api import ModelEditedAfterShardingError
@@ -97,11 +97,18 @@ def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Te
 
 def _intact(param: torch.Tensor, view: torch.Tensor) -> bool:
     data = local_of(param)
-    return same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()
+    if not (same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()):
+        return False
+    # a face: ``p.data = t`` leaves the local tensor alone and replaces the wrapper's storage (and shape)
+    mark = getattr(param, "_fsdp_storage", None)
+    return mark is None or (mark == storage_of(param) and param.dtype == view.dtype)
 
 
 def _views_intact(handle: FlatParamHandle) -> bool:
-    return all(_intact(p, v) for p, v in zip(*_exposed(handle)))
+    exposed, views = _exposed(handle)
+    if exposed is handle.faces and any(f.shape != i.shape for f, i in zip(exposed, handle.layout.infos)):
+        return False
+    return all(_intact(p, v) for p, v in zip(exposed, views))
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -125,7 +132,7 @@ def _point_faces_back(handle: FlatParamHandle) -> None:
     (``_apply`` swapped its contents: [Note: casts after sharding]); its gradient is exposed again."""
     layout = handle.layout
     for face, info, view in zip(handle.faces, layout.infos, handle._sharded_views):
-        if _intact(face, view):
+        if _intact(face, view) and face.shape == info.shape:
             continue
         face.grad = None
         value = face_value(view.view(layout.local_shape(info)), info, layout, face.device_mesh)  # type: ignore[attr-defined]
@@ -139,8 +146,9 @@ def _restore_views(handles: list[FlatParamHandle]) -> None:
     first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
     for handle in handles:
         exposed, views = _exposed(handle)
+        faces = exposed is handle.faces
         for param, info, view in zip(exposed, handle.layout.infos, views):
-            if first is None and not _intact(param, view):
+            if first is None and not (_intact(param, view) and (not faces or param.shape == info.shape)):
                 first = (handle, _fqn(handle, info.fqn), local_of(param))
         if exposed is handle.faces and not handle.tensor_parallel:
             _point_faces_back(handle)
@@ -167,11 +175,10 @@ def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str
             + (f" The parameters were put back on {handle.shard_device}" if restored else "")
         )
     raise ModelEditedAfterShardingError(
-        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t) by a tensor of shape "
-        f"{tuple(data.shape)}: between steps such a write is kept (copied into this rank's shard) only with the "
-        "parameter's dtype, device and the shape of this rank's slice or of the whole parameter. Change values "
-        "in place inside `with unshard_params(model, writeback=True):` "
-        "(p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone"
+        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t). Between steps a parameter is a "
+        "DTensor viewing this rank's shard, which such an assignment does not write. Write values in place "
+        "(p.copy_(t) with a DTensor t, p.to_local().copy_(...)), inside `with unshard_params(model, "
+        "writeback=True):` (p.data = t there), or with load_state_dict. The assignment was undone"
     )
 
 
