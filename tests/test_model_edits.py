@@ -103,9 +103,9 @@ def data_edit_of_empty_local_slice() -> dict[str, Any]:
 def test_data_edit_of_a_parameter_with_an_empty_local_slice_is_handled_alike_on_every_rank(dist_run) -> None:
     """Every empty tensor has data pointer 0, so ``p.data = t`` of a parameter with no element on a
     rank went unnoticed there: that rank ran the forward's all-gathers while the others raised
-    (a hang until the process-group timeout, or a gloo abort). A same-shape write is now kept, on
-    every rank alike: the rank with the empty slice notices it too (the face's own storage changed) and
-    points the face back at its view."""
+    (a hang until the process-group timeout, or a gloo abort). The write is refused on every rank
+    alike (a DTensor face does not take it): the rank with the empty slice notices it too (the face's
+    own storage changed), every rank points the face back at its view, and training goes on."""
     results = dist_run(2, data_edit_of_empty_local_slice, timeout=90)
     assert sorted(r["local_numel"] for r in results) == [0, 37]
     for r in results:

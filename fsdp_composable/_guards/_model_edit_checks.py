@@ -129,16 +129,20 @@ def _check_handle(handle: FlatParamHandle) -> None:
 
 def _point_faces_back(handle: FlatParamHandle) -> None:
     """Swap each face that no longer views its slice of the shard back to a ``DTensor`` that does
-    (``_apply`` swapped its contents: [Note: casts after sharding]); its gradient is exposed again."""
+    (``_apply`` swapped its contents: [Note: casts after sharding]; ``p.data = t`` replaced its storage);
+    a gradient it had is exposed again."""
     layout = handle.layout
+    had_grads = False
     for face, info, view in zip(handle.faces, layout.infos, handle._sharded_views):
         if _intact(face, view) and face.shape == info.shape:
             continue
+        had_grads |= face.grad is not None
         face.grad = None
         value = face_value(view.view(layout.local_shape(info)), info, layout, face.device_mesh)  # type: ignore[attr-defined]
         torch.utils.swap_tensors(face, nn.Parameter(value, requires_grad=face.requires_grad))
     mark_faces(handle)
-    _exposed_grads.expose_sharded_grads(handle)
+    if had_grads:  # not when zero_grad() cleared them: the next forward releases that gradient
+        _exposed_grads.expose_sharded_grads(handle)
 
 
 def _restore_views(handles: list[FlatParamHandle]) -> None:
