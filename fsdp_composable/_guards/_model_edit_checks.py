@@ -1,22 +1,20 @@
 """Checks, at the root's next forward, that nothing changed the sharded model behind fully_shard's back.
 
 [Note: edits of a sharded model]
-Between steps every original parameter is a view of its slice of the unit's flat shard, and every
-module that registered it still registers that same object. ``nn.Module`` methods can break either
-silently: ``model.half()`` / ``.to(dtype)`` / ``.to(device)`` and ``p.data = t`` repoint ``.data`` at a
-new tensor, which the next unshard would quietly undo (or, in flat-parameter mode, leave the views
-pointing at the old storage); ``module.weight = nn.Parameter(...)``, a new submodule, or tying a
-parameter to one in ``ignored_modules`` registers a tensor no unit manages, so each rank would train its
-own copy. We do not rebuild units on the fly; instead the root pre-forward calls `check_model_unchanged`,
-which raises an error naming the parameter's FQN and what to do. One ``.data`` write is kept instead,
-as FSDP1 with ``use_orig_params=True`` keeps it: ``p.data = t`` with ``t`` of the parameter's dtype and
-device and of the shape of its view (this rank's slice), of its full shape, or of its flattened full
-shape is copied into this rank's shard (`_keep_same_shape_writes`). The ranks must decide alike with
-no collective: a rank holding all of a parameter has a 1-D view of the flattened full shape, so a
-write of that shape is kept everywhere (each rank copies its slice of it), and a write of any other
-shape is refused everywhere, unless it happens to match one rank's slice. For any other changed
-``.data`` the sharded views are restored first, so the model stays usable after the error. The
-checks are identity and pointer comparisons: no collective, and a few microseconds per parameter.
+Between steps every module registers its parameters' faces ([Note: parameter faces]), each viewing its
+slice of the unit's flat shard. ``nn.Module`` methods and assignments can break that silently:
+``model.half()`` / ``.to(dtype)`` / ``.to(device)`` swap a face's contents for a tensor outside the shard
+(a whole-unit cast is adopted: [Note: casts after sharding]); ``p.data = t`` on a ``DTensor`` face
+replaces its wrapper's storage (and maybe its shape) and writes nothing into the shard, so the write
+would be lost; ``module.weight = nn.Parameter(...)``, a new submodule, or tying a parameter to one in
+``ignored_modules`` registers a tensor no unit manages, so each rank would train its own copy. We do
+not rebuild units on the fly; instead the root pre-forward (and `unshard_params`) calls
+`check_model_unchanged`, which points the faces back at the shard and raises an error naming the
+parameter's FQN and what to do (write in place, in ``unshard_params``, or with ``load_state_dict``).
+Every rank decides alike with no collective: the face's global shape and its own storage are the
+same kind of fact on every rank, also where this rank's slice is empty. A unit left unsharded
+between steps registers its original parameters, which are compared with the unsharded views. The
+checks are identity and pointer comparisons: no collective, a few microseconds per parameter.
 """
 
 from __future__ import annotations
