@@ -9,17 +9,17 @@ draw different values. We run it on full-shape plain tensors instead, so that a 
 means for the plain model. A call ``module.reset_parameters()`` has no extension point but the
 module's attribute lookup, which is why the wrapper below is an instance attribute.
 
-At the end of `fully_shard` (after ``param_init_fn`` ran: materialisation calls the class's own
-method) every module whose subtree holds parameters a unit manages gets an instance attribute
-``reset_parameters`` that calls `reset_module`: it gathers the units holding that module's
-parameters, registers the original parameters pointed at full-shape, full-precision copies, runs the module's own
+At the end of `fully_shard` (after ``param_init_fn`` ran: materialisation calls the class's own method)
+every module whose subtree holds parameters a unit manages gets an instance attribute
+``reset_parameters`` that calls `reset_module`: it gathers the units holding that module's parameters,
+registers the original parameters pointed at full-shape, full-precision copies, runs the module's own
 ``reset_parameters`` (the class's, or an instance attribute that was there before), broadcasts the
-module's parameters from the lowest rank of each unit's shard group and then of its replicate group,
-and writes the values back into the shards (the faces are registered again). So with one seed on every rank the result is exactly what
-the plain module gives under that seed (the same random draws on the same shapes), and with different
-seeds every rank still ends with the lowest rank's values. A reset that raises on any rank raises on
-every rank and writes nothing back. Nested calls (a parent's ``reset_parameters`` that calls its
-children's) run directly inside the outer one.
+module's parameters from the lowest rank of each unit's shard group and then of its replicate group, and
+writes the values back into the shards (the faces are registered again). So with one seed on every rank
+the result is exactly what the plain module gives under that seed (the same random draws on the same
+shapes), and with different seeds every rank still ends with the lowest rank's values. A reset that
+raises on any rank raises on every rank and writes nothing back. Nested calls (a parent's
+``reset_parameters`` that calls its children's) run directly inside the outer one.
 
 It is an entry point for rank agreement (see [Note: collective headers] in `_rank_agreement`): the
 all-gathers, the status exchange and the broadcasts are labelled ``reset_parameters()``, so a reset on

@@ -12,13 +12,13 @@ after it (``nn.init`` over ``model.parameters()``, FSDP2's recipe) would write i
 manages, and nothing could tell those writes from a swap to undo. Torch offers no hook on ``_apply``.
 
 So at the end of `fully_shard` every module whose subtree holds a parameter a unit manages gets an
-instance attribute ``to_empty`` (the way `_reset_params` installs ``reset_parameters``): it runs
-torch's own ``to_empty`` (buffers and parameters no unit manages get new storage, as in a plain
-model) and then points each face, original parameter, the flat parameter and their gradients back at
-the storage they had (a face also gets back the attributes the swap took). That is a valid result of ``to_empty``, whose values are unspecified: the shards
-keep the values they hold, and an initialisation that follows writes into them. ``device`` must be
-where the shards live or the unit's compute device (the CPU-offload recipe calls
-``to_empty(device="cuda")``); any other device is refused before anything changes, with an error
+instance attribute ``to_empty`` (the way `_reset_params` installs ``reset_parameters``): it runs torch's
+own ``to_empty`` (buffers and parameters no unit manages get new storage, as in a plain model) and then
+points each face, original parameter, the flat parameter and their gradients back at the storage they
+had (a face also gets back the attributes the swap took). That is a valid result of ``to_empty``, whose
+values are unspecified: the shards keep the values they hold, and an initialisation that follows writes
+into them. ``device`` must be where the shards live or the unit's compute device (the CPU-offload recipe
+calls ``to_empty(device="cuda")``); any other device is refused before anything changes, with an error
 naming the unit. Moving a sharded model is not what ``to_empty`` is for here: move or materialise it
 before `fully_shard` (``device_id=``). No collective runs, so a call on some ranks only is harmless.
 """
