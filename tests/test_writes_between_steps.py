@@ -1,7 +1,10 @@
-"""Writes between steps on the parameters a sharded model exposes (views of this rank's shard) are
-kept, as FSDP1 with ``use_orig_params=True`` keeps them, or refused loudly at the next forward, never
-lost. A table of every write kind x mode, each trained next to the unsharded model that gets the same
-write (an elementwise write, so it means the same on a slice as on the whole), float64, odd sizes."""
+"""Writes between steps on the parameters a sharded model exposes (DTensor faces viewing this rank's
+shard) are kept, or refused loudly at the next forward and undone, never lost. ``p.data = t`` does not
+write a DTensor's shard: it is refused (as under torch FSDP2, write in place or through
+``unshard_params``/``load_state_dict``); on the wrapper's flat parameters (``use_orig_params=False``)
+it is kept. A table of every write kind x mode, each trained next to the unsharded model that gets
+the same write (an elementwise write, so it means the same on a slice as on the whole), float64, odd
+sizes."""
 
 from __future__ import annotations
 
@@ -129,11 +132,17 @@ def write_table(world: int) -> dict[str, str]:
     return out
 
 
+def _expected(key: str) -> str:
+    """``p.data = t`` on a face is refused at the next forward; every other write is kept."""
+    refused = not key.startswith("use_orig_params=False") and key.split(maxsplit=1)[1].startswith("p.data = ")
+    return "raised ModelEditedAfterShardingError" if refused else "kept"
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_write_kind_in_every_mode_is_kept(dist_run, world: int) -> None:
+def test_every_write_kind_in_every_mode_is_kept_or_refused(dist_run, world: int) -> None:
     for table in dist_run(world, write_table, world):
-        lost = {k: v for k, v in table.items() if v != "kept"}
-        assert lost == {}, "\n".join(f"{k} {v}" for k, v in lost.items())
+        wrong = {k: v for k, v in table.items() if v != _expected(k)}
+        assert wrong == {}, "\n".join(f"{k} {v}" for k, v in wrong.items())
 
 
 def refused_writes(mode: str) -> list[str]:
@@ -194,19 +203,21 @@ def test_unshard_params_between_two_forwards_of_a_step(dist_run, mode: str) -> N
 
 
 def state_dicts_after_a_write(mode: str) -> dict[str, bool]:
-    """``p.data = t`` then ``state_dict()`` at once saves the write; ``p.data = t`` then
+    """An in-place write then ``state_dict()`` at once saves the write; an in-place write then
     ``load_state_dict(saved)`` loads ``saved``: the write is not copied over it at the next forward."""
     torch.manual_seed(0)
     ref = Net().double()
     model = _shard(copy.deepcopy(ref), mode)
     model(_x(0)).sum().backward()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    for p in model.parameters():
-        p.data = p.data * 2 + 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2).add_(1)
     after_write = model.state_dict()
     written = all(torch.equal(after_write[k], saved[k] * 2 + 1) for k in saved)
-    for p in model.parameters():
-        p.data = p.data * 3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
     model.load_state_dict(saved)
     out = model(_x(1))
     return {"saved_the_write": written, "load_wins": torch.equal(out, ref(_x(1)))}

@@ -30,12 +30,12 @@ from typing import Optional
 
 import torch
 
+from fsdp_composable._base._copy_guard import refuse_copies
 from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FSDP_FLATTENED, FlatParamHandle, HandleTrainingState
 from fsdp_composable._grads import _exposed_grads
 
-__all__ = ["adopt_cast", "adopt_casts", "face_locals", "mark_faces"]
+__all__ = ["adopt_cast", "adopt_casts", "face_locals", "mark_faces", "storage_of"]
 
 
 def adopt_casts(states: list[_FSDPState]) -> None:
@@ -58,13 +58,24 @@ def face_locals(handle: FlatParamHandle) -> list[torch.Tensor]:
     return [f.to_local() for f in handle.faces]  # type: ignore[attr-defined]
 
 
+def storage_of(face: torch.Tensor) -> int:
+    """The address of the face's own (wrapper) storage: ``p.data = t`` replaces it, and nothing else does."""
+    return torch._C._storage_address(face)  # type: ignore[attr-defined]
+
+
 def mark_faces(handle: FlatParamHandle) -> None:
-    """Give the faces back the attributes ``torch.utils.swap_tensors`` (``_apply``) took with their contents."""
+    """Mark new faces, or give back the attributes ``torch.utils.swap_tensors`` (``_apply``) took with
+    a face's contents: what they are, the storage `storage_of` compares, and the refusal of copies
+    ([Note: copying a sharded model]). Between steps only."""
+    if handle.tensor_parallel:
+        return
     for face, param in zip(handle.faces, handle.params):
-        if not is_face(face):
+        if getattr(face, "_fsdp_storage", None) is None:
             face._fsdp_face = True  # type: ignore[attr-defined]
             face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
+            face._fsdp_storage = storage_of(face)  # type: ignore[attr-defined]
             setattr(face, FSDP_FLATTENED, True)
+            refuse_copies(face, param._fsdp_fqn)  # type: ignore[attr-defined]
 
 
 def _cast_to(handle: FlatParamHandle) -> tuple[Optional[torch.dtype], Optional[list[torch.Tensor]]]:

@@ -16,7 +16,6 @@ from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat._checkpoint_comm import all_gather_object
 from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._guards._data_writes import keep_data_writes
 from fsdp_composable._guards._dtype_casts import adopt_cast
 from fsdp_composable._init._group_units import check_no_local_state_dict
 from fsdp_composable._names._fsdp1_names import as_ours
@@ -157,7 +156,6 @@ def _pre_state_dict_hook(
 ) -> None:
     _close_stale(state, handle)
     adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
-    keep_data_writes(handle)  # `p.data = t` since the last step: saved as the next forward would see it
     kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
@@ -208,7 +206,6 @@ def _pre_load_state_dict_hook(
     _close_stale(state, handle)
     reshard_left_unsharded(state, handle)  # its unsharded copy would go stale ([Note: a unit left unsharded])
     adopt_cast(handle)
-    keep_data_writes(handle)  # else the next forward would copy the write over what this loads
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         check_no_local_state_dict(handle)
