@@ -1,5 +1,5 @@
-"""A unit opened for one save or load: its original parameters given their original shapes, and
-closed again afterwards (see [Note: a unit is unsharded around its subtree's save and load])."""
+"""A unit opened for one save (FULL; SHARDED of a tensor-parallel unit): its parameters given their
+saved form, and closed again afterwards (see [Note: a unit is unsharded around its subtree's save and load])."""
 
 from __future__ import annotations
 
