@@ -85,7 +85,7 @@ def unused_and_empty() -> dict[str, Any]:
     return {
         "unused_none": unused_none,
         "empty_ok": empty_ok,
-        "some_empty": any(p.numel() == 0 for p in model.parameters()),
+        "some_empty": any(p.to_local().numel() == 0 for p in model.parameters()),  # this rank's chunk
         "diff": _max_diff(_full_params(model), [p.detach() for p in ref.parameters()]),
     }
 

@@ -8,9 +8,11 @@ import copy
 from types import SimpleNamespace
 from typing import Any
 
+import expecttest
 import torch
 import torch.distributed as dist
 import torch.nn.utils.clip_grad as clip_grad
+from harness import error_of
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict
 from torch.optim import optimizer as torch_optimizer
@@ -87,13 +89,18 @@ def stale_check_memo() -> dict[str, Any]:
     before = optim.__dict__.get(interop._CHECKED_ATTR)
     fully_shard(model)
     model(torch.ones(2, 4)).sum().backward()
-    optim.step()
-    return {"before": before, "after": optim.__dict__.get(interop._CHECKED_ATTR)}
+    return {"before": before, "error": error_of(optim.step)}
 
 
 def test_step_hook_rechecks_after_fully_shard(dist_run) -> None:
-    # The optimizer remembers how many of our parameters it held: 0 before, 4 after fully_shard.
-    assert dist_run(1, stale_check_memo)[0] == {"before": 0, "after": 4}
+    # The optimizer held none of our parameters (None: no fully_shard in this process yet, so unchecked);
+    # after fully_shard it holds 4 originals, which faces replaced: checked again, and refused.
+    r = dist_run(1, stale_check_memo)[0]
+    assert r["before"] in (None, 0), r
+    expecttest.TestCase().assertExpectedInline(
+        r["error"],
+        """RuntimeError: the optimizer holds parameter '0.weight' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters()""",  # noqa: E501
+    )
 
 
 def torch_api_switch() -> dict[str, Any]:

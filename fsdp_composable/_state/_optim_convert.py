@@ -7,13 +7,14 @@ the model's conversion of global values, `to_flat_shard` (see [Note: a global va
 piece]).
 
 [Note: optimizer state of a sharded unit]
-The optimizer steps the original parameters, each a 1-D view of its slice of this rank's shard (possibly
-empty), so every per-parameter state tensor (Adam's ``exp_avg``, ...) has that slice's shape. For each
-unit and state key we write the slices of all its parameters into one tensor laid out like the unit's
-flat shard; the unit's layout then moves them like parameters: an all-gather gives full tensors
-(FULL_STATE_DICT), cutting this rank's chunks from it gives ``Shard(0)`` DTensors
-(SHARDED_STATE_DICT). Loading goes back: slice a full value, or take a DTensor's chunk, and hand each
-parameter its slice. With the wrapper's flat parameters
+The optimizer steps the faces ([Note: parameter faces]), so every per-parameter state tensor (Adam's
+``exp_avg``, ...) is a DTensor laid out like its face, whose local tensor is this rank's chunk
+(possibly empty). For each unit and state key we write the chunks of all its parameters into one
+tensor laid out like the unit's flat shard; the unit's layout then moves them like parameters: one
+all-gather per unit and key (not per parameter) gives full tensors (FULL_STATE_DICT), cutting this
+rank's chunks from it gives ``Shard(0)`` DTensors (SHARDED_STATE_DICT). Loading goes back: slice a
+full value, or take a DTensor's chunk, and hand each face its chunk as a DTensor laid out like it.
+With the wrapper's flat parameters
 (``use_orig_params=False``) the optimizer's state already is such a flat tensor. ``step`` and other
 scalars are the same on every rank and pass through unchanged. The saved form names parameters by
 FQN (in ``state`` and in each param group's ``params``), so it loads at any world size, with either

@@ -38,14 +38,17 @@ edit-check tests, 6. by tests/test_accelerate.py, 7. by the recovery tests, on t
 fallback for other versions of the supported range (``torch>=2.5``).
 
 [Note: torch's clip_grad_norm_]
-Between steps each original parameter's ``.grad`` is this rank's slice of the reduced gradient, so
-torch's function would compute and clip with this rank's local norm, silently. FSDP2 gets the global
-norm because its gradients are DTensors; ours are plain tensors. So `fully_shard` routes torch's
+Between steps the faces' gradients are DTensors, and for them alone torch's function gives the global
+norm (a ``Replicate`` DTensor), as with FSDP2. It does not for the rest of what a sharded model
+holds: the wrapper's flat parameters (``use_orig_params=False``: plain tensors, this rank's shard),
+a tensor-parallel unit's parameters (DTensors over the tensor-parallel mesh whose local tensor is a
+1-D slice of the shard: the data-parallel sum is missing), and ignored parameters next to faces
+(plain gradients mixed with DTensors, which torch refuses). So `fully_shard` routes torch's
 function through `_clip_grad_norm_`: when one of the given parameters is ours it computes the norm
 over every shard (each sharded unit's term summed over its shard group, everything else counted
 once), the same on every rank, and clips with it; otherwise it is torch's function, unchanged. The
 routing replaces the function torch's public wrapper calls (its closure cell): torch 2.13 offers no
-extension point for it (no hook; the gradients are plain tensors, so no ``__torch_function__`` either),
+extension point for it (no hook; the flat gradients are plain tensors, so no ``__torch_function__``),
 and replacing the cell is the one way that holds however the user imported it (``from torch.nn.utils
 import clip_grad_norm_`` before `fully_shard` included). The cell holds a `_RoutedClip`, which keeps
 torch's function to fall back on; if torch's wrapper ever changes shape (no ``func`` cell), the module
@@ -132,12 +135,11 @@ __all__: list[str] = []
 
 # ---------------------------------------------------------------------------- stale optimizers
 # [Note: optimizers built before fully_shard]
-# fully_shard keeps the original parameter objects, so an optimizer built before it still steps the
-# right tensors. Two cases go wrong silently or cryptically, and a global step pre-hook checks for
-# them on each optimizer's first step after a fully_shard call over its parameters (then not again
-# until the next such call):
-# - optimizer state created before sharding (a step was taken first): its tensors have the full
-#   shape while the parameter is now a 1-D shard slice;
+# fully_shard registers a face in place of each original parameter, so an optimizer built before it
+# holds parameters nothing steps any more. That and two more cases go wrong silently or cryptically,
+# and a global step pre-hook checks for them on each optimizer's first step after a fully_shard call
+# over its parameters (then not again until the next such call):
+# - optimizer state whose shape is not its parameter's (state created before sharding);
 # - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
 #   parameters never receive gradients there.
 # Each optimizer remembers (`_CHECKED_ATTR`, on the optimizer itself) how many of our parameters it
@@ -244,18 +246,21 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 
 # ---------------------------------------------------------------------------- optim.state_dict() hooks
 # [Note: torch's optimizer state dict]
-# Between steps the optimizer holds, per original parameter, its slice of this rank's flat shard, so a
-# plain ``optim.state_dict()`` would be per-rank pieces under the global parameter numbering, which
-# `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` then names by FQN: DCP would keep
-# one rank's piece. Instead every optimizer that holds our parameters gets two hooks:
-# - a state-dict post-hook presents each original parameter's per-parameter tensors in the layout of
-#   the SHARDED model state dict: ``DTensor``s of the parameter's shape (a collective per unit, like
-#   ``model.state_dict()``). The wrapper's flat parameters (``use_orig_params=False``) are presented as
-#   ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the same world size
-#   and wrapping only: use `optim_state_dict` to move between them);
-# - a load-state-dict pre-hook takes that global form back (DTensors of any placement and mesh size,
-#   or full tensors), keyed by int ids or by FQN (as torch's set_optimizer_state_dict passes it): it
-#   matches saved to current parameters by position in the param groups, as ``load_state_dict`` does.
+# Between steps the optimizer holds the faces ([Note: parameter faces]), so torch creates their state
+# as DTensors of the parameters' shapes and a plain ``optim.state_dict()`` is already the global
+# (SHARDED) form that `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` names by FQN
+# and DCP saves at N ranks and loads at M: the hooks leave it as it is. What they still convert is the
+# state of parameters that are not faces: the wrapper's flat parameters (``use_orig_params=False``),
+# presented as ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the
+# same world size and wrapping only: use `optim_state_dict` to move between them), and a
+# tensor-parallel unit's parameters (DTensors over their 1-D slice of the shard). Every optimizer
+# that holds our parameters gets two hooks:
+# - a state-dict post-hook checks that every rank holds the same parameters and state (a collective
+#   per process group) and presents the non-face state in the global form;
+# - a load-state-dict pre-hook takes the global form back (DTensors of any placement and mesh size,
+#   or full tensors: a face's full value becomes its DTensor chunk), keyed by int ids or by FQN (as
+#   torch's set_optimizer_state_dict passes it): it matches saved to current parameters by position
+#   in the param groups, as ``load_state_dict`` does.
 # Units are visited in the order they were built, never in the optimizer's order, so ranks that list
 # parameters in different orders still run the same collectives; the presented state is ordered the
 # same way (torch's API gathers DTensor values in the dict's order), and torch's full-state-dict load
