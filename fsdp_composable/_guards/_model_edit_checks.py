@@ -31,7 +31,6 @@ from fsdp_composable._composable_state import registrations
 from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._grads import _exposed_grads
-from fsdp_composable._guards._data_writes import same_data
 from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces, storage_of
 from fsdp_composable._runtime._state_dict_keys import _join
 from fsdp_composable._runtime._state_dict_open import close_stale_units
@@ -93,9 +92,21 @@ def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Te
     return handle.params, handle._sharded_views
 
 
+def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``param.data`` is still ``view``. Every empty tensor has data pointer 0, so for a
+    parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
+    ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
+    forward while the others raise, and the ranks' collectives no longer match."""
+    # a plain parameter's own pointers are its ``.data``'s, without making that tensor (every step)
+    data = param if type(param) is nn.Parameter else local_of(param)
+    if data.data_ptr() != view.data_ptr():
+        return False
+    return view.numel() > 0 or data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+
+
 def _intact(param: torch.Tensor, view: torch.Tensor) -> bool:
     data = local_of(param)
-    if not (same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()):
+    if not (_same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()):
         return False
     # a face: ``p.data = t`` leaves the local tensor alone and replaces the wrapper's storage (and shape)
     mark = getattr(param, "_fsdp_storage", None)
