@@ -147,7 +147,8 @@ def extra_forward_method() -> tuple:
     register_fsdp_forward_method(model, "generate")
     with torch.no_grad():  # generation: nothing to backpropagate, so everything reshards at the end
         shape, out = model.generate(torch.ones(2, 4))
-    return shape, torch.allclose(out, ref(torch.ones(2, 4))), (tuple(model.lin.weight.shape), type(model.lin.weight).__name__)
+    after = (tuple(model.lin.weight.shape), type(model.lin.weight).__name__)
+    return shape, torch.allclose(out, ref(torch.ones(2, 4))), after
 
 
 def test_register_fsdp_forward_method(dist_run) -> None:

@@ -340,7 +340,8 @@ def parameters_while_unsharded() -> dict[str, Any]:
     for unit in (model.l1, model.l2[0], model.l2[2], model.l3):
         reshard(unit)
     out["same_faces_after_backward"] = all(p is faces[n] for n, p in model.named_parameters())
-    out["grads"] = max((p.grad.full_tensor() - ref_params[n].grad).abs().max().item() for n, p in model.named_parameters())
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    out["grads"] = max((g - ref_params[n].grad).abs().max().item() for n, g in grads.items())
     return out
 
 

@@ -155,7 +155,9 @@ def test_a_later_optimizer_step_refuses_a_unit_left_unsharded(dist_run: Any, wor
 
 
 # ---------------------------------------------------------------------------- attacks that hold (pinned)
-def _train(ref: nn.Module, model: nn.Module, steps: range, micro: int = 1, between: Any = None, opts: Any = None) -> None:
+def _train(
+    ref: nn.Module, model: nn.Module, steps: range, micro: int = 1, between: Any = None, opts: Any = None
+) -> None:
     """``opts``: the two optimizers, built earlier (while every unit was sharded); None: build them now."""
     opt_ref, opt = opts or (torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
     for step in steps:
