@@ -142,12 +142,13 @@ def _point_faces_back(handle: FlatParamHandle) -> None:
     a gradient it had is exposed again."""
     layout = handle.layout
     had_grads = False
-    for face, info, view in zip(handle.faces, layout.infos, handle._sharded_views):
+    specs = handle.face_specs(handle.dtype)
+    for face, info, spec, view in zip(handle.faces, layout.infos, specs, handle._sharded_views):
         if _intact(face, view) and face.shape == info.shape:
             continue
         had_grads |= face.grad is not None
         face.grad = None
-        value = face_value(view.view(layout.local_shape(info)), info, layout, face.device_mesh)  # type: ignore[attr-defined]
+        value = face_value(view.view(layout.local_shape(info)), spec)
         torch.utils.swap_tensors(face, nn.Parameter(value, requires_grad=face.requires_grad))
     mark_faces(handle)
     if had_grads:  # not when zero_grad() cleared them: the next forward releases that gradient
