@@ -409,9 +409,13 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             entry = out[k]
             assert entry is not None
             local = flat[start:end].clone()
-            # a DTensor laid out like the parameter the optimizer holds (its face), as the optimizer makes it
-            tp = layout.infos[k].tp
-            entry[key] = handle.face_grad(k, local) if tp is None else _tensor_parallel.as_param_grad(tp, local)
+            # laid out like the parameter the optimizer holds (its face), as the optimizer makes it; a
+            # tensor-parallel unit's parameters are their own faces, over their 1-D slice
+            if handle.tensor_parallel:
+                shape = handle._sharded_views[k].shape
+                entry[key] = _tensor_parallel.as_param_grad(layout.infos[k].tp, local.view(shape))
+            else:
+                entry[key] = handle.face_grad(k, local)
     return out
 
 
