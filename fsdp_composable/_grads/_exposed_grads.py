@@ -5,14 +5,16 @@ is `_reduce_utils`' ([Note: the gradient lifecycle])."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable._base import _safety
 from fsdp_composable._comm._tensor_parallel import as_param_grad, local_of
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable.api import ModelEditedAfterShardingError
 
 __all__: list[str] = []
 
@@ -63,6 +65,30 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
         if grad is not None:
             param.grad = None
     grads.exposed = []
+
+
+def wrapper_storage(grad: Optional[torch.Tensor]) -> int:
+    """The address of a `DTensor` gradient's own storage (see ``UnitGrads.exposed_storage``); 0 for others."""
+    return torch._C._storage_address(grad) if isinstance(grad, DTensor) else 0  # type: ignore[attr-defined]
+
+
+def refuse_replaced_grad_data(handles: "Sequence[FlatParamHandle]") -> None:
+    """``p.grad.data = t`` on a `DTensor` gradient replaces its wrapper and leaves its local tensor,
+    which views the flat gradient, alone: the write would be lost. Refuse it (at the next optimizer
+    step or forward), with every gradient shown again as it was: one address comparison per gradient."""
+    for handle in handles:
+        grads = handle.grads
+        for i, (face, grad, mark) in enumerate(zip(handle.faces, grads.exposed, grads.exposed_storage)):
+            if mark == 0 or face.grad is not grad or wrapper_storage(grad) == mark:
+                continue
+            expose_sharded_grads(handle)
+            fqn = f"{handle.unit_fqn}.{handle.layout.infos[i].fqn}" if handle.unit_fqn else handle.layout.infos[i].fqn
+            raise ModelEditedAfterShardingError(
+                f"the gradient of parameter '{fqn}' had its .data replaced after backward (p.grad.data = t): a "
+                "DTensor gradient keeps its local tensor, so the write would be lost. Write in place "
+                "(p.grad.mul_(2), p.grad.to_local().copy_(t)), or assign a DTensor of the same layout (p.grad = g). "
+                "The gradients were shown again as they were"
+            )
 
 
 def _rebound(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -123,6 +149,7 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
             param.grad = None
             exposed.append(None)
     grads.exposed = exposed
+    grads.exposed_storage = [wrapper_storage(g) for g in exposed]
 
 
 def accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:

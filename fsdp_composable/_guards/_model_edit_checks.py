@@ -81,6 +81,9 @@ def check_data_writes(states: list[_FSDPState]) -> None:
     edited = [h for state in states for h in state.handles if not _views_intact(h)]
     if edited:
         _restore_views(edited)
+    _exposed_grads.refuse_replaced_grad_data([h for state in states for h in state.handles])
+
+
 
 
 def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Tensor]]:

@@ -106,6 +106,7 @@ from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState,
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
+from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._guards._ddp_guard import refuse_ddp_of_sharded
 from fsdp_composable._runtime._grad_utils import NormPieces
 from fsdp_composable._state._optim_convert import (
@@ -205,6 +206,7 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
         # a later step on a unit left unsharded would update its full-shape views, which the next
         # reshard throws away: silently no step ([Note: a unit left unsharded] in _module_controls)
         _refuse_unsharded(optim.__dict__.get(_HANDLES_ATTR, ()), first=False)
+        _exposed_grads.refuse_replaced_grad_data(optim.__dict__.get(_HANDLES_ATTR, ()))
         return
     optim.__dict__[_CHECKED_ATTR] = ours
     if ours:
@@ -217,6 +219,7 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
             del optim.__dict__[_CHECKED_ATTR]
             raise
         optim.__dict__[_HANDLES_ATTR] = tuple(handles)
+        _exposed_grads.refuse_replaced_grad_data(handles)
     for group in optim.param_groups:
         for param in group["params"]:
             if not getattr(param, FSDP_FLATTENED, False):
