@@ -410,10 +410,10 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             assert entry is not None
             local = flat[start:end].clone()
             # laid out like the parameter the optimizer holds (its face), as the optimizer makes it; a
-            # tensor-parallel unit's parameters are their own faces, over their 1-D slice
-            if handle.tensor_parallel:
-                shape = handle._sharded_views[k].shape
-                entry[key] = _tensor_parallel.as_param_grad(layout.infos[k].tp, local.view(shape))
+            # tensor-parallel parameter is its own face, over its 1-D slice
+            tp = layout.infos[k].tp
+            if tp is not None:
+                entry[key] = _tensor_parallel.as_param_grad(tp, local.view(handle._sharded_views[k].shape))
             else:
                 entry[key] = handle.face_grad(k, local)
     return out

@@ -86,7 +86,7 @@ def _local_pre_load_hook(
         flat = handle.flat_param.detach().clone()
     for k, (info, sharded_view) in enumerate(zip(layout.infos, handle._sharded_views)):
         start, end = layout.shard_range(info)
-        if handle.tensor_parallel:  # between steps a DTensor over its 1-D slice: give the same
+        if info.tp is not None:  # between steps a DTensor over its 1-D slice: give the same
             value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
         else:  # laid out like the face, so nn.Module's copy is a local one
             value = handle.face_grad(k, flat[start:end])

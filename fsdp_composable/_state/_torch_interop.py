@@ -102,7 +102,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._comm import _rank_agreement
-from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
+from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
@@ -198,6 +198,23 @@ def _hidden_original(param: torch.Tensor) -> bool:
     return not is_face(param) and not isinstance(param, DTensor)
 
 
+def _refuse_original_of_unsharded_unit(param: torch.Tensor, fqn: str) -> None:
+    """Raise if ``param``'s unit is unsharded now: the optimizer was then most likely built from the
+    originals that an unsharded unit registers, not before fully_shard."""
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        for handle in state.handles if state is not None else ():
+            if not any(p is param for p in handle.params) or not (handle.is_unsharded or handle.unshard_in_flight):
+                continue
+            raise RuntimeError(
+                f"the optimizer holds parameter '{fqn}' as registered while its unit '{handle.root_fqn}' is "
+                "unsharded (after unshard(module), inside unshard_params, or kept by "
+                "set_reshard_after_backward(False) or reshard_after_forward=False): between steps a DTensor "
+                "parameter replaces it, which the optimizer would never step. Build the optimizer while every "
+                "unit is sharded, e.g. right after fully_shard or after reshard(module), from model.parameters()"
+            )
+
+
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _module_to_states:  # nothing was ever sharded in this process
         return
@@ -226,6 +243,7 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
                 continue
             fqn = getattr(param, "_fsdp_fqn", "?")
             if not getattr(param, FLAT_MODE, False) and _hidden_original(param):
+                _refuse_original_of_unsharded_unit(param, fqn)
                 raise RuntimeError(
                     f"the optimizer holds parameter '{fqn}' as it was before fully_shard: fully_shard registers a "
                     "new DTensor parameter in its place, which the optimizer would never step. Build the optimizer "
