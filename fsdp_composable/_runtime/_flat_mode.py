@@ -7,6 +7,7 @@ from torch import nn
 
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._guards._dtype_casts import adopt_cast
 
 __all__: list[str] = []
 
@@ -31,6 +32,7 @@ def _use_flat_params(state: _FSDPState) -> None:
 def _use_orig_params(state: _FSDPState) -> None:
     """The reverse of `_use_flat_params`, in the original registration order."""
     for handle in state.handles:
+        adopt_cast(handle)  # ``model.double()`` cast the registered flat parameter, not the faces
         handle.module._parameters.pop(handle.name, None)
         for module, name, param in _registrations(handle):
             module.__dict__.pop(name, None)

@@ -319,8 +319,14 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     config = ShardedStateDictConfig()
     for unit, c in zip(units, collected):
         handle = unit.handle
+        # faces' state is torch's own DTensors already; ``step`` is handed out live (a plain tensor the
+        # next step increments in place, which a full gather keeps as it is), so a saved dict would count on
+        for face in handle.faces:
+            entry = state.get(numbers.get(id(face), -1))
+            if isinstance(entry, Mapping) and isinstance(entry.get(STEP), torch.Tensor):
+                state[numbers[id(face)]] = {**entry, STEP: entry[STEP].clone()}
         if id(handle.flat_param) not in numbers and not handle.tensor_parallel:
-            continue  # faces' state is torch's own DTensors already
+            continue
         if id(handle.flat_param) in numbers:
             number = numbers[id(handle.flat_param)]
             if isinstance(state.get(number), Mapping):
