@@ -48,8 +48,15 @@ def face_spec(info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh, dtype: torc
 
 
 def face_value(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
-    """The ``DTensor`` described by ``spec`` whose local tensor is ``local`` (this rank's chunk)."""
-    return DTensor(local, spec, requires_grad=False)
+    """The ``DTensor`` described by ``spec`` whose local tensor is ``local`` (this rank's chunk).
+
+    The wrapper takes its storage offset from the tensor it is built with, and a chunk sits at an
+    offset in the flat shard; a wrapper with an offset has a nonzero ``data_ptr()`` over no storage,
+    which torch's checkpoint stager (``dcp.async_save``) then tries to copy. So the wrapper is built
+    over an offset-0 view of the same storage and then given the chunk."""
+    value = DTensor(local.as_strided(local.shape, local.stride(), 0), spec, requires_grad=False)
+    value._local_tensor = local
+    return value
 
 
 def make_face(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:

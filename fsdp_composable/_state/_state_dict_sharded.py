@@ -36,6 +36,7 @@ from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat._checkpoint_comm import comm_device_of
+from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
@@ -199,17 +200,15 @@ def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]
     return flat
 
 
-def _offload_faces(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
-    """SHARDED with ``offload_to_cpu``: the saved faces (which view the shard) as DTensors on the CPU."""
-    if not _config(state).offload_to_cpu:
-        return
+def _saved_faces(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """SHARDED: the saved faces (``nn.Module`` detached them) as `face_value` builds them, so their
+    wrappers hold no storage offset (see `face_value`); with ``offload_to_cpu``, over CPU copies."""
+    offload = _config(state).offload_to_cpu
     for key in [k for k in state_dict if k.startswith(prefix)]:
         value = state_dict[key]
-        if isinstance(value, DTensor) and value.device.type != "cpu":
-            local = value.to_local().cpu()
-            state_dict[key] = DTensor.from_local(
-                local, value.device_mesh, value.placements, run_check=False, shape=value.shape, stride=value.stride()
-            )
+        if isinstance(value, DTensor) and (value.storage_offset() != 0 or (offload and value.device.type != "cpu")):
+            local = value.to_local()
+            state_dict[key] = face_value(local.cpu() if offload else local, value._spec)
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT

@@ -46,9 +46,9 @@ from fsdp_composable._state._state_dict_settings import (
 from fsdp_composable._state._state_dict_sharded import (
     _is_replicated,
     _match_face_placements,
-    _offload_faces,
     _open_sharded,
     _replicate_buffers,
+    _saved_faces,
     _take_assigned,
 )
 from fsdp_composable.api import StateDictConfig, StateDictType
@@ -181,7 +181,7 @@ def _post_state_dict_hook(
     opened = _take_open(state, handle)
     if opened is None:
         if _kind(state) is StateDictType.SHARDED_STATE_DICT:
-            _offload_faces(state, state_dict, prefix)
+            _saved_faces(state, state_dict, prefix)
         return
     try:
         if opened.full is not None:
