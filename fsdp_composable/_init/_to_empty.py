@@ -35,6 +35,7 @@ from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._guards._dtype_casts import mark_faces
 from fsdp_composable._init._group_units import unit_roots_named_modules
 
@@ -114,6 +115,9 @@ def to_empty_keeping_shards(
             point_at(tensor, data)
     for handle in handles:
         mark_faces(handle)
+        # the swap also gave each DTensor gradient a new wrapper (what ``p.grad.data = t`` does): show
+        # the gradients again over the flat gradient, so the refusal of such writes sees none
+        _exposed_grads.expose_sharded_grads(handle)
     return module
 
 
