@@ -19,6 +19,7 @@ from torch.optim import optimizer as torch_optimizer
 
 import fsdp_composable._comm._collectives as collectives
 import fsdp_composable._flat._checkpoint_comm as comm
+import fsdp_composable._state._torch_clip as clip
 import fsdp_composable._state._torch_interop as interop
 from fsdp_composable import CPUOffload, StateDictType, fully_shard, optim_state_dict, state_dict_type
 
@@ -43,7 +44,7 @@ def installed_once() -> dict[str, Any]:
     return {
         "step_hooks": _count(torch_optimizer._global_optimizer_pre_hooks, interop._check_optimizer_on_first_step),
         "routed": type(routed).__name__,
-        "original_is_torch": not isinstance(routed.original, interop._RoutedClip),
+        "original_is_torch": not isinstance(routed.original, clip._RoutedClip),
         "optim_post_hooks": _count(optim._optimizer_state_dict_post_hooks, interop._present_state_hook),
         "optim_load_hooks": _count(optim._optimizer_load_state_dict_pre_hooks, interop._take_back_state_hook),
         "module_hooks": _count(a._state_dict_pre_hooks, interop._state_dict_pre_hook),
