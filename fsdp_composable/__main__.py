@@ -399,7 +399,8 @@ def _what_runs(args: argparse.Namespace) -> str:
         return ""
     if args.shard_group_size == 1:
         return (
-            f"a shard group of 1 rank shards nothing: this runs as NO_SHARD over {args.world_size} ranks (as DDP does)"
+            f"a shard group of 1 rank shards nothing: this runs as NO_SHARD over {args.world_size} ranks "
+            "(as DDP does)"
         )
     if args.shard_group_size == args.world_size:
         return f"1 replica replicates nothing: this runs as FULL_SHARD over {args.world_size} ranks"
@@ -448,9 +449,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if _launched_by_torchrun() or args.world_size == 1:  # this process is a rank: it ends at once
         job_procs.exit_on_signals(
-            lambda signum: (
-                f"python -m fsdp_composable: interrupted by {signal.Signals(signum).name}; rank {rank} stopped"
-            )
+            lambda signum: f"python -m fsdp_composable: interrupted by {signal.Signals(signum).name}; "
+            f"rank {rank} stopped"
         )
     else:
         job_procs.raise_on_signals()

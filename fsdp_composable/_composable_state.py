@@ -19,7 +19,6 @@ __all__: list[str] = []
 
 _S = TypeVar("_S")
 
-
 class _Registry:
     """The package's only module-level mutable state: which API was applied to which module, what
     this rank knows about each process group's collectives (the header protocol's per-group record,
@@ -188,7 +187,9 @@ class _Contract(Generic[_S]):
         return state  # type: ignore[no-any-return]
 
 
-def contract(name: str, several: str = "", groups: bool = False) -> Callable[[Callable[..., Any]], _Contract[Any]]:
+def contract(
+    name: str, several: str = "", groups: bool = False
+) -> Callable[[Callable[..., Any]], _Contract[Any]]:
     """Decorate a composable API so it is checked to keep the module's type and FQNs. ``several``: what
     the error for a list of modules tells the user to do instead; ``groups``: the API takes a list of
     modules itself (every module's structure is checked)."""

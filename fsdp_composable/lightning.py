@@ -68,14 +68,8 @@ _STEP_METHODS = ("training_step", "validation_step", "test_step", "predict_step"
 # Shared by both strategies: arguments, parallelize, checkpoints
 
 
-def _check_args(
-    name: str,
-    policy: Any,
-    parallelize_fn: Optional[ParallelizeFn],
-    kwargs: Mapping[str, Any],
-    tensor_parallel_size: Size,
-    save_distributed_checkpoint: bool,
-) -> None:
+def _check_args(name: str, policy: Any, parallelize_fn: Optional[ParallelizeFn], kwargs: Mapping[str, Any],
+                tensor_parallel_size: Size, save_distributed_checkpoint: bool) -> None:
     if parallelize_fn is not None and (policy is not None or kwargs):
         raise ValueError(
             f"{name}: pass either parallelize_fn (which calls fully_shard itself) or a policy and fully_shard "
@@ -94,21 +88,16 @@ def _check_args(
         )
 
 
-def _mesh_sizes(data_parallel_size: Size, tensor_parallel_size: Size, world_size: int) -> tuple[int, int]:
+def _mesh_sizes(data_parallel_size: Size, tensor_parallel_size: Size,
+                world_size: int) -> tuple[int, int]:
     """Lightning's "auto" means one node per data-parallel replica; ours: data parallel over every rank."""
     tp = 1 if tensor_parallel_size == "auto" else int(tensor_parallel_size)
     dp = world_size // tp if data_parallel_size == "auto" else int(data_parallel_size)
     return dp, tp
 
 
-def _parallelize(
-    name: str,
-    module: nn.Module,
-    mesh: Any,
-    policy: Any,
-    parallelize_fn: Optional[ParallelizeFn],
-    kwargs: Mapping[str, Any],
-) -> nn.Module:
+def _parallelize(name: str, module: nn.Module, mesh: Any, policy: Any,
+                 parallelize_fn: Optional[ParallelizeFn], kwargs: Mapping[str, Any]) -> nn.Module:
     if parallelize_fn is not None:
         module = parallelize_fn(module, mesh)
     else:
@@ -132,9 +121,8 @@ def _only_sharded_module(name: str, objects: Mapping[str, Any]) -> tuple[str, nn
     return found[0]
 
 
-def _sharded_state(
-    module_key: str, module: nn.Module, optimizers: Mapping[str, Optimizer], *, template: bool
-) -> dict[str, Any]:
+def _sharded_state(module_key: str, module: nn.Module, optimizers: Mapping[str, Optimizer], *,
+                   template: bool) -> dict[str, Any]:
     """The model's SHARDED state dict and each optimizer's, as DCP saves them (or loads into them)."""
     if template:
         for optim in optimizers.values():
@@ -145,9 +133,8 @@ def _sharded_state(
     return out
 
 
-def _load_sharded(
-    path: Path, module_key: str, module: nn.Module, optimizers: Mapping[str, Optimizer], strict: bool
-) -> None:
+def _load_sharded(path: Path, module_key: str, module: nn.Module, optimizers: Mapping[str, Optimizer],
+                  strict: bool) -> None:
     state = _sharded_state(module_key, module, optimizers, template=True)
     dcp.load(state, checkpoint_id=path)
     with state_dict_type(module, StateDictType.SHARDED_STATE_DICT):
@@ -188,13 +175,8 @@ def _prepare_single_file(path: Path) -> None:
         shutil.rmtree(path)
 
 
-def _load_full(
-    module: nn.Module,
-    optimizers: Mapping[str, Optimizer],
-    model_state: Mapping[str, Any],
-    optim_states: Mapping[str, Any],
-    strict: bool,
-) -> None:
+def _load_full(module: nn.Module, optimizers: Mapping[str, Optimizer], model_state: Mapping[str, Any],
+               optim_states: Mapping[str, Any], strict: bool) -> None:
     """Every rank loads the whole file: the model's FULL state dict, then each optimizer's (keyed by FQN,
     or by position as Lightning's Trainer saves it)."""
     with state_dict_type(module, StateDictType.FULL_STATE_DICT):
@@ -241,7 +223,8 @@ class FabricStrategy(_FabricModelParallel):
         **fully_shard_kwargs: Any,
     ) -> None:
         name = type(self).__name__
-        _check_args(name, policy, parallelize_fn, fully_shard_kwargs, tensor_parallel_size, save_distributed_checkpoint)
+        _check_args(name, policy, parallelize_fn, fully_shard_kwargs, tensor_parallel_size,
+                    save_distributed_checkpoint)
         self._policy, self._user_parallelize_fn, self._fully_shard_kwargs = policy, parallelize_fn, fully_shard_kwargs
         super().__init__(
             parallelize_fn=self._shard,
@@ -254,9 +237,8 @@ class FabricStrategy(_FabricModelParallel):
         self._backward_sync_control = _NoSyncControl()
 
     def _shard(self, module: nn.Module, mesh: Any) -> nn.Module:
-        return _parallelize(
-            type(self).__name__, module, mesh, self._policy, self._user_parallelize_fn, self._fully_shard_kwargs
-        )
+        return _parallelize(type(self).__name__, module, mesh, self._policy, self._user_parallelize_fn,
+                            self._fully_shard_kwargs)
 
     def setup_environment(self) -> None:
         self._data_parallel_size, self._tensor_parallel_size = _mesh_sizes(
@@ -370,14 +352,8 @@ class TrainerStrategy(_TrainerModelParallel):
         timeout: Optional[timedelta] = default_pg_timeout,
         **fully_shard_kwargs: Any,
     ) -> None:
-        _check_args(
-            type(self).__name__,
-            policy,
-            parallelize_fn,
-            fully_shard_kwargs,
-            tensor_parallel_size,
-            save_distributed_checkpoint,
-        )
+        _check_args(type(self).__name__, policy, parallelize_fn, fully_shard_kwargs, tensor_parallel_size,
+                    save_distributed_checkpoint)
         self._policy, self._user_parallelize_fn, self._fully_shard_kwargs = policy, parallelize_fn, fully_shard_kwargs
         super().__init__(
             data_parallel_size=data_parallel_size,
@@ -397,14 +373,8 @@ class TrainerStrategy(_TrainerModelParallel):
         module = self.lightning_module
         assert module is not None
         if not _get_fsdp_states(module):
-            sharded = _parallelize(
-                type(self).__name__,
-                module,
-                self.device_mesh,
-                self._policy,
-                self._user_parallelize_fn,
-                self._fully_shard_kwargs,
-            )
+            sharded = _parallelize(type(self).__name__, module, self.device_mesh, self._policy,
+                                   self._user_parallelize_fn, self._fully_shard_kwargs)
             if sharded is not module:
                 raise TypeError(f"{type(self).__name__}: parallelize_fn must return the LightningModule it was given")
             if self._user_parallelize_fn is None:
@@ -465,9 +435,8 @@ class TrainerStrategy(_TrainerModelParallel):
         if path.is_file():  # saved with save_distributed_checkpoint=False
             checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only)
             saved = dict(zip(optimizers, checkpoint.get("optimizer_states", [])))
-            _load_full(
-                self.model, optimizers, checkpoint.pop("state_dict"), saved, strict=self.lightning_module.strict_loading
-            )
+            _load_full(self.model, optimizers, checkpoint.pop("state_dict"), saved,
+                       strict=self.lightning_module.strict_loading)
             return checkpoint  # type: ignore[no-any-return]
         _check_is_sharded_checkpoint(name, path)
         _load_sharded(path, "state_dict", self.model, optimizers, strict=self.lightning_module.strict_loading)

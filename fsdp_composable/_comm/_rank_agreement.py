@@ -476,7 +476,7 @@ def _post_recv(group: dist.ProcessGroup, peer: int) -> tuple[torch.Tensor, Any]:
 
 
 def entry_hint() -> str:
-    """ "; X is a collective: it must be called on every rank" for the entry point running now ("" in
+    """"; X is a collective: it must be called on every rank" for the entry point running now ("" in
     training)."""
     return _entry_hint({_purpose()})
 

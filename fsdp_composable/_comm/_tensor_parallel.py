@@ -293,3 +293,5 @@ def tp_local_of(value: torch.Tensor, spec: TPSpec, device: torch.device) -> torc
             return value.to_local()
         value = full_tensor(value, device)
     return local_part_of_full(value, spec)
+
+

@@ -20,3 +20,5 @@ def _is_replicated_info(info: ParamInfo, layout: FlatLayout) -> bool:
 def _saved_shape(info: ParamInfo) -> torch.Size:
     """The shape of ``info``'s value in a FULL or SHARDED state dict: the global shape."""
     return info.tp.shape if info.tp is not None else info.shape
+
+

@@ -84,6 +84,8 @@ def check_data_writes(states: list[_FSDPState]) -> None:
     _exposed_grads.refuse_replaced_grad_data([h for state in states for h in state.handles])
 
 
+
+
 def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
     """What the holders register now (the faces between steps) and the views their memory must be."""
     if handle.is_unsharded:

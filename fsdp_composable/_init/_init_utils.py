@@ -161,8 +161,7 @@ def _init_ignored_module_states(
     module: nn.Module,
     ignored_modules: Optional[Iterable[nn.Module]],
     api: str = "fully_shard",
-    groups: tuple[Optional[dist.ProcessGroup], ...] = (),
-    device: Optional[torch.device] = None,
+    groups: tuple[Optional[dist.ProcessGroup], ...] = (), device: Optional[torch.device] = None,
 ) -> tuple[set[nn.Module], set[nn.Parameter]]:
     """The ignored modules (with their submodules) and their parameters; ``groups``: where every rank
     must ignore the same modules ([Note: ignored modules across ranks]), checked on ``device``'s."""

@@ -112,7 +112,11 @@ def _selected(module: nn.Module, target: _Target) -> list[tuple[_FSDPState, Flat
     out = []
     for state in target.states:
         for handle in state.handles:
-            indices = [i for i, info in enumerate(handle.layout.infos) if any(m in subtree for m, _, _ in info.holders)]
+            indices = [
+                i
+                for i, info in enumerate(handle.layout.infos)
+                if any(m in subtree for m, _, _ in info.holders)
+            ]
             if indices:
                 out.append((state, handle, indices))
     return out

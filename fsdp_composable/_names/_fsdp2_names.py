@@ -53,7 +53,9 @@ class OurArgs:
 
 
 def _both(ours: str, theirs: str) -> ValueError:
-    return ValueError(f"fully_shard got both {ours}= and {theirs}= (FSDP2's name for it); pass only one of them")
+    return ValueError(
+        f"fully_shard got both {ours}= and {theirs}= (FSDP2's name for it); pass only one of them"
+    )
 
 
 def map_fsdp2_names(

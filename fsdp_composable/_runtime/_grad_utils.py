@@ -284,12 +284,8 @@ def _norm_term(grads: list[torch.Tensor], norm_type: float, dtype: torch.dtype, 
     if not grads:
         return torch.zeros((), dtype=dtype, device=device)
     if math.isinf(norm_type):
-        return (
-            torch.stack(
-                [g.detach().abs().max().to(dtype) if g.numel() else g.new_zeros((), dtype=dtype) for g in grads]
-            )
-            .max()
-            .to(device)
-        )
+        return torch.stack(
+            [g.detach().abs().max().to(dtype) if g.numel() else g.new_zeros((), dtype=dtype) for g in grads]
+        ).max().to(device)
     terms = [torch.linalg.vector_norm(g.detach().to(dtype), norm_type) ** norm_type for g in grads]
     return torch.stack(terms).sum().to(device)

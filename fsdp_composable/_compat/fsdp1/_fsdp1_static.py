@@ -98,7 +98,9 @@ def _config_of(sd_type: StateDictType, config: Optional[StateDictConfig]) -> Sta
     return config if config is not None else _CONFIG_TYPES[sd_type]()
 
 
-def optim_config_of(optim_config: Any, sd_type: Any, where: str = "set_state_dict_type") -> Optional[StateDictConfig]:
+def optim_config_of(
+    optim_config: Any, sd_type: Any, where: str = "set_state_dict_type"
+) -> Optional[StateDictConfig]:
     """FSDP1's second config, for optimizer state dicts (torch's ``FullOptimStateDictConfig`` or
     ``ShardedOptimStateDictConfig``), as our config of the same type: its ``offload_to_cpu`` and, for
     FULL, ``rank0_only`` are what `optim_state_dict` follows, as in FSDP1 (whose defaults offload the
@@ -231,7 +233,9 @@ def _template_optim(where: str, model: nn.Module, osd: Mapping[str, Any]) -> tor
     return torch.optim.Optimizer([{"params": [by_fqn[f] for f in g["params"]]} for g in groups], {})
 
 
-def _by_name(osd: Mapping[str, Any], model: nn.Module, optim: Optional[torch.optim.Optimizer]) -> Mapping[str, Any]:
+def _by_name(
+    osd: Mapping[str, Any], model: nn.Module, optim: Optional[torch.optim.Optimizer]
+) -> Mapping[str, Any]:
     """A dict keyed by position (a plain optimizer's) re-keyed by FQN; one keyed by FQN as it is."""
     state = osd.get("state", {}) if isinstance(osd, Mapping) else {}
     if any(isinstance(k, int) for k in state):
