@@ -40,7 +40,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
-from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, make_face, repoint_face
+from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, grad_face, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
 
@@ -165,6 +165,7 @@ class FlatParamHandle:
         self._mesh: Optional[DeviceMesh] = None  # the faces' mesh: the process group's ranks
         self._face_specs: dict[torch.dtype, list[DTensorSpec]] = {}
         self._local_shapes = [self.layout.local_shape(i) for i in self.layout.infos]
+        self._local_strides = [contiguous_strides(shape) for shape in self._local_shapes]
         self.registered: list[nn.Parameter] = params  # what the holders register now: faces or params
         self.flat_mode = False  # the wrapper's use_orig_params=False: see `_flat_mode`
         # where each parameter is registered: (the holder's ``_parameters``, attribute) pairs
@@ -257,6 +258,17 @@ class FlatParamHandle:
             mesh, layout = self._mesh, self.layout
             specs = self._face_specs[dtype] = [face_spec(info, layout, mesh, dtype) for info in layout.infos]
         return specs
+
+    def face_grads(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's gradient face over ``flat_grad`` (a shard-sized flat gradient), built the
+        cheap way (one ``as_strided`` each), as every backward does: a wrapper over a view at an offset,
+        as FSDP2's gradients are (a tensor-parallel parameter's entry is unused)."""
+        base, specs = flat_grad.storage_offset(), self.face_specs(flat_grad.dtype)
+        where = zip(self._local_shapes, self._local_strides, self._shard_ranges, specs)
+        return [
+            grad_face(flat_grad.as_strided(shape, stride, base + start), spec)
+            for shape, stride, (start, _), spec in where
+        ]
 
     def face_grad(self, i: int, view: torch.Tensor) -> torch.Tensor:
         """Parameter ``i``'s gradient as its face shows it, from its 1-D slice ``view`` of a flat shard."""

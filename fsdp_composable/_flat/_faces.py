@@ -26,7 +26,7 @@ from torch.distributed.tensor.placement_types import Placement
 from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 
-__all__ = ["face_mesh", "face_spec", "face_value", "is_face", "make_face", "repoint_face"]
+__all__ = ["face_mesh", "face_spec", "face_value", "grad_face", "is_face", "make_face", "repoint_face"]
 
 
 def face_mesh(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
@@ -57,6 +57,12 @@ def face_value(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
     value = DTensor(local.as_strided(local.shape, local.stride(), 0), spec, requires_grad=False)
     value._local_tensor = local
     return value
+
+
+def grad_face(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """A gradient's ``DTensor`` over ``local`` as every backward builds it: the wrapper keeps the
+    chunk's offset (as FSDP2's gradients do), half the cost of `face_value`."""
+    return DTensor(local, spec, requires_grad=False)
 
 
 def make_face(local: torch.Tensor, spec: DTensorSpec, requires_grad: bool) -> nn.Parameter:

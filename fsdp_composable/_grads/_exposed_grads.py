@@ -139,10 +139,11 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.in_backward():
         return
     exposed: list[Optional[torch.Tensor]] = []
-    views = handle.sharded_views_of(flat_grad)
-    for i, (param, info, view) in enumerate(zip(handle.faces, handle.layout.infos, views)):
+    views = handle.sharded_views_of(flat_grad) if handle.tensor_parallel else None
+    faces = handle.face_grads(flat_grad)
+    for i, (param, info, face) in enumerate(zip(handle.faces, handle.layout.infos, faces)):
         if param.requires_grad and i not in grads.missing:
-            grad = handle.face_grad(i, view) if info.tp is None else as_param_grad(info.tp, view)
+            grad = face if info.tp is None else as_param_grad(info.tp, views[i])  # type: ignore[index]
             assign_grad(param, grad)
             exposed.append(grad)
         else:

@@ -194,6 +194,16 @@ def _refuse_original_of_unsharded_unit(param: torch.Tensor, fqn: str) -> None:
             )
 
 
+def _managed_tensor_ids() -> set[int]:
+    """Every flat parameter, original parameter and face of this process's units."""
+    out: set[int] = set()
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        for h in state.handles if state is not None else ():
+            out.update(id(t) for t in (h.flat_param, *h.params, *h.faces))
+    return out
+
+
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _module_to_states:  # nothing was ever sharded in this process
         return
@@ -216,10 +226,11 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
             raise
         optim.__dict__[_HANDLES_ATTR] = tuple(handles)
         _exposed_grads.refuse_replaced_grad_data(handles)
+    known = _managed_tensor_ids()
     for group in optim.param_groups:
         for param in group["params"]:
-            if not getattr(param, FSDP_FLATTENED, False):
-                continue
+            if not getattr(param, FSDP_FLATTENED, False) or id(param) not in known:
+                continue  # not ours (torch's FSDP1, or another copy of this library, marks the same way)
             fqn = getattr(param, "_fsdp_fqn", "?")
             if not getattr(param, FLAT_MODE, False) and _hidden_original(param):
                 _refuse_original_of_unsharded_unit(param, fqn)
