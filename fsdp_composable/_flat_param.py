@@ -29,6 +29,8 @@ from typing import NoReturn, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor._dtensor_spec import DTensorSpec
 
 from fsdp_composable._base._copy_guard import refusal, refuse_copies
 from fsdp_composable._base._grad_records import UnitGrads
@@ -38,6 +40,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, grad_face, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
 
@@ -156,6 +159,17 @@ class FlatParamHandle:
         self._unsharded_regions: list[torch.Tensor] = []
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []
+        # each parameter's DTensor face ([Note: parameter faces]); a tensor-parallel unit's parameters
+        # are DTensors already and are their own faces
+        self.faces: list[nn.Parameter] = []
+        self._mesh: Optional[DeviceMesh] = None  # the faces' mesh: the process group's ranks
+        self._face_specs: dict[torch.dtype, list[DTensorSpec]] = {}
+        self._local_shapes = [self.layout.local_shape(i) for i in self.layout.infos]
+        self._local_strides = [contiguous_strides(shape) for shape in self._local_shapes]
+        self.registered: list[nn.Parameter] = params  # what the holders register now: faces or params
+        self.flat_mode = False  # the wrapper's use_orig_params=False: see `_flat_mode`
+        # where each parameter is registered: (the holder's ``_parameters``, attribute) pairs
+        self._slots = [[(m._parameters, attr) for m, attr, _ in i.holders] for i in self.layout.infos]
         self._unshard_work: Optional[_collectives.InFlight] = None
         self._unshard_src: Optional[torch.Tensor] = None  # the all-gather input, alive until it is done
         self._alloc_at_wait = False  # the pending unshard allocates the unsharded storage at its wait
@@ -207,6 +221,7 @@ class FlatParamHandle:
     def _init_views(self) -> None:
         layout = self.layout
         self._sharded_views = self.sharded_views_of(self.flat_param.data)
+        self._init_faces()
         if self._needs_buffer:
             self._unsharded = torch.empty(layout.padded_numel, dtype=self.compute_dtype, device=self.device)
             self._unsharded_views = self.views_of(self._unsharded)
@@ -214,6 +229,66 @@ class FlatParamHandle:
             self._free_unsharded()
         else:
             self._unsharded_views = list(self._sharded_views)
+
+    def _init_faces(self) -> None:
+        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces]). A
+        tensor-parallel parameter is a DTensor already and is its own face (repointed by
+        `_point_params_at`); the plain parameters of its unit get faces as any other."""
+        locals_ = [v.view(shape) for v, shape in zip(self._sharded_views, self._local_shapes)]
+        if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
+            for face, param, local in zip(self.faces, self.params, locals_):
+                if face is not param:
+                    repoint_face(face, local)
+            return
+        specs = self.face_specs(self.dtype)
+        self.faces = [
+            p if info.tp is not None else make_face(local, spec, p.requires_grad)
+            for p, info, spec, local in zip(self.params, self.layout.infos, specs, locals_)
+        ]
+        for face, param in zip(self.faces, self.params):
+            face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
+            setattr(face, FSDP_FLATTENED, True)
+
+    def face_specs(self, dtype: torch.dtype) -> list[DTensorSpec]:
+        """Each parameter's face spec in ``dtype`` (made once per dtype)."""
+        specs = self._face_specs.get(dtype)
+        if specs is None:
+            if self._mesh is None:
+                self._mesh = face_mesh(self.process_group, self.device)
+            mesh, layout = self._mesh, self.layout
+            specs = self._face_specs[dtype] = [face_spec(info, layout, mesh, dtype) for info in layout.infos]
+        return specs
+
+    def face_grads(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
+        """Every parameter's gradient face over ``flat_grad`` (a shard-sized flat gradient), built the
+        cheap way (one ``as_strided`` each), as every backward does: a wrapper over a view at an offset,
+        as FSDP2's gradients are (a tensor-parallel parameter's entry is unused)."""
+        base, specs = flat_grad.storage_offset(), self.face_specs(flat_grad.dtype)
+        where = zip(self._local_shapes, self._local_strides, self._shard_ranges, specs)
+        return [
+            grad_face(flat_grad.as_strided(shape, stride, base + start), spec)
+            for shape, stride, (start, _), spec in where
+        ]
+
+    def face_grad(self, i: int, view: torch.Tensor) -> torch.Tensor:
+        """Parameter ``i``'s gradient as its face shows it, from its 1-D slice ``view`` of a flat shard."""
+        return face_value(view.view(self._local_shapes[i]), self.face_specs(view.dtype)[i])
+
+    def register_params(self) -> None:
+        """Register the original parameters, whatever they view (a save or load that gives them their full shape)."""
+        self._register(self.params)
+
+    def _register(self, params: list[nn.Parameter]) -> None:
+        if self.flat_mode:  # the original parameters are plain attributes, the flat parameter is registered
+            self.registered = self.params
+            return
+        for shown, new in zip(self.registered, params):  # a freeze (requires_grad_) carries over
+            if new.requires_grad != shown.requires_grad:
+                new.requires_grad_(shown.requires_grad)
+        self.registered = params
+        for slots, param in zip(self._slots, params):
+            for registered, attr in slots:
+                registered[attr] = param
 
     def views_of(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Each original parameter's view, in its shape, of a padded unsharded flat tensor.
@@ -296,9 +371,11 @@ class FlatParamHandle:
 
     def use_sharded_views(self) -> None:
         self._point_params_at(self._sharded_views)
+        self._register(self.faces)
 
     def use_unsharded_views(self) -> None:
         self._point_params_at(self._unsharded_views)
+        self._register(self.params)
 
     # ---------------------------------------------------------------- unshard / reshard
     @property

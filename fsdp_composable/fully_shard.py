@@ -12,6 +12,7 @@ from fsdp_composable._common_utils import API_NAME, _FSDPState, _registrations_o
 from fsdp_composable._composable_state import _get_module_state, _insert_module_state, contract
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._grads._reduce_utils import init_grads
+from fsdp_composable._guards._dtype_casts import mark_faces
 from fsdp_composable._init import _init_utils as init
 from fsdp_composable._init._default_device import default_device_not_meta
 from fsdp_composable._init._group_units import check_members
@@ -175,6 +176,8 @@ def _build_state(module: nn.Module, args: ShardConfig, members: tuple[nn.Module,
     _install_process_changes()  # once per process: see `_torch_interop`
     install_reset_hooks(state)  # after param_init_fn ran: see [Note: reset_parameters after sharding]
     install_to_empty(state)  # see [Note: to_empty after sharding]
+    for handle in state.handles:
+        mark_faces(handle)  # see [Note: edits of a sharded model]
     return state
 
 

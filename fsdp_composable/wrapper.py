@@ -22,6 +22,7 @@ from fsdp_composable._compat.fsdp1 import _fsdp1_static, _register_comm_hook
 from fsdp_composable._compat.fsdp2 import _module_switches
 from fsdp_composable._config import ShardConfig
 from fsdp_composable._init._default_device import default_device_not_meta
+from fsdp_composable._init._to_empty import to_empty_keeping_shards
 from fsdp_composable._names._fsdp1_names import as_ours
 from fsdp_composable._names._fsdp2_names import split_ignored_params
 from fsdp_composable._runtime._flat_mode import _use_flat_params, _use_orig_params
@@ -204,6 +205,12 @@ class FullyShardedDataParallel(nn.Module):
     def training_state(self) -> Any:
         """The state's `TrainingState` (ours: IDLE, FORWARD_BACKWARD, SUMMON_FULL_PARAMS)."""
         return _state_of(self).training_state
+
+    def to_empty(self, *, device: Any, recurse: bool = True) -> "FullyShardedDataParallel":
+        """torch's ``to_empty`` keeping every unit's shards ([Note: to_empty after sharding]): the inner
+        module's own ``to_empty`` is not called by ``nn.Module.to_empty`` of the wrapper."""
+        to_empty_keeping_shards(self, None, device, recurse)
+        return self
 
     def __getattr__(self, name: str) -> Any:
         try:

@@ -116,7 +116,7 @@ LAYERS: Layers = [
         "flat",
         "the flat buffers: FlatParameter and FlatParamHandle, their rank-major layout and copies, their layout "
         "as per-parameter pieces, their checkpoint collectives",
-        {"": "_flat_param", "_flat": "_rank_major _flat_layout _checkpoint_comm"},
+        {"": "_flat_param", "_flat": "_rank_major _faces _flat_layout _checkpoint_comm"},
     ),
     (
         "grads",
@@ -133,7 +133,7 @@ LAYERS: Layers = [
             "_runtime": "_root_context _exec_order_utils _limiter_utils _entry_points _lazy_init _prefetch "
             "_runtime_utils _forward_methods _cast_inputs _module_controls _grad_utils _unshard_param_utils "
             "_state_dict_open _state_dict_keys _flat_mode",
-            "_guards": "_model_edit_checks _dtype_casts _ddp_guard _data_writes",
+            "_guards": "_model_edit_checks _dtype_casts _ddp_guard",
         },
     ),
     (

@@ -28,6 +28,7 @@ import json
 import os
 import sys
 import traceback
+from types import SimpleNamespace
 from typing import Any, Callable
 
 import torch
@@ -88,6 +89,9 @@ def setup() -> None:
     _init_utils._check_device_id = lambda api, device_id: device_id  # type: ignore[assignment]
     _init_utils._meta_modules = lambda unit_module: []  # type: ignore[assignment]
     _init_utils._check_unit_params = lambda sub: None  # type: ignore[assignment]
+    # DTensor's sharding propagation asks the mesh's device module how many devices a host has (as
+    # torch.cuda answers); ``meta`` has no module, so the optimizer's DTensor math needs this one
+    torch.meta = SimpleNamespace(device_count=lambda: WORLD)  # type: ignore[attr-defined]
 
 
 def model(unused: bool = False, **kwargs: Any) -> torch.nn.Module:

@@ -53,6 +53,10 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_paired.py", "--small", "--impls", "ours,ours-no-forward-prefetch,local-ranks", "--rounds", "3"],
         120,
     ),
+    "test_bench_optimizer_step_small_runs": (
+        ["bench_optimizer_step.py", "--small", "--rounds", "2", "--warmup", "0"],
+        120,
+    ),
     "test_bench_before_after_small_runs": (
         ["bench_before_after.py", "--before", "HEAD", "--small", "--rounds", "2"],
         150,
@@ -350,6 +354,13 @@ def test_bench_safety_small_runs(bench_runs: dict[str, Future]) -> None:
         "every check off",
     ]
     assert rows[0]["cost_s"] == 0 and all(r["median_s"] > 0 for r in rows)
+
+
+def test_bench_optimizer_step_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_optimizer_step_small_runs")
+    assert [r["variant"] for r in rows] == ["faces", "faces, foreach", "plain", "plain, foreach"]
+    assert all(len(r["step_times_s"]) == 2 and r["median_s"] > 0 and r["params"] > 0 for r in rows)
+    assert rows[2]["vs_plain"] == 1.0 and "| AdamW over |" in proc.stdout
 
 
 def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:

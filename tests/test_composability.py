@@ -137,7 +137,7 @@ class WithGenerate(nn.Module):
         return self.lin(x)
 
     def generate(self, x: torch.Tensor) -> tuple:
-        return tuple(self.lin.weight.shape), self.lin(x)
+        return (tuple(self.lin.weight.shape), type(self.lin.weight).__name__), self.lin(x)
 
 
 def extra_forward_method() -> tuple:
@@ -147,12 +147,14 @@ def extra_forward_method() -> tuple:
     register_fsdp_forward_method(model, "generate")
     with torch.no_grad():  # generation: nothing to backpropagate, so everything reshards at the end
         shape, out = model.generate(torch.ones(2, 4))
-    return shape, torch.allclose(out, ref(torch.ones(2, 4))), tuple(model.lin.weight.shape)
+    after = (tuple(model.lin.weight.shape), type(model.lin.weight).__name__)
+    return shape, torch.allclose(out, ref(torch.ones(2, 4))), after
 
 
 def test_register_fsdp_forward_method(dist_run) -> None:
     shape, close, after = dist_run(2, extra_forward_method)[0]
-    assert shape == (4, 4) and close and after != (4, 4)
+    # the unsharded original inside the method, the face (sharded, global shape) after it
+    assert shape == ((4, 4), "Parameter") and close and after == ((4, 4), "DTensor")
 
 
 def recovery() -> dict:

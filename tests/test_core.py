@@ -11,6 +11,7 @@ import torch.distributed as dist
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, ShardingStrategy, fully_shard, unshard_params
 from fsdp_composable._common_utils import FSDP_FLATTENED, StateTransitionError, TrainingState, _FSDPState
@@ -30,7 +31,7 @@ def contract_checks() -> dict:
     torch.manual_seed(0)
     model = TinyGPT(tied=True)
     before = _fqns(model)
-    params_before = list(model.parameters())
+    shapes_before = [p.shape for p in model.parameters()]
     out = fully_shard(model, ModuleWrapPolicy({Block}))
     state = fully_shard.state(model)
     errors = {}
@@ -52,7 +53,9 @@ def contract_checks() -> dict:
     return {
         "same_object": out is model,
         "fqns_equal": _fqns(model) == before,
-        "same_params": all(a is b for a, b in zip(model.parameters(), params_before)),
+        # between steps each parameter is its face: a DTensor of the original's global shape
+        "same_params": [(type(p), p.shape) for p in model.parameters()]
+        == [(DTensor, shape) for shape in shapes_before],
         "state_type": type(state) is _FSDPState,
         "unit_state_is_same": fully_shard.state(model.blocks[1]) is state,
         "training_state": state.training_state,
@@ -257,7 +260,7 @@ def unshard_semantics() -> dict:
         with torch.no_grad():
             model.l1.bias.fill_(2.0)
     with unshard_params(model, writeback=False, rank0_only=True):
-        out["rank0_shape"] = tuple(model.l1.weight.shape)
+        out["rank0_shape"] = (tuple(model.l1.weight.shape), type(model.l1.weight))
         out["discarded"] = bool((model.l1.bias == 1.0).all()) if dist.get_rank() == 0 else None
     errors = []
     try:
@@ -286,8 +289,9 @@ def unshard_semantics() -> dict:
 def test_unshard_params_semantics(dist_run) -> None:
     r0, r1 = dist_run(2, unshard_semantics)
     assert r0["shapes"] and r0["values"] and r0["written"] and r0["discarded"]
-    assert r0["rank0_shape"] == (7, 5) and r1["rank0_shape"] != (7, 5)
-    assert all(len(s) == 1 for s in r0["after_shapes"])
+    # rank 0 sees the full parameter; the other ranks keep their faces (global shape, DTensor)
+    assert r0["rank0_shape"] == ((7, 5), nn.Parameter) and r1["rank0_shape"] == ((7, 5), DTensor)
+    assert r0["after_shapes"] == [(7, 5), (7,), (3, 7), (3,), (7, 3), (7,), (1, 7), (1,)]
     tc = expecttest.TestCase()
     tc.assertExpectedInline(
         r0["errors"][0],

@@ -42,7 +42,7 @@ def empty_slices_step() -> dict[str, Any]:
     with unshard_params(model, writeback=False):
         diff = max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters()))
     return {
-        "some_empty": any(p.numel() == 0 for p in model.parameters()),
+        "some_empty": any(p.to_local().numel() == 0 for p in model.parameters()),  # the faces: global numel
         "live_steps": {names[id(p)]: float(s["step"]) for p, s in opt.state.items()},
         "optim_state_dict": _steps(optim_state_dict(model, opt)["state"]),
         "torch_full": _steps(get_optimizer_state_dict(model, opt, options=full)["state"]),

@@ -36,8 +36,8 @@ def scaled_steps(kind: str) -> dict[str, Any]:
         scaler.scale(model(x.chunk(world)[rank]).pow(2).mean()).backward()
         if step == 1:  # the last element of the first weight: in the last rank's slice only
             ref[0].weight.grad.view(-1)[-1] = float("inf")
-            if rank == world - 1:
-                model[0].weight.grad[-1] = float("inf")
+            if rank == world - 1:  # this rank's chunk of the DTensor gradient (indexing it is a collective)
+                model[0].weight.grad.to_local().view(-1)[-1] = float("inf")
         if kind == "unscale first":  # e.g. to clip the unscaled gradients before the step
             ref_scaler.unscale_(opt_ref)
             scaler.unscale_(opt)

@@ -85,7 +85,7 @@ def unused_and_empty() -> dict[str, Any]:
     return {
         "unused_none": unused_none,
         "empty_ok": empty_ok,
-        "some_empty": any(p.numel() == 0 for p in model.parameters()),
+        "some_empty": any(p.to_local().numel() == 0 for p in model.parameters()),  # this rank's chunk
         "diff": _max_diff(_full_params(model), [p.detach() for p in ref.parameters()]),
     }
 
@@ -162,9 +162,10 @@ def test_grad_edits_between_backward_and_step(dist_run) -> None:
 
 
 def grad_data_writes(kind: str) -> dict[str, float]:
-    """Upstream torch FSDP's gradient writeback test, through ``.grad.data``: ``p.grad.data = t`` between
-    backward and step is what the optimizer steps and what the next backward accumulates into, as on
-    the plain model (the ``.grad`` object stays the same, only its storage changes)."""
+    """Upstream torch FSDP's gradient writeback test: a gradient written between backward and step is
+    what the optimizer steps and what the next backward accumulates into, as on the plain model. Upstream
+    writes ``p.grad.data = t``; a DTensor gradient does not take that (refused:
+    test_writes_between_steps), so the same values are written in place."""
     ref, model = _pair()
     opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
     norms: list[float] = []
@@ -173,7 +174,8 @@ def grad_data_writes(kind: str) -> dict[str, float]:
             m(x).pow(2).mean().backward()
             for p in m.parameters():
                 if p.grad is not None:
-                    p.grad.data = p.grad * 3.0 if kind == "scaled" else torch.ones_like(p.grad)
+                    with torch.no_grad():
+                        p.grad.mul_(3.0) if kind == "scaled" else p.grad.fill_(1.0)
         if kind == "ones":  # clip_grad_norm_ and unshard_params(with_grads=True) see the writes too
             ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 1e9).item()
             norms.append(clip_grad_norm_(model, 1e9).item() - ref_norm)

@@ -178,7 +178,9 @@ def _backward_grad_peak(n_layers: int) -> int:
     torch.manual_seed(0)
     model = TinyGPT(n_layers=n_layers)
     fully_shard(model, POLICY)
-    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in model.parameters()]
+    # autograd accumulates into the originals (the compute parameters), not the faces between steps
+    originals = [p for s in _get_fsdp_states(model) for h in s.handles for p in h.params]
+    hooks = [p.register_post_accumulate_grad_hook(on_grad) for p in originals]
     with mock.patch.object(_collectives, "reduce_scatter", tracked_reduce_scatter):
         for step in range(2):
             model.zero_grad(set_to_none=True)

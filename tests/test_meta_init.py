@@ -18,6 +18,7 @@ import torch.distributed as dist
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import error_text, mlp_sgd_diff, same_values, train_side_by_side
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable import FullyShardedDataParallel, ModuleWrapPolicy, describe, fully_shard, unshard_params
 
@@ -62,7 +63,8 @@ def meta_recipe_with_reset(how: str) -> dict[str, Any]:
     _reset_each_module(ref)
     r["lowest_rank_draw"] = same_values(mine, _state(ref))
     r["units_kept"] = _units(model) == units and len(units) == 2
-    r["still_sharded"] = model.l1.weight.dim() == 1
+    weight = model.l1.weight  # a face: the global shape, this rank's rows locally
+    r["still_sharded"] = isinstance(weight, DTensor) and weight.to_local().shape[0] < weight.shape[0]
     r["train_diff"] = mlp_sgd_diff(model, ref)
     return r
 

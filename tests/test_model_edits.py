@@ -52,7 +52,7 @@ def edit_error_after_zero_grad(edit: str, via: str) -> bool:
     _step(model, optim, 0)  # ends with zero_grad(): the flat gradient is released at the next forward
     _step(ref, ref_optim, 0)
     if edit == "data":
-        model.blocks[0].fc1.weight.data = torch.zeros(3)  # another shape: refused (a same-shape write is kept)
+        model.blocks[0].fc1.weight.data = torch.zeros(3)  # refused: a DTensor face does not take it
     else:
         model.blocks[0].extra = nn.Parameter(torch.zeros(3))
     idx = local_slice(gpt_batch(9, 4), dist.get_rank(), dist.get_world_size())[0]
@@ -87,13 +87,13 @@ def data_edit_of_empty_local_slice() -> dict[str, Any]:
     _step(model, optim, 0)
     _step(ref, ref_optim, 0)
     param = model.scale  # 37 elements that all live on rank 0 at world size 2
-    local_numel = param.numel()
-    param.data = param.data.clone()  # kept: every rank copies it into its (maybe empty) slice
+    local_numel = param.to_local().numel()
+    param.data = param.data.clone()  # a DTensor face ignores it: refused alike on every rank, then undone
     try:
         model(local_slice(gpt_batch(9, 4), dist.get_rank(), dist.get_world_size())[0])
         raised = ""
     except ModelEditedAfterShardingError as e:
-        raised = str(e).split(":")[0]
+        raised = str(e).split(" after fully_shard")[0]
     _step(model, optim, 1)
     _step(ref, ref_optim, 1)
     same = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
@@ -103,10 +103,11 @@ def data_edit_of_empty_local_slice() -> dict[str, Any]:
 def test_data_edit_of_a_parameter_with_an_empty_local_slice_is_handled_alike_on_every_rank(dist_run) -> None:
     """Every empty tensor has data pointer 0, so ``p.data = t`` of a parameter with no element on a
     rank went unnoticed there: that rank ran the forward's all-gathers while the others raised
-    (a hang until the process-group timeout, or a gloo abort). A same-shape write is now kept, on
-    every rank alike: the rank with the empty slice notices it too and points it back at its view."""
+    (a hang until the process-group timeout, or a gloo abort). The write is refused on every rank
+    alike (a DTensor face does not take it): the rank with the empty slice notices it too (the face's
+    own storage changed), every rank points the face back at its view, and training goes on."""
     results = dist_run(2, data_edit_of_empty_local_slice, timeout=90)
     assert sorted(r["local_numel"] for r in results) == [0, 37]
     for r in results:
-        assert r["raised"] == ""
+        assert r["raised"] == "parameter 'scale' had its .data replaced", r
         assert r["same"]

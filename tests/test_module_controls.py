@@ -82,6 +82,11 @@ def _batch(step: int) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Te
     return batch, local_slice(batch, dist.get_rank(), dist.get_world_size())
 
 
+def _shown(param: torch.Tensor) -> tuple[tuple[int, ...], str]:
+    """What a module registers: the unsharded original (a Parameter) or its face (a DTensor)."""
+    return tuple(param.shape), type(param).__name__
+
+
 def _max_diff(ref: nn.Module, model: nn.Module) -> float:
     sd, ref_sd = model.state_dict(), ref.state_dict()
     return max((sd[k] - ref_sd[k]).abs().max().item() for k in ref_sd)
@@ -100,7 +105,7 @@ def explicit_unshard() -> dict[str, Any]:
         with counting() as explicit:
             unshard(model.l1)
             pending = unshard(model.l2[0], async_op=True)
-        shapes = (tuple(model.l1.weight.shape), tuple(model.l2[0].weight.shape))
+        shapes = (_shown(model.l1.weight), _shown(model.l2[0].weight))
         with counting() as forward:
             loss = mlp_loss(model, local)
         with counting() as backward:
@@ -111,14 +116,14 @@ def explicit_unshard() -> dict[str, Any]:
         opt.zero_grad()
         counts.append((explicit["all_gather"], forward["all_gather"], backward["all_gather"], shapes))
     unshard(model.l3)
-    gathered = tuple(model.l3.weight.shape)
+    gathered = _shown(model.l3.weight)
     reshard(model.l3)
     with counting() as after_reshard:
         model(torch.randn(2, 5))
     return {
         "counts": counts,
         "diff": _max_diff(ref, model),
-        "l3": (gathered, tuple(model.l3.weight.shape)),
+        "l3": (gathered, _shown(model.l3.weight)),
         "after_reshard": after_reshard["all_gather"],
     }
 
@@ -129,9 +134,9 @@ def test_explicit_unshard_replaces_the_forward_all_gather(dist_run: Any, world: 
         # explicit: l1 and l2.0; forward gathers only l2.2 and l3; backward all four as usual
         assert [c[:3] for c in r["counts"]] == [(2, 2, 4)] * 3
         # l1 whole right after unshard; l2.0's all-gather is in flight until its pre-forward waits
-        assert r["counts"][0][3][0] == (7, 5) and len(r["counts"][0][3][1]) == 1
+        assert r["counts"][0][3] == (((7, 5), "Parameter"), ((3, 7), "DTensor"))
         assert r["diff"] < 1e-6
-        assert r["l3"][0] == (1, 7) and len(r["l3"][1]) == 1  # full, then this rank's 1-D slice
+        assert r["l3"] == (((1, 7), "Parameter"), ((1, 7), "DTensor"))  # full, then the face again
         assert r["after_reshard"] == 4
 
 
@@ -166,7 +171,7 @@ def test_unshard_bad_inputs(dist_run: Any) -> None:
         """\
 ValueError: unshard: module 'l2' (Sequential) is not a sharded module (its parameters belong to an enclosing unit); call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)
 ValueError: unshard: this Tanh is not a sharded module; call it on a module fully_shard was applied to or its policy made a unit (sharded_modules(model) lists them)
-TypeError: reshard expects a sharded nn.Module (one fully_shard was applied to or made a unit), got Parameter
+TypeError: reshard expects a sharded nn.Module (one fully_shard was applied to or made a unit), got DTensor
 TypeError: unshard argument 'async_op' must be True or False, got int: 1
 RuntimeError: unshard of Linear 'l1' was called inside unshard_params(); leave the unshard_params context first
 RuntimeError: forward of OddMLP was called inside unshard_params(); leave the unshard_params context before running forward
@@ -307,6 +312,48 @@ def test_reshard_after_forward_and_backward(dist_run: Any, world: int) -> None:
         assert r["gathers"] == [(4, 0), (0, 0), (4, 4), (0, 4)]
         assert r["diff"] < 1e-6
         assert r["refused"].startswith("RuntimeError") and "'l1'" in r["refused"], r["refused"]
+
+
+def parameters_while_unsharded() -> dict[str, Any]:
+    """What ``named_parameters()`` gives while units are left unsharded between steps: the unsharded
+    originals (plain, full shape and values), as FSDP2 registers them; resharded, the same face
+    objects as before (an optimizer built from them keeps stepping them), gradients shown on them."""
+    ref, model = _pair()
+    faces = dict(model.named_parameters())
+    unshard(model.l1)
+    after_unshard = dict(model.named_parameters())
+    ref_params = dict(ref.named_parameters())
+    l1 = [after_unshard[n] for n in ("l1.weight", "l1.bias")]
+    out: dict[str, Any] = {
+        "unshard": [_shown(p) for p in after_unshard.values()],
+        "l1_values": all(torch.equal(p, ref_params[n]) for n, p in after_unshard.items() if n.startswith("l1.")),
+        "l1_plain": all(type(p) is nn.Parameter for p in l1),
+    }
+    reshard(model.l1)
+    out["same_faces"] = all(p is faces[n] for n, p in model.named_parameters())
+    batch, local = _batch(0)
+    mlp_loss(ref, batch).backward()
+    set_reshard_after_backward(model, False)
+    mlp_loss(model, local).backward()
+    kept = list(model.named_parameters())
+    out["kept"] = [(_shown(p), p.grad is None) for _, p in kept]
+    for unit in (model.l1, model.l2[0], model.l2[2], model.l3):
+        reshard(unit)
+    out["same_faces_after_backward"] = all(p is faces[n] for n, p in model.named_parameters())
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    out["grads"] = max((g - ref_params[n].grad).abs().max().item() for n, g in grads.items())
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_parameters_of_units_left_unsharded(dist_run: Any, world: int) -> None:
+    shapes = [(7, 5), (7,), (3, 7), (3,), (7, 3), (7,), (1, 7), (1,)]
+    for r in dist_run(world, parameters_while_unsharded):
+        assert r["unshard"] == [(s, "Parameter" if i < 2 else "DTensor") for i, s in enumerate(shapes)]
+        assert r["l1_values"] and r["l1_plain"] and r["same_faces"] and r["same_faces_after_backward"]
+        # kept whole after backward: every unit registers its original, whose gradient is not shown yet
+        assert r["kept"] == [((s, "Parameter"), True) for s in shapes]
+        assert r["grads"] < 1e-6
 
 
 def embedding_unit() -> dict[str, Any]:

@@ -16,6 +16,7 @@ import torch.distributed as dist
 from models import OddMLP, mlp_batch, mlp_loss
 from parity import error_text, local_slice
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable import (
     CPUOffload,
@@ -50,6 +51,11 @@ def _pair(**kwargs: Any) -> tuple[nn.Module, nn.Module]:
 def _batch(step: int) -> tuple[Any, Any]:
     batch = mlp_batch(step, 2 * dist.get_world_size())
     return batch, local_slice(batch, dist.get_rank(), dist.get_world_size())
+
+
+def _is_face(param: torch.Tensor) -> bool:
+    """Whether the module registers the sharded face (a DTensor), not the unsharded original."""
+    return isinstance(param, DTensor)
 
 
 def _diff(ref: nn.Module, model: nn.Module) -> float:
@@ -98,7 +104,7 @@ def load_while_unsharded(how: str) -> dict[str, Any]:
         for o in (opt_ref, opt):
             o.step()
             o.zero_grad()
-    return {"out": out, "diff": _diff(ref, model), "shapes": [tuple(u.weight.shape) for u in _units(model)]}
+    return {"out": out, "diff": _diff(ref, model), "faces": [_is_face(u.weight) for u in _units(model)]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -107,7 +113,7 @@ def test_load_state_dict_reaches_a_unit_left_unsharded(dist_run: Any, world: int
     for r in dist_run(world, load_while_unsharded, how):
         assert r["out"] < 1e-6, r  # was the pre-load values: a silent wrong forward
         assert r["diff"] < 1e-6
-        assert all(len(s) == 1 for s in r["shapes"])  # resharded (1-D slices) after the step
+        assert all(r["faces"])  # resharded (the DTensor faces again) after the step
 
 
 def step_while_unsharded() -> dict[str, Any]:
@@ -149,8 +155,11 @@ def test_a_later_optimizer_step_refuses_a_unit_left_unsharded(dist_run: Any, wor
 
 
 # ---------------------------------------------------------------------------- attacks that hold (pinned)
-def _train(ref: nn.Module, model: nn.Module, steps: range, micro: int = 1, between: Any = None) -> None:
-    opt_ref, opt = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)
+def _train(
+    ref: nn.Module, model: nn.Module, steps: range, micro: int = 1, between: Any = None, opts: Any = None
+) -> None:
+    """``opts``: the two optimizers, built earlier (while every unit was sharded); None: build them now."""
+    opt_ref, opt = opts or (torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1))
     for step in steps:
         for m in range(micro):
             batch, local = _batch(micro * step + m)
@@ -177,7 +186,7 @@ def odd_prefetch_lists() -> dict[str, Any]:
     _train(other_ref, other, range(2))
     return {
         "diff": (_diff(ref, model), _diff(other_ref, other)),
-        "shapes": [len(u.weight.shape) for m in (model, other) for u in _units(m)],
+        "faces": [_is_face(u.weight) for m in (model, other) for u in _units(m)],
     }
 
 
@@ -185,7 +194,7 @@ def odd_prefetch_lists() -> dict[str, Any]:
 def test_odd_prefetch_lists_are_harmless(dist_run: Any, world: int) -> None:
     for r in dist_run(world, odd_prefetch_lists):
         assert max(r["diff"]) < 1e-6
-        assert r["shapes"] == [1] * 8
+        assert r["faces"] == [True] * 8
 
 
 def gradient_sync_mixes() -> dict[str, Any]:
@@ -228,6 +237,7 @@ def async_handles_and_failures() -> dict[str, Any]:
     """Handles waited twice, after reshard, never; an explicit unshard before a forward that raises:
     the next steps match the reference, and nothing stays unsharded."""
     ref, model = _pair()
+    opts = torch.optim.SGD(ref.parameters(), lr=0.1), torch.optim.SGD(model.parameters(), lr=0.1)  # from the faces
     first = unshard(model.l1, async_op=True)
     assert first is not None
     first.wait()
@@ -237,12 +247,12 @@ def async_handles_and_failures() -> dict[str, Any]:
     reshard(model.l2[0])
     late.wait()
     unshard(model.l3, async_op=True)  # never waited: its pre-forward does
-    _train(ref, model, range(1))
+    _train(ref, model, range(1), opts=opts)
     unshard(model.l1)
     unshard(model.l2[2], async_op=True)
     failed = error_text(lambda: model(torch.randn(2, 6)))  # wrong width: l1's forward raises
-    _train(ref, model, range(1, 3))
-    return {"failed": failed, "diff": _diff(ref, model), "shapes": [len(u.weight.shape) for u in _units(model)]}
+    _train(ref, model, range(1, 3), opts=opts)
+    return {"failed": failed, "diff": _diff(ref, model), "faces": [_is_face(u.weight) for u in _units(model)]}
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -250,7 +260,7 @@ def test_async_handles_and_a_failing_forward_after_unshard(dist_run: Any, world:
     for r in dist_run(world, async_handles_and_failures):
         assert r["failed"].startswith("RuntimeError: mat1 and mat2 shapes cannot be multiplied"), r["failed"]
         assert r["diff"] < 1e-6
-        assert r["shapes"] == [1] * 4
+        assert r["faces"] == [True] * 4
 
 
 # ---------------------------------------------------------------------------- the controls with other features
@@ -383,21 +393,23 @@ def another_root() -> dict[str, Any]:
     this root, then the other one's steps: both match their references and end sharded."""
     ref, model = _pair()
     other_ref, other = _pair()
+    # built from the faces: an unsharded unit registers its full-shape original, which no optimizer steps
+    other_opts = torch.optim.SGD(other_ref.parameters(), lr=0.1), torch.optim.SGD(other.parameters(), lr=0.1)
     for unit in _units(other):
         unshard(unit)
     _train(ref, model, range(2))
-    mid = [len(u.weight.shape) for u in _units(other)]  # still whole: nothing of this root touched them
-    _train(other_ref, other, range(2))
+    mid = [_is_face(u.weight) for u in _units(other)]  # still whole: nothing of this root touched them
+    _train(other_ref, other, range(2), opts=other_opts)
     return {
         "mid": mid,
         "diff": (_diff(ref, model), _diff(other_ref, other)),
-        "end": [len(u.weight.shape) for m in (model, other) for u in _units(m)],
+        "end": [_is_face(u.weight) for m in (model, other) for u in _units(m)],
     }
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_unshard_of_another_root(dist_run: Any, world: int) -> None:
     for r in dist_run(world, another_root):
-        assert r["mid"] == [2, 2, 2, 2]
+        assert r["mid"] == [False] * 4
         assert max(r["diff"]) < 1e-6
-        assert r["end"] == [1] * 8
+        assert r["end"] == [True] * 8

@@ -4,6 +4,7 @@ parameter, before anything is loaded; the optimizer keeps its state and training
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -30,9 +31,10 @@ def load_other_values(how: str) -> dict[str, Any]:
     optim = torch.optim.Adam(model.parameters(), lr=0.01)
     full = how != "optimizer"
     train_gpt(model, optim, range(1), GLOBAL_BATCH)
-    first = optim_state_dict(model, optim) if full else optim.state_dict()
+    # optim.state_dict() holds the optimizer's live DTensors (torch's own): a checkpoint is a copy
+    first = optim_state_dict(model, optim) if full else copy.deepcopy(optim.state_dict())
     train_gpt(model, optim, range(1, 2), GLOBAL_BATCH)
-    second = optim_state_dict(model, optim) if full else optim.state_dict()
+    second = optim_state_dict(model, optim) if full else copy.deepcopy(optim.state_dict())
     mine = first if dist.get_rank() == 0 else second  # each rank another step's checkpoint
     if how == "one value":  # the same step everywhere, one value changed on rank 1
         mine = second

@@ -80,7 +80,7 @@ class ModelSpec:
     strategy: str
     steps: int
     # odd steps leave every leaf's `gain` out of the loss: its `.grad` stays None while its unit's
-    # other parameters get one (a partial-use loss), and between steps `p.data = t` writes the shards
+    # other parameters get one (a partial-use loss), and between steps an in-place write reaches the shards
     partial: bool = False
 
 
@@ -260,7 +260,7 @@ def _batch(spec: ModelSpec, step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _partial_use(spec: ModelSpec, step: int, ref: nn.Module, model: nn.Module) -> None:
     """``spec.partial``: odd steps leave every `gain` out of the loss, and every step first writes the
-    same elementwise update through ``p.data = t`` on both models (kept: copied into the shards)."""
+    same elementwise update in place on both models (the faces write it into the shards)."""
     if not spec.partial:
         return
     for m in (*ref.modules(), *model.modules()):
@@ -269,7 +269,7 @@ def _partial_use(spec: ModelSpec, step: int, ref: nn.Module, model: nn.Module) -
     with torch.no_grad():
         for p in (*ref.parameters(), *model.parameters()):
             if p.requires_grad:
-                p.data = p.data * 0.5 + 0.01
+                p.mul_(0.5).add_(0.01)
 
 
 def train_and_compare(spec: ModelSpec) -> dict[str, Any]:

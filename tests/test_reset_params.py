@@ -97,7 +97,9 @@ def reset_strategies(strategies: list[str]) -> dict[str, dict[str, Any]]:
         torch.manual_seed(12)
         ref.l2[0].reset_parameters()
         r["one_module"] = same_values(_state(model), _state(ref))
-        r["still_shards"] = model.l1.weight.dim() == (2 if dist.get_world_size() == 1 or strategy == "NO_SHARD" else 1)
+        weight = model.l1.weight  # a face: the global shape; this rank's rows, or all under NO_SHARD
+        whole = dist.get_world_size() == 1 or strategy == "NO_SHARD"
+        r["still_shards"] = weight.shape == (7, 5) and (weight.to_local().shape[0] == 7) == whole
         r["train_diff"] = mlp_sgd_diff(model, ref, steps=3)
         out[strategy] = r
     return out

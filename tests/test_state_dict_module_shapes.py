@@ -117,7 +117,7 @@ def sharded_key_missing_on_one_rank(case: str) -> dict[str, Any]:
     model = fully_shard(OddMLP(), ModuleWrapPolicy({nn.Sequential}))
     before = model.state_dict()
     with state_dict_type(model, SHARDED):
-        sd = model.state_dict()
+        sd = {k: v.clone() for k, v in model.state_dict().items()}  # the values are the faces: copy them
         torch.manual_seed(1)
         for v in sd.values():
             if isinstance(v, DTensor):

@@ -89,12 +89,10 @@ def no_sync_on_parent_of_two_roots(warm: bool) -> dict[str, Any]:
     reduced_inside = [n for n, p in model.named_parameters() if p.grad is not None]
     (0.5 * mlp_loss(model, local_slice(b1, rank, world))).backward()
     (0.5 * mlp_loss(ref, b0) + 0.5 * mlp_loss(ref, b1)).backward()
-    grads = {}
-    for sub in (model.body, model.out):
+    full = {}  # by name: unshard_params registers the originals in place of the faces
+    for prefix, sub in (("body", model.body), ("out", model.out)):
         with unshard_params(sub, with_grads=True, writeback=False):
-            grads.update({id(p): p.grad.clone() for p in sub.parameters()})
-    names = dict(zip(map(id, model.parameters()), (n for n, _ in model.named_parameters())))
-    full = {names[k]: g for k, g in grads.items()}
+            full.update({f"{prefix}.{n}": p.grad.clone() for n, p in sub.named_parameters()})
     parity = all(torch.allclose(full[n], p.grad, atol=1e-6) for n, p in ref.named_parameters())
     return {"reduced_inside": reduced_inside, "parity": parity}
 

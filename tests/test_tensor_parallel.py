@@ -388,6 +388,7 @@ def test_2d_reset_parameters_after_sharding(dist_run) -> None:
     assert float(first["blocks.0.up.bias"].abs().max()) <= bound
     assert not torch.equal(first["blocks.0.up.weight"], _plain().state_dict()["blocks.0.up.weight"])
 
+
 # ---------------------------------------------------------------------------- 2-D state dicts (issue 14, section 2)
 # [Note: 2-D state-dict values] in fsdp_composable/_comm/_tensor_parallel.py. Upstream:
 # test/distributed/_composable/test_composability/test_2d_composability.py::TestNew2dParallelStateDict
@@ -553,7 +554,9 @@ def optimizer_state_round_trips() -> dict[str, Any]:
     full = optim_state_dict(model, optim)  # FULL: as the model's FULL state dict gives the parameters
     with state_dict_type(model, StateDictType.FULL_STATE_DICT, FullStateDictConfig(rank0_only=True)):
         rank0 = optim_state_dict(model, optim)
-    hooked = optim.state_dict()  # torch's own call: the same global form, numbered
+    # torch's own call: the same global form, numbered; it hands out the live state tensors (as for any
+    # model: the faces' state is torch's own), so the dict is copied to outlive the steps below
+    hooked = copy.deepcopy(optim.state_dict())
     out["sharded_layout"] = {k: _layout(v) for k, v in sharded["state"].items()}
     out["full_layout"] = {k: _layout(v) for k, v in full["state"].items()}
     out["rank0_layout"] = {k: _layout(v) for k, v in rank0.get("state", {}).items()}

@@ -18,6 +18,7 @@ from models import Block, OddMLP, TinyGPT
 from parity import error_text as _error
 from parity import same_values
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable import (
     FullyShardedDataParallel,
@@ -118,7 +119,8 @@ def unshard_submodule_flat_mode() -> dict[str, Any]:
     flat_before = [n for n, _ in block.named_parameters()]
     with unshard_params(block):
         inside = {n: p.detach().clone() for n, p in block.named_parameters()}
-        root_sharded = wrapper.module.tok.weight.dim() == 1  # other units stay sharded
+        tok = wrapper.module.tok.weight  # other units stay sharded (a face: this rank's rows only)
+        root_sharded = tok.dim() == 1 or (isinstance(tok, DTensor) and tok.to_local().shape[0] < tok.shape[0])
     expected = dict(ref.blocks[0].named_parameters())
     return {
         "flat_before": flat_before,
@@ -174,7 +176,7 @@ def edits_after_sharding() -> dict[str, str]:
     model.extra = nn.Linear(2, 2)
     out["added"] = _error(lambda: model(x))
     _, model = _mlp_pair()
-    model.l3.weight.data = torch.zeros(5)  # another shape (one of the slice's or the whole's is kept)
+    model.l3.weight.data = torch.zeros(5)  # a DTensor face does not take it: refused, undone
     out["data_assigned"] = _error(lambda: model(x))
     out["data_assigned_usable_after"] = str(model(x).shape == (4, 1))
     return out
@@ -195,7 +197,7 @@ def test_params_replaced_or_added_after_sharding(dist_run) -> None:
     )
     tc.assertExpectedInline(
         r["data_assigned"],
-        """ModelEditedAfterShardingError: parameter 'l3.weight' had its .data replaced after fully_shard (p.data = t) by a tensor of shape (5,): between steps such a write is kept (copied into this rank's shard) only with the parameter's dtype, device and the shape of this rank's slice or of the whole parameter. Change values in place inside `with unshard_params(model, writeback=True):` (p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone""",  # noqa: E501
+        """ModelEditedAfterShardingError: parameter 'l3.weight' had its .data replaced after fully_shard (p.data = t). Between steps a parameter is a DTensor viewing this rank's shard, which such an assignment does not write. Write values in place (p.copy_(t) with a DTensor t, p.to_local().copy_(...)), inside `with unshard_params(model, writeback=True):` (p.data = t there), or with load_state_dict. The assignment was undone""",  # noqa: E501
     )
     assert r["data_assigned_usable_after"] == "True"
 
@@ -300,7 +302,8 @@ def sizes() -> dict[str, int]:
     plan = describe(model)
     return {
         "plain": sum(p.numel() for p in ref.parameters()),
-        "local": sum(p.numel() for p in model.parameters()),
+        "numel": sum(p.numel() for p in model.parameters()),
+        "local": sum(p.to_local().numel() for p in model.parameters()),
         "plan_numel": plan.numel,
         "plan_shard": plan.shard_numel,
         "inside_unshard": _numel_inside(model),
@@ -314,13 +317,13 @@ def _numel_inside(model: nn.Module) -> int:
 
 def test_sizes_between_steps(dist_run) -> None:
     """Upstream: test/distributed/_composable/fsdp/test_fully_shard_init.py (FSDP2 parameters are DTensors of
-    the global shape). Ours are local 1-D views: ``sum(p.numel())`` counts this rank's shard, ``describe``
-    gives the model's total (documented in docs/migration.md)."""
+    the global shape). Ours too: ``sum(p.numel())`` is the model's total on every rank, as ``describe``
+    says; ``p.to_local()`` is this rank's shard."""
     rs = dist_run(2, sizes)
     plain = rs[0]["plain"]
-    assert sum(r["local"] for r in rs) == plain  # each element counted on exactly one rank
+    assert sum(r["local"] for r in rs) == plain  # each element held on exactly one rank
     for r in rs:
-        assert r["plan_numel"] == r["inside_unshard"] == plain
+        assert r["plan_numel"] == r["inside_unshard"] == r["numel"] == plain
         assert r["local"] <= r["plan_shard"] < plain
 
 

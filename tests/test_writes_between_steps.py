@@ -1,13 +1,17 @@
-"""Writes between steps on the parameters a sharded model exposes (views of this rank's shard) are
-kept, as FSDP1 with ``use_orig_params=True`` keeps them, or refused loudly at the next forward, never
-lost. A table of every write kind x mode, each trained next to the unsharded model that gets the same
-write (an elementwise write, so it means the same on a slice as on the whole), float64, odd sizes."""
+"""Writes between steps on the parameters a sharded model exposes (DTensor faces viewing this rank's
+shard) are kept, or refused loudly and undone, never lost. ``p.data = t`` does not write a DTensor's
+shard, nor ``p.grad.data = t`` its gradient's: they are refused (at the next forward, and at the
+optimizer's step; write in place or through ``unshard_params``/``load_state_dict``); on the wrapper's
+flat parameters (``use_orig_params=False``) they are kept. A table of every write kind x mode, each
+trained next to the unsharded model that gets the same write (an elementwise write, so it means the
+same on a slice as on the whole), float64, odd sizes."""
 
 from __future__ import annotations
 
 import copy
 from typing import Any, Callable
 
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -129,11 +133,19 @@ def write_table(world: int) -> dict[str, str]:
     return out
 
 
+def _expected(key: str) -> str:
+    """``p.data = t`` on a face is refused at the next forward, ``p.grad.data = t`` on its DTensor
+    gradient at the optimizer's step (before it would step without it); every other write is kept."""
+    kind = key.split(maxsplit=1)[1]
+    refused = not key.startswith("use_orig_params=False") and kind.startswith(("p.data = ", "p.grad.data = "))
+    return "raised ModelEditedAfterShardingError" if refused else "kept"
+
+
 @pytest.mark.parametrize("world", [2, 4])
-def test_every_write_kind_in_every_mode_is_kept(dist_run, world: int) -> None:
+def test_every_write_kind_in_every_mode_is_kept_or_refused(dist_run, world: int) -> None:
     for table in dist_run(world, write_table, world):
-        lost = {k: v for k, v in table.items() if v != "kept"}
-        assert lost == {}, "\n".join(f"{k} {v}" for k, v in lost.items())
+        wrong = {k: v for k, v in table.items() if v != _expected(k)}
+        assert wrong == {}, "\n".join(f"{k} {v}" for k, v in wrong.items())
 
 
 def refused_writes(mode: str) -> list[str]:
@@ -194,19 +206,21 @@ def test_unshard_params_between_two_forwards_of_a_step(dist_run, mode: str) -> N
 
 
 def state_dicts_after_a_write(mode: str) -> dict[str, bool]:
-    """``p.data = t`` then ``state_dict()`` at once saves the write; ``p.data = t`` then
+    """An in-place write then ``state_dict()`` at once saves the write; an in-place write then
     ``load_state_dict(saved)`` loads ``saved``: the write is not copied over it at the next forward."""
     torch.manual_seed(0)
     ref = Net().double()
     model = _shard(copy.deepcopy(ref), mode)
     model(_x(0)).sum().backward()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
-    for p in model.parameters():
-        p.data = p.data * 2 + 1
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(2).add_(1)
     after_write = model.state_dict()
     written = all(torch.equal(after_write[k], saved[k] * 2 + 1) for k in saved)
-    for p in model.parameters():
-        p.data = p.data * 3
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(3)
     model.load_state_dict(saved)
     out = model(_x(1))
     return {"saved_the_write": written, "load_wins": torch.equal(out, ref(_x(1)))}
@@ -216,3 +230,28 @@ def state_dicts_after_a_write(mode: str) -> dict[str, bool]:
 def test_state_dicts_right_after_a_write(dist_run, mode: str) -> None:
     for result in dist_run(2, state_dicts_after_a_write, mode):
         assert result == {"saved_the_write": True, "load_wins": True}
+
+
+def grad_data_write() -> list[str]:
+    """``p.grad.data = t`` after backward: the optimizer's step refuses it, naming the parameter, before
+    it steps; the gradient is shown again as it was, and the model trains on."""
+    torch.manual_seed(0)
+    model = _shard(Net().double(), "fully_shard")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    x = _x(0)[:2]
+    model(x).sum().backward()
+    p = dict(model.named_parameters())
+    name = next(n for n in p if n.endswith("mid.weight"))
+    before = p[name].grad.to_local().clone()  # type: ignore[union-attr]
+    p[name].grad.data = p[name].grad.data * 3  # type: ignore[union-attr]
+    errors = [error_text(opt.step)]
+    assert torch.equal(p[name].grad.to_local(), before)  # type: ignore[union-attr]
+    opt.step()
+    model(x).sum().backward()  # usable again
+    return errors
+
+
+def test_a_grad_data_write_is_refused_at_the_step(dist_run) -> None:
+    errors = dist_run(2, grad_data_write)
+    assert errors[0] == errors[1]
+    expecttest.TestCase().assertExpectedInline(errors[0][0], """ModelEditedAfterShardingError: the gradient of parameter 'mid.weight' had its .data replaced after backward (p.grad.data = t): a DTensor gradient keeps its local tensor, so the write would be lost. Write in place (p.grad.mul_(2), p.grad.to_local().copy_(t)), or assign a DTensor of the same layout (p.grad = g). The gradients were shown again as they were""")  # noqa: E501

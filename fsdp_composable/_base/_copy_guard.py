@@ -1,17 +1,18 @@
 """Refuse ``copy.deepcopy`` and pickling (``torch.save(model)``) of a sharded model's parameters.
 
 [Note: copying a sharded model]
-Between steps a sharded model's original parameters are 1-D views of this rank's shard, and its
+Between steps a sharded model's parameters are ``DTensor`` faces over this rank's shard, and its
 hooks hold the unit's state, which holds the process group. ``copy.deepcopy(model)`` and
-``torch.save(model)`` used to end in torch's "cannot pickle 'ProcessGroup' object", or, for a
-submodule inside a unit that holds no state (``torch.save(model.blocks[0].fc1)``), silently wrote
-shard slices. A working copy would need a second sharded model over the same process group with its
-own hooks (torch FSDP2 does not offer one either), so both are refused with an error that says what
-to do: build a new model and load ``model.state_dict()`` (FULL: the unsharded model's keys and
-shapes), or save the state dict (or with ``torch.distributed.checkpoint``). Each original parameter,
-each flat parameter, each unit's state and handle answers ``__deepcopy__`` and ``__reduce_ex__`` with
-that error: deepcopy and pickle look both up on the object (its own ``__dict__`` first, for tensors),
-so whichever of them a copy reaches first raises, for the whole model or any part of it.
+``torch.save(model)`` used to end in torch's "cannot pickle 'ProcessGroup' object", or, for a submodule
+inside a unit that holds no state (``torch.save(model.blocks[0].fc1)``), in torch's "invalid python
+storage" errors on the faces. A working copy would need a second sharded model over the same process
+group with its own hooks (torch FSDP2 does not offer one either), so both are refused with an error that
+says what to do: build a new model and load ``model.state_dict()`` (FULL: the unsharded model's keys and
+shapes), or save the state dict (or with ``torch.distributed.checkpoint``). Each face, original and flat
+parameter, each unit's state and handle answers ``__deepcopy__`` and ``__reduce_ex__`` with that error:
+deepcopy and pickle look both up on the object (its own ``__dict__`` first, for tensors; the faces'
+class is torch's ``DTensor``, so their own ``__dict__`` is the only place), so whichever of them a copy
+reaches first raises, for the whole model or any part of it.
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ class _Refuse:
 
 
 def refuse_copies(param: torch.Tensor, fqn: str) -> None:
-    """Called once for each original and flat parameter when its unit is built."""
+    """Called once for each original and flat parameter when its unit is built, and for each face
+    (again after a swap by ``_apply`` took its attributes)."""
     refuse = _Refuse(f"parameter '{fqn}'")
     param.__dict__["__deepcopy__"] = refuse
     param.__dict__["__reduce_ex__"] = refuse

@@ -61,6 +61,9 @@ class UnitGrads:
     partial: Optional[torch.Tensor] = None
     # the ``.grad`` we set on each original parameter (None: none set, e.g. a parameter without a gradient)
     exposed: list[Optional[torch.Tensor]] = field(default_factory=list)
+    # each exposed DTensor gradient's own (wrapper) storage: ``p.grad.data = t`` replaces it, and
+    # nothing else does (the local tensor stays), so the edit checks compare it (0: not a DTensor)
+    exposed_storage: list[int] = field(default_factory=list)
     controls: ReduceControls = field(default_factory=ReduceControls)
     # [Note: which parameters got a gradient]: parameters whose slice of flat_param.grad is no gradient
     missing: frozenset[int] = frozenset()

@@ -78,17 +78,6 @@ def gather_full_flat(handle: FlatParamHandle, shard: Optional[torch.Tensor] = No
     return full.to(shard.device)
 
 
-def gather_flags(handle: FlatParamHandle, flags: list[bool]) -> torch.Tensor:
-    """Every rank's ``flags`` (the same length on each) as a CPU tensor of shape (world size, len)."""
-    device = comm_device_of(handle)
-    mine = torch.tensor(flags, dtype=torch.int32, device=device)
-    world = dist.get_world_size(handle.process_group)
-    everyone = [torch.empty_like(mine) for _ in range(world)]
-    with _failure_named(f"all-gather of the flags of {_unit(handle)}"):
-        dist.all_gather(everyone, mine, group=handle.process_group)
-    return _collectives.host_values(torch.stack(everyone)) if flags else torch.zeros((world, 0), dtype=torch.int32)
-
-
 def any_rank(handle: FlatParamHandle, flag: bool) -> bool:
     """Whether ``flag`` holds on some rank of the unit's process group."""
     has = torch.tensor([int(flag)], device=comm_device_of(handle))

@@ -5,14 +5,16 @@ is `_reduce_utils`' ([Note: the gradient lifecycle])."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable._base import _safety
 from fsdp_composable._comm._tensor_parallel import as_param_grad, local_of
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable.api import ModelEditedAfterShardingError
 
 __all__: list[str] = []
 
@@ -31,11 +33,11 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
     if not _safety.current().grad_bookkeeping:  # trusted: see [Note: safety switches]
         if _first_exposed_cleared(handle):
             handle.flat_param.grad = None
-        for param in handle.params:
+        for param in handle.faces:
             param.grad = None
         grads.exposed = []
         return
-    current = [p.grad for p in handle.params]
+    current = [p.grad for p in handle.faces]
     untouched = len(ours) == len(current) and all(g is v for g, v in zip(current, ours))
     if not ours and all(g is None for g in current):
         pass  # nothing was shown (the unit stayed unsharded after backward): the gradient stays as it is
@@ -59,10 +61,34 @@ def stash_sharded_grads(handle: FlatParamHandle) -> None:
                     missing.discard(i)
         handle.flat_param.grad = flat_grad
         grads.missing = frozenset(missing)
-    for param, grad in zip(handle.params, current):
+    for param, grad in zip(handle.faces, current):
         if grad is not None:
             param.grad = None
     grads.exposed = []
+
+
+def wrapper_storage(grad: Optional[torch.Tensor]) -> int:
+    """The address of a `DTensor` gradient's own storage (see ``UnitGrads.exposed_storage``); 0 for others."""
+    return torch._C._storage_address(grad) if isinstance(grad, DTensor) else 0  # type: ignore[attr-defined]
+
+
+def refuse_replaced_grad_data(handles: "Sequence[FlatParamHandle]") -> None:
+    """``p.grad.data = t`` on a `DTensor` gradient replaces its wrapper and leaves its local tensor,
+    which views the flat gradient, alone: the write would be lost. Refuse it (at the next optimizer
+    step or forward), with every gradient shown again as it was: one address comparison per gradient."""
+    for handle in handles:
+        grads = handle.grads
+        for i, (face, grad, mark) in enumerate(zip(handle.faces, grads.exposed, grads.exposed_storage)):
+            if mark == 0 or face.grad is not grad or wrapper_storage(grad) == mark:
+                continue
+            expose_sharded_grads(handle)
+            fqn = f"{handle.unit_fqn}.{handle.layout.infos[i].fqn}" if handle.unit_fqn else handle.layout.infos[i].fqn
+            raise ModelEditedAfterShardingError(
+                f"the gradient of parameter '{fqn}' had its .data replaced after backward (p.grad.data = t): a "
+                "DTensor gradient keeps its local tensor, so the write would be lost. Write in place "
+                "(p.grad.mul_(2), p.grad.to_local().copy_(t)), or assign a DTensor of the same layout (p.grad = g). "
+                "The gradients were shown again as they were"
+            )
 
 
 def _rebound(grad: torch.Tensor, view: torch.Tensor) -> bool:
@@ -82,7 +108,7 @@ def _any_rebound(handle: FlatParamHandle, current: list[Optional[torch.Tensor]])
 def _first_exposed_cleared(handle: FlatParamHandle) -> bool:
     """The first ``.grad`` the runtime exposed is None now (the others are trusted to follow it)."""
     exposed = handle.grads.exposed
-    return next((p.grad is None for p, g in zip(handle.params, exposed) if g is not None), False)
+    return next((p.grad is None for p, g in zip(handle.faces, exposed) if g is not None), False)
 
 
 def release_cleared_grads(handle: FlatParamHandle) -> None:
@@ -92,7 +118,7 @@ def release_cleared_grads(handle: FlatParamHandle) -> None:
     if not grads.exposed:
         return
     cleared = (
-        all(p.grad is None for p in handle.params)
+        all(p.grad is None for p in handle.faces)
         if _safety.current().grad_bookkeeping
         else _first_exposed_cleared(handle)  # trusted: see [Note: safety switches]
     )
@@ -113,16 +139,18 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.in_backward():
         return
     exposed: list[Optional[torch.Tensor]] = []
-    views = handle.sharded_views_of(flat_grad)
-    for i, (param, info, view) in enumerate(zip(handle.params, handle.layout.infos, views)):
+    views = handle.sharded_views_of(flat_grad) if handle.tensor_parallel else None
+    faces = handle.face_grads(flat_grad)
+    for i, (param, info, face) in enumerate(zip(handle.faces, handle.layout.infos, faces)):
         if param.requires_grad and i not in grads.missing:
-            grad = view if info.tp is None else as_param_grad(info.tp, view)
+            grad = face if info.tp is None else as_param_grad(info.tp, views[i])  # type: ignore[index]
             assign_grad(param, grad)
             exposed.append(grad)
         else:
             param.grad = None
             exposed.append(None)
     grads.exposed = exposed
+    grads.exposed_storage = [wrapper_storage(g) for g in exposed]
 
 
 def accumulate_sharded_grad(handle: FlatParamHandle, reduced: torch.Tensor, present: Optional[list[bool]]) -> None:

@@ -1,22 +1,20 @@
 """Checks, at the root's next forward, that nothing changed the sharded model behind fully_shard's back.
 
 [Note: edits of a sharded model]
-Between steps every original parameter is a view of its slice of the unit's flat shard, and every
-module that registered it still registers that same object. ``nn.Module`` methods can break either
-silently: ``model.half()`` / ``.to(dtype)`` / ``.to(device)`` and ``p.data = t`` repoint ``.data`` at a
-new tensor, which the next unshard would quietly undo (or, in flat-parameter mode, leave the views
-pointing at the old storage); ``module.weight = nn.Parameter(...)``, a new submodule, or tying a
-parameter to one in ``ignored_modules`` registers a tensor no unit manages, so each rank would train its
-own copy. We do not rebuild units on the fly; instead the root pre-forward calls `check_model_unchanged`,
-which raises an error naming the parameter's FQN and what to do. One ``.data`` write is kept instead,
-as FSDP1 with ``use_orig_params=True`` keeps it: ``p.data = t`` with ``t`` of the parameter's dtype and
-device and of the shape of its view (this rank's slice), of its full shape, or of its flattened full
-shape is copied into this rank's shard (`_keep_same_shape_writes`). The ranks must decide alike with
-no collective: a rank holding all of a parameter has a 1-D view of the flattened full shape, so a
-write of that shape is kept everywhere (each rank copies its slice of it), and a write of any other
-shape is refused everywhere, unless it happens to match one rank's slice. For any other changed
-``.data`` the sharded views are restored first, so the model stays usable after the error. The
-checks are identity and pointer comparisons: no collective, and a few microseconds per parameter.
+Between steps every module registers its parameters' faces ([Note: parameter faces]), each viewing its
+slice of the unit's flat shard. ``nn.Module`` methods and assignments can break that silently:
+``model.half()`` / ``.to(dtype)`` / ``.to(device)`` swap a face's contents for a tensor outside the shard
+(a whole-unit cast is adopted: [Note: casts after sharding]); ``p.data = t`` on a ``DTensor`` face
+replaces its wrapper's storage (and maybe its shape) and writes nothing into the shard, so the write
+would be lost; ``module.weight = nn.Parameter(...)``, a new submodule, or tying a parameter to one in
+``ignored_modules`` registers a tensor no unit manages, so each rank would train its own copy. We do
+not rebuild units on the fly; instead the root pre-forward (and `unshard_params`) calls
+`check_model_unchanged`, which points the faces back at the shard and raises an error naming the
+parameter's FQN and what to do (write in place, in ``unshard_params``, or with ``load_state_dict``).
+Every rank decides alike with no collective: the face's global shape and its own storage are the
+same kind of fact on every rank, also where this rank's slice is empty. A unit left unsharded
+between steps registers its original parameters, which are compared with the unsharded views. The
+checks are identity and pointer comparisons: no collective, a few microseconds per parameter.
 """
 
 from __future__ import annotations
@@ -30,9 +28,10 @@ from fsdp_composable._base import _safety
 from fsdp_composable._comm._tensor_parallel import local_of
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._composable_state import registrations
+from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
-from fsdp_composable._guards._data_writes import keep_data_writes, same_data
-from fsdp_composable._guards._dtype_casts import adopt_casts
+from fsdp_composable._grads import _exposed_grads
+from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces, storage_of
 from fsdp_composable._runtime._state_dict_keys import _join
 from fsdp_composable._runtime._state_dict_open import close_stale_units
 from fsdp_composable.api import ModelEditedAfterShardingError
@@ -66,6 +65,7 @@ def check_model_unchanged(root: _FSDPState) -> None:
     if ctx is None or ctx.checked_registrations != registrations():
         for state in states:
             for handle in state.handles:
+                mark_faces(handle)  # what `_apply` took with a face's contents
                 _check_handle(handle)
         _check_no_new_parameters(root, states)
         if ctx is not None:
@@ -74,26 +74,53 @@ def check_model_unchanged(root: _FSDPState) -> None:
 
 
 def check_data_writes(states: list[_FSDPState]) -> None:
-    """Keep the ``p.data = t`` writes that can be kept, undo and refuse the others (also at the entry
-    of `unshard_params`, which would otherwise gather the shard without them). A unit whose every
-    parameter still is its view has nothing to keep or undo: one comparison per parameter finds it."""
+    """Point back at the shard, and refuse, whatever no longer views it: a face whose contents a partial
+    cast or a move swapped (``_apply``), an original parameter whose ``.data`` was replaced while
+    registered (also at the entry of `unshard_params`, which would otherwise gather the shard
+    without it). A unit whose every tensor still views its shard costs one comparison per parameter."""
     edited = [h for state in states for h in state.handles if not _views_intact(h)]
     if edited:
-        _keep_same_shape_writes(edited)
         _restore_views(edited)
+    _exposed_grads.refuse_replaced_grad_data([h for state in states for h in state.handles])
+
+
+
+
+def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Tensor]]:
+    """What the holders register now (the faces between steps) and the views their memory must be."""
+    if handle.is_unsharded:
+        return handle.params, handle._unsharded_views
+    if handle.registered is handle.faces and not handle.tensor_parallel:
+        return handle.faces, handle._sharded_views
+    return handle.params, handle._sharded_views
+
+
+def _same_data(param: torch.Tensor, view: torch.Tensor) -> bool:
+    """Whether ``param.data`` is still ``view``. Every empty tensor has data pointer 0, so for a
+    parameter whose slice of this rank's shard is empty compare the storages as well; otherwise
+    ``p.data = t`` goes unnoticed on exactly the ranks that hold none of ``p``, they run the next
+    forward while the others raise, and the ranks' collectives no longer match."""
+    # a plain parameter's own pointers are its ``.data``'s, without making that tensor (every step)
+    data = param if type(param) is nn.Parameter else local_of(param)
+    if data.data_ptr() != view.data_ptr():
+        return False
+    return view.numel() > 0 or data.untyped_storage().data_ptr() == view.untyped_storage().data_ptr()
+
+
+def _intact(param: torch.Tensor, view: torch.Tensor) -> bool:
+    data = local_of(param)
+    if not (_same_data(param, view) and data.dtype == view.dtype and data.numel() == view.numel()):
+        return False
+    # a face: ``p.data = t`` leaves the local tensor alone and replaces the wrapper's storage (and shape)
+    mark = getattr(param, "_fsdp_storage", None)
+    return mark is None or (mark == storage_of(param) and param.dtype == view.dtype)
 
 
 def _views_intact(handle: FlatParamHandle) -> bool:
-    views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-    for param, view in zip(handle.params, views):
-        if not same_data(param, view):
-            return False
-    return True
-
-
-def _keep_same_shape_writes(handles: list[FlatParamHandle]) -> None:
-    for handle in handles:
-        keep_data_writes(handle)
+    exposed, views = _exposed(handle)
+    if exposed is handle.faces and any(f.shape != i.shape for f, i in zip(exposed, handle.layout.infos)):
+        return False
+    return all(_intact(p, v) for p, v in zip(exposed, views))
 
 
 def _fqn(handle: FlatParamHandle, fqn: str) -> str:
@@ -105,29 +132,44 @@ def _check_handle(handle: FlatParamHandle) -> None:
     if flat.dtype != handle.dtype or flat.device != handle.shard_device:
         # flat-parameter mode: `.half()`/`.to()` cast the registered flat parameter itself
         _raise_cast(handle, handle.unit_fqn or "<root>", flat, "flat parameter of unit", restored=False)
-    for param, info in zip(handle.params, handle.layout.infos):
+    for param, registered, info in zip(handle.params, handle.registered, handle.layout.infos):
         for module, attr, fqn in info.holders:
             # flat-parameter mode keeps original parameters as plain attributes instead
-            if module._parameters.get(attr) is not param and module.__dict__.get(attr) is not param:
+            if module._parameters.get(attr) is not registered and module.__dict__.get(attr) is not param:
                 _raise_replaced(_fqn(handle, fqn), module._parameters.get(attr))
 
 
+def _point_faces_back(handle: FlatParamHandle) -> None:
+    """Swap each face that no longer views its slice of the shard back to a ``DTensor`` that does
+    (``_apply`` swapped its contents: [Note: casts after sharding]; ``p.data = t`` replaced its storage);
+    a gradient it had is exposed again."""
+    layout = handle.layout
+    had_grads = False
+    specs = handle.face_specs(handle.dtype)
+    for face, info, spec, view in zip(handle.faces, layout.infos, specs, handle._sharded_views):
+        if _intact(face, view) and face.shape == info.shape:
+            continue
+        had_grads |= face.grad is not None
+        face.grad = None
+        value = face_value(view.view(layout.local_shape(info)), spec)
+        torch.utils.swap_tensors(face, nn.Parameter(value, requires_grad=face.requires_grad))
+    mark_faces(handle)
+    if had_grads:  # not when zero_grad() cleared them: the next forward releases that gradient
+        _exposed_grads.expose_sharded_grads(handle)
+
+
 def _restore_views(handles: list[FlatParamHandle]) -> None:
-    """Point every parameter whose ``.data`` was replaced back at its view; raise for the first one."""
+    """Point every tensor that no longer views its slice back at it; raise for the first one."""
     first: Optional[tuple[FlatParamHandle, str, torch.Tensor]] = None
     for handle in handles:
-        views = handle._unsharded_views if handle.is_unsharded else handle._sharded_views
-        if all(same_data(p, v) for p, v in zip(handle.params, views)):
-            continue
-        changed = False
-        for param, info, view in zip(handle.params, handle.layout.infos, views):
-            data = local_of(param)
-            if same_data(param, view) and data.dtype == view.dtype and data.shape == view.shape:
-                continue
-            changed = True
-            if first is None:
-                first = (handle, _fqn(handle, info.fqn), data)
-        if changed:
+        exposed, views = _exposed(handle)
+        faces = exposed is handle.faces
+        for param, info, view in zip(exposed, handle.layout.infos, views):
+            if first is None and not (_intact(param, view) and (not faces or param.shape == info.shape)):
+                first = (handle, _fqn(handle, info.fqn), local_of(param))
+        if exposed is handle.faces and not handle.tensor_parallel:
+            _point_faces_back(handle)
+        else:
             handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
     if first is not None:
         _raise_cast(*first, "parameter", restored=True)
@@ -150,11 +192,10 @@ def _raise_cast(handle: FlatParamHandle, fqn: str, data: torch.Tensor, what: str
             + (f" The parameters were put back on {handle.shard_device}" if restored else "")
         )
     raise ModelEditedAfterShardingError(
-        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t) by a tensor of shape "
-        f"{tuple(data.shape)}: between steps such a write is kept (copied into this rank's shard) only with the "
-        "parameter's dtype, device and the shape of this rank's slice or of the whole parameter. Change values "
-        "in place inside `with unshard_params(model, writeback=True):` "
-        "(p.data = t or p.copy_(t) there), or with load_state_dict. The assignment was undone"
+        f"{what} '{fqn}' had its .data replaced after fully_shard (p.data = t). Between steps a parameter is a "
+        "DTensor viewing this rank's shard, which such an assignment does not write. Write values in place "
+        "(p.copy_(t) with a DTensor t, p.to_local().copy_(...)), inside `with unshard_params(model, "
+        "writeback=True):` (p.data = t there), or with load_state_dict. The assignment was undone"
     )
 
 

@@ -34,8 +34,15 @@ def check_not_applied_below_parent(module: nn.Module, ignored: set[nn.Parameter]
 def _owner_of(param: nn.Parameter) -> Optional[tuple[nn.Module, str]]:
     """The module an existing fully_shard call was applied to that manages ``param``, and its name there."""
     for module, state in _modules_with(API_NAME):
-        if module is state.module and any(p is param for h in state.handles for p in h.params):
-            return module, next((n for n, p in module.named_parameters() if p is param), "?")
+        if module is not state.module:
+            continue
+        for handle in state.handles:
+            # the owner registers the parameter's face between steps, the original inside a step
+            pairs = zip(handle.params, handle.faces or handle.params)
+            forms = next(((p, f) for p, f in pairs if param is p or param is f), None)
+            if forms is not None:
+                name = next((n for n, p in module.named_parameters() if p is forms[0] or p is forms[1]), "?")
+                return module, name
     return None
 
 

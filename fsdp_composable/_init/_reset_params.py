@@ -1,25 +1,25 @@
 """``reset_parameters()`` of a sharded module runs on full-shape parameters and agrees on every rank.
 
 [Note: reset_parameters after sharding]
-Between steps an original parameter is a 1-D view of this rank's slice of its unit's flat shard. A
-module's ``reset_parameters()`` called then (``model.apply(lambda m: m.reset_parameters() ...)``,
-``model.layer.reset_parameters()``, a re-initialisation between experiments) would see those views:
-shape-dependent initialisers (``kaiming_uniform_`` reads ``fan_in`` from the shape) fail with torch's
-own error, and shape-free ones (``uniform_`` on a bias) silently draw different values on every rank,
-so replicas under NO_SHARD or HYBRID_SHARD no longer agree. Torch's FSDP2 runs it on the DTensor
-parameters; we make it run on the full shapes instead.
+Between steps a module registers its parameters' faces, ``DTensor``s of the global shape
+([Note: parameter faces]). Torch FSDP2 runs ``reset_parameters()`` on such ``DTensor``s: each rank draws
+its own shard from its own generator (on CPU meshes ``DTensor`` has no random-number tracker), so the
+values are not the plain model's under the same seed, and replicas under NO_SHARD or HYBRID_SHARD
+draw different values. We run it on full-shape plain tensors instead, so that a seed means what it
+means for the plain model. A call ``module.reset_parameters()`` has no extension point but the
+module's attribute lookup, which is why the wrapper below is an instance attribute.
 
-At the end of `fully_shard` (after ``param_init_fn`` ran: materialisation calls the class's own
-method) every module whose subtree holds parameters a unit manages gets an instance attribute
-``reset_parameters`` that calls `reset_module`: it gathers the units holding that module's
-parameters, points the parameters at full-shape, full-precision copies, runs the module's own
+At the end of `fully_shard` (after ``param_init_fn`` ran: materialisation calls the class's own method)
+every module whose subtree holds parameters a unit manages gets an instance attribute
+``reset_parameters`` that calls `reset_module`: it gathers the units holding that module's parameters,
+registers the original parameters pointed at full-shape, full-precision copies, runs the module's own
 ``reset_parameters`` (the class's, or an instance attribute that was there before), broadcasts the
-module's parameters from the lowest rank of each unit's shard group and then of its replicate group,
-and writes the values back into the shards. So with one seed on every rank the result is exactly what
-the plain module gives under that seed (the same random draws on the same shapes), and with different
-seeds every rank still ends with the lowest rank's values. A reset that raises on any rank raises on
-every rank and writes nothing back. Nested calls (a parent's ``reset_parameters`` that calls its
-children's) run directly inside the outer one.
+module's parameters from the lowest rank of each unit's shard group and then of its replicate group, and
+writes the values back into the shards (the faces are registered again). So with one seed on every rank
+the result is exactly what the plain module gives under that seed (the same random draws on the same
+shapes), and with different seeds every rank still ends with the lowest rank's values. A reset that
+raises on any rank raises on every rank and writes nothing back. Nested calls (a parent's
+``reset_parameters`` that calls its children's) run directly inside the outer one.
 
 It is an entry point for rank agreement (see [Note: collective headers] in `_rank_agreement`): the
 all-gathers, the status exchange and the broadcasts are labelled ``reset_parameters()``, so a reset on
@@ -181,6 +181,7 @@ def _summon(handle: FlatParamHandle) -> _Summoned:
         point_at(param, view)
         entry.views.append(view)
         entry.grad_views.append(None)
+    handle.register_params()  # the module's own reset sees them, not the faces; `_restore_handle` puts the faces back
     return entry
 
 

@@ -5,19 +5,20 @@ The meta-device recipe builds a model under ``torch.device("meta")``, calls `ful
 ``model.to_empty(device=d)`` and re-initialises it (``model.reset_parameters()``, a loop calling each
 module's ``reset_parameters()``, or ``nn.init`` over ``model.parameters()``). Our `fully_shard`
 already materialises meta units (see [Note: param_init_fn is called per module] in `_init_utils`),
-so the shards exist when ``to_empty`` runs. Left alone, ``nn.Module.to_empty`` would repoint every
-parameter's ``.data`` (and its gradient's) at new uninitialised storage outside the unit's flat shard:
-an init loop would then write into tensors no unit manages, and the next forward would refuse the
-edit (see [Note: edits of a sharded model]).
+so the shards exist when ``to_empty`` runs. Left alone, ``nn.Module.to_empty`` would swap every
+face's contents ([Note: parameter faces]) for a ``DTensor`` over new uninitialised storage outside the
+unit's flat shard (``torch.utils.swap_tensors``, as for any ``DTensor`` parameter): an init loop right
+after it (``nn.init`` over ``model.parameters()``, FSDP2's recipe) would write into tensors no unit
+manages, and nothing could tell those writes from a swap to undo. Torch offers no hook on ``_apply``.
 
 So at the end of `fully_shard` every module whose subtree holds a parameter a unit manages gets an
-instance attribute ``to_empty`` (the way `_reset_params` installs ``reset_parameters``): it runs
-torch's own ``to_empty`` (buffers and parameters no unit manages get new storage, as in a plain
-model) and then points each unit parameter, the flat parameter and their gradients back at the
-storage they had. That is a valid result of ``to_empty``, whose values are unspecified: the shards
-keep the values they hold, and an initialisation that follows writes into them. ``device`` must be
-where the shards live or the unit's compute device (the CPU-offload recipe calls
-``to_empty(device="cuda")``); any other device is refused before anything changes, with an error
+instance attribute ``to_empty`` (the way `_reset_params` installs ``reset_parameters``): it runs torch's
+own ``to_empty`` (buffers and parameters no unit manages get new storage, as in a plain model) and then
+points each face, original parameter, the flat parameter and their gradients back at the storage they
+had (a face also gets back the attributes the swap took). That is a valid result of ``to_empty``, whose
+values are unspecified: the shards keep the values they hold, and an initialisation that follows writes
+into them. ``device`` must be where the shards live or the unit's compute device (the CPU-offload recipe
+calls ``to_empty(device="cuda")``); any other device is refused before anything changes, with an error
 naming the unit. Moving a sharded model is not what ``to_empty`` is for here: move or materialise it
 before `fully_shard` (``device_id=``). No collective runs, so a call on some ranks only is harmless.
 """
@@ -34,6 +35,8 @@ from fsdp_composable._comm._tensor_parallel import local_of, point_at
 from fsdp_composable._common_utils import API_NAME, _FSDPState
 from fsdp_composable._composable_state import _get_module_state
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._grads import _exposed_grads
+from fsdp_composable._guards._dtype_casts import mark_faces
 from fsdp_composable._init._group_units import unit_roots_named_modules
 
 __all__ = ["install_to_empty", "to_empty_keeping_shards"]
@@ -110,11 +113,18 @@ def to_empty_keeping_shards(
     for tensor, data in saved:
         if local_of(tensor) is not data:
             point_at(tensor, data)
+    for handle in handles:
+        mark_faces(handle)
+        # the swap also gave each DTensor gradient a new wrapper (what ``p.grad.data = t`` does): show
+        # the gradients again over the flat gradient, so the refusal of such writes sees none
+        _exposed_grads.expose_sharded_grads(handle)
     return module
 
 
 def _unit_tensors(handle: FlatParamHandle) -> list[torch.Tensor]:
-    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params]
+    # the faces too: torch's to_empty swaps a DTensor face's contents for an empty DTensor
+    faces = [] if handle.tensor_parallel else handle.faces
+    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params, *faces]
     grads = [t.grad for t in tensors if t.grad is not None]
     return tensors + grads
 

@@ -7,6 +7,7 @@ from torch import nn
 
 from fsdp_composable._common_utils import FLAT_MODE, _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._guards._dtype_casts import adopt_cast
 
 __all__: list[str] = []
 
@@ -19,6 +20,7 @@ def _use_flat_params(state: _FSDPState) -> None:
     """Unregister original parameters (kept reachable as plain attributes for forward) and
     register each unit's flat parameter on its module."""
     for handle in state.handles:
+        handle.flat_mode = True
         for param in handle.params:
             setattr(param, FLAT_MODE, True)
         for module, name, param in _registrations(handle):
@@ -30,7 +32,10 @@ def _use_flat_params(state: _FSDPState) -> None:
 def _use_orig_params(state: _FSDPState) -> None:
     """The reverse of `_use_flat_params`, in the original registration order."""
     for handle in state.handles:
+        adopt_cast(handle)  # ``model.double()`` cast the registered flat parameter, not the faces
         handle.module._parameters.pop(handle.name, None)
         for module, name, param in _registrations(handle):
             module.__dict__.pop(name, None)
             module._parameters[name] = param
+        handle.flat_mode = False
+        handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()

@@ -217,7 +217,7 @@ class NormPieces:
                 target.append(grad)
             return
         slices = handle.sharded_views_of(grad) if grad is not None else [None] * len(handle.params)
-        for param, info, piece in zip(handle.params, handle.layout.infos, slices):
+        for param, info, piece in zip(handle.faces, handle.layout.infos, slices):
             if params is not None and id(param) not in params:
                 continue
             # a 0-dim parameter's gradient is whole (and equal) in every rank's shard: counted once, here
@@ -264,7 +264,7 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
             _exposed_grads.stash_sharded_grads(handle)  # fold the user's `.grad` edits into the flat gradient
             _exposed_grads.expose_sharded_grads(handle)
             # a wrapper in flat mode registers the flat parameter itself: count it once, as a shard
-            managed.update([id(p) for p in handle.params] + [id(handle.flat_param)])
+            managed.update([id(p) for p in (*handle.params, *handle.faces, handle.flat_param)])
             grad = handle.flat_param.grad
             pieces.add_unit(handle, grad)
             if grad is not None:

@@ -1,5 +1,5 @@
-"""A unit opened for one save or load: its original parameters given their original shapes, and
-closed again afterwards (see [Note: a unit is unsharded around its subtree's save and load])."""
+"""A unit opened for one save (FULL; SHARDED of a tensor-parallel unit): its parameters given their
+saved form, and closed again afterwards (see [Note: a unit is unsharded around its subtree's save and load])."""
 
 from __future__ import annotations
 
@@ -19,31 +19,27 @@ __all__: list[str] = []
 
 # ---------------------------------------------------------------------------- a unit unsharded for one save/load
 # [Note: a unit is unsharded around its subtree's save and load]
-# FULL and SHARDED state dicts never look keys up by name. A state-dict *pre*-hook on the unit module
-# gives each original parameter its original shape before ``nn.Module`` visits the unit's subtree:
-# FULL points ``param.data`` at a view of the unit's all-gathered flat tensor; SHARDED registers, in
-# place of each original parameter, a `DTensor` parameter of the original shape holding this rank's
-# `torch.chunk` rows (see [Note: sharded state dicts are DTensors in torch.chunk layout]). So every
-# module below sees what it would see without sharding: its own state-dict hooks (a fused QKV weight
-# split into three, torchtitan-style), a module registered under two FQNs, a `CheckpointWrapper`
-# renaming keys, ``load_state_dict(assign=True)``. The post-hook takes over whatever tensors ended up
-# viewing the gathered flat tensor (cloning them, so it can be freed) and restores the sharded views.
-# Loading is the mirror image: the pre-hook opens the same full-shape parameters (filled with the
-# current values, so a missing key keeps its value), ``nn.Module`` copies the checkpoint into them, and
-# the load post-hook (which runs after the whole subtree loaded) writes this rank's part back into the
-# flat shard. Cost: a unit's full flat tensor lives while its subtree is saved, so nested units hold
-# their ancestors' too (the root unit plus one unit at a time for a root/blocks policy).
+# A FULL save never looks keys up by name. A state-dict *pre*-hook on the unit module registers the
+# original parameters again, pointed at views of the unit's all-gathered flat tensor, before
+# ``nn.Module`` visits the unit's subtree, so every module below sees what it would see without
+# sharding: its own state-dict hooks (a fused QKV weight split into three, torchtitan-style), a module
+# registered under two FQNs, a `CheckpointWrapper` renaming keys. The post-hook takes over whatever
+# tensors ended up viewing the gathered flat tensor (cloning them, so it can be freed) and registers
+# the faces again. Cost: a unit's full flat tensor lives while its subtree is saved, so nested units
+# hold their ancestors' too (the root unit plus one unit at a time for a root/blocks policy).
+# SHARDED saves and every load need no opening: the faces are the values and take the loaded ones
+# ([Note: sharded state dicts are the faces], [Note: loading into the faces]); only a tensor-parallel
+# unit is still opened for them (SHARDED: a `DTensor` parameter of the 2-D layout registered in
+# place of each parameter; FULL load: the full views, written back into the shard afterwards).
 # A save or load that raised midway leaves its units open; the next save, load or forward closes them
 # without writing anything back (`close_stale_units`).
 @dataclass
 class _OpenUnit:
     kind: StateDictType
     full: Optional[torch.Tensor] = None  # FULL: the flat tensor the parameters view
-    # SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
+    # tensor-parallel SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
     swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
     dparams: list[nn.Parameter] = field(default_factory=list)  # SHARDED: one per ParamInfo
-    prefix: str = ""
-    error_msgs: Optional[list[str]] = None
 
 
 def close_stale_units(state: _FSDPState) -> None:
@@ -52,13 +48,10 @@ def close_stale_units(state: _FSDPState) -> None:
         _close_stale(state, handle)
 
 
-def _unit_name(handle: FlatParamHandle) -> str:
-    return f"unit '{handle.unit_fqn or '<root>'}'"
-
-
 def _check_registered(handle: FlatParamHandle) -> None:
-    """Every holder still registers its original parameter (else we would save or overwrite another)."""
-    for param, info in zip(handle.params, handle.layout.infos):
+    """Every holder still registers what the unit registered (its faces between steps), else we would
+    save or overwrite another tensor."""
+    for param, info in zip(handle.registered, handle.layout.infos):
         for module, attr, fqn in info.holders:
             if module._parameters.get(attr) is not param:
                 raise RuntimeError(
@@ -70,7 +63,7 @@ def _check_registered(handle: FlatParamHandle) -> None:
 
 
 def _close(handle: FlatParamHandle, opened: _OpenUnit) -> None:
-    """Put the original parameters back, viewing the shard (or the unsharded buffer, if it is unsharded)."""
+    """Register what was registered before: the faces (or the unsharded parameters, if it is unsharded)."""
     for module, attr, param, _ in opened.swaps:
         module._parameters[attr] = param
     if opened.full is not None:
@@ -91,7 +84,3 @@ def _open(state: _FSDPState, handle: FlatParamHandle, opened: _OpenUnit) -> None
 
 def _take_open(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
     return state.open_units.pop(handle, None)  # type: ignore[no-any-return]
-
-
-def _open_unit(state: _FSDPState, handle: FlatParamHandle) -> Optional[_OpenUnit]:
-    return state.open_units.get(handle)  # type: ignore[no-any-return]

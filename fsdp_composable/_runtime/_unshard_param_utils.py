@@ -118,7 +118,7 @@ def unshard_params(
     _settle_unfinished_step(states[0])  # a step that stopped midway (see _entry_points)
     _check_idle(states)
     adopt_casts(states)  # model.half() since the last step: see [Note: casts after sharding]
-    check_data_writes(states)  # `p.data = t` since the last forward: kept in the shard, or refused
+    check_data_writes(states)  # `p.data = t` since the last forward: undone and refused
     inside = set(module.modules()) if recurse else {module}
     handles = [h for s in states for h in s.handles if h.module in inside]
     flat_mode = begin_summon(states)
@@ -207,6 +207,7 @@ def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bo
             grad_view = grad_full[info.offset : info.offset + info.numel].view(info.shape)
         param.grad = as_param_grad(info.tp, grad_view) if grad_view is not None else None
         entry.grad_views.append(grad_view)
+    handle.register_params()
     return entry
 
 

@@ -7,13 +7,14 @@ the model's conversion of global values, `to_flat_shard` (see [Note: a global va
 piece]).
 
 [Note: optimizer state of a sharded unit]
-The optimizer steps the original parameters, each a 1-D view of its slice of this rank's shard (possibly
-empty), so every per-parameter state tensor (Adam's ``exp_avg``, ...) has that slice's shape. For each
-unit and state key we write the slices of all its parameters into one tensor laid out like the unit's
-flat shard; the unit's layout then moves them like parameters: an all-gather gives full tensors
-(FULL_STATE_DICT), cutting this rank's chunks from it gives ``Shard(0)`` DTensors
-(SHARDED_STATE_DICT). Loading goes back: slice a full value, or take a DTensor's chunk, and hand each
-parameter its slice. With the wrapper's flat parameters
+The optimizer steps the faces ([Note: parameter faces]), so every per-parameter state tensor (Adam's
+``exp_avg``, ...) is a DTensor laid out like its face, whose local tensor is this rank's chunk
+(possibly empty). For each unit and state key we write the chunks of all its parameters into one
+tensor laid out like the unit's flat shard; the unit's layout then moves them like parameters: one
+all-gather per unit and key (not per parameter) gives full tensors (FULL_STATE_DICT), cutting this
+rank's chunks from it gives ``Shard(0)`` DTensors (SHARDED_STATE_DICT). Loading goes back: slice a
+full value, or take a DTensor's chunk, and hand each face its chunk as a DTensor laid out like it.
+With the wrapper's flat parameters
 (``use_orig_params=False``) the optimizer's state already is such a flat tensor. ``step`` and other
 scalars are the same on every rank and pass through unchanged. The saved form names parameters by
 FQN (in ``state`` and in each param group's ``params``), so it loads at any world size, with either
@@ -95,7 +96,7 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
     n = len(layout.infos)
     ids = {id(p) for p in _optimizer_params(optim)}
     whole = id(handle.flat_param) in ids
-    held = tuple(whole or id(p) in ids for p in handle.params)
+    held = tuple(whole or id(p) in ids for p in handle.faces)
     out = _UnitState([False] * n, {}, [{} for _ in range(n)], held)
     sharded = layout.world_size > 1
     flat_state = optim.state.get(handle.flat_param)
@@ -112,23 +113,24 @@ def _collect(unit: _Unit, optim: torch.optim.Optimizer) -> _UnitState:
                 for scalars in out.scalars:
                     scalars[key] = value
         return out
-    for k, (info, param, view) in enumerate(zip(layout.infos, handle.params, handle._sharded_views)):
-        state = optim.state.get(param)
+    for k, (info, face, view) in enumerate(zip(layout.infos, handle.faces, handle._sharded_views)):
+        state = optim.state.get(face)
         if not state:
             continue
         out.has_state[k] = True
         start, end = layout.shard_range(info)
+        local_shape = face.to_local().shape if isinstance(face, DTensor) else view.shape
         for key, value in state.items():
-            if info.tp is not None and isinstance(value, DTensor):
-                value = value.to_local()  # the optimizer's DTensor over the 1-D slice, like the parameter
-            if key != STEP and isinstance(value, torch.Tensor) and value.shape == view.shape:
+            if isinstance(value, DTensor) and isinstance(face, DTensor):
+                value = value.to_local()  # the optimizer's DTensor laid out like its face
+            if key != STEP and isinstance(value, torch.Tensor) and value.shape == local_shape:
                 flat = out.flats.get((key, value.dtype))
                 if flat is None:
                     flat = torch.zeros(layout.shard_numel, dtype=value.dtype, device=value.device)
                     out.flats[(key, value.dtype)] = flat
                 flat[start:end] = value.detach().reshape(-1)
             elif sharded and isinstance(value, torch.Tensor) and value.dim() > 0:
-                raise _bad_state_shape(key, unit.fqns[k], value.shape, view.shape)
+                raise _bad_state_shape(key, unit.fqns[k], value.shape, local_shape)
             else:
                 out.scalars[k][key] = value
     return out
@@ -376,8 +378,8 @@ def _split_saved(unit: _Unit, saved_state: Mapping[str, Any]) -> tuple[list[Any]
             continue
         scalars.append({})
         for key, value in state.items():
-            if info.tp is not None and isinstance(value, DTensor) and not _in_global_form(unit.handle.params[k], value):
-                scalars[k][key] = value  # already this rank's slice, as the optimizer keeps it
+            if isinstance(value, DTensor) and not _in_global_form(unit.handle.faces[k], value):
+                scalars[k][key] = value  # already this rank's piece, as the optimizer keeps it
             elif key != STEP and isinstance(value, torch.Tensor) and value.shape == _saved_shape(info):
                 groups.setdefault((key, value.dtype), []).append((k, value))
             elif isinstance(value, torch.Tensor) and value.dim() > 0:
@@ -406,9 +408,14 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             start, end = layout.shard_range(layout.infos[k])
             entry = out[k]
             assert entry is not None
-            local = flat[start:end].view(handle._sharded_views[k].shape).clone()
-            # a tensor-parallel parameter's state is a DTensor over its 1-D slice, as the optimizer makes it
-            entry[key] = _tensor_parallel.as_param_grad(layout.infos[k].tp, local)
+            local = flat[start:end].clone()
+            # laid out like the parameter the optimizer holds (its face), as the optimizer makes it; a
+            # tensor-parallel parameter is its own face, over its 1-D slice
+            tp = layout.infos[k].tp
+            if tp is not None:
+                entry[key] = _tensor_parallel.as_param_grad(tp, local.view(handle._sharded_views[k].shape))
+            else:
+                entry[key] = handle.face_grad(k, local)
     return out
 
 
@@ -475,7 +482,7 @@ def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:
             if id(handle) in seen:
                 continue
             seen.add(id(handle))
-            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.params):
+            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.faces):
                 out.append(handle)
     return out
 
@@ -487,8 +494,8 @@ def _unit_of(handle: FlatParamHandle) -> _Unit:
 def _in_global_form(param: torch.Tensor, value: Any) -> bool:
     """A DTensor state value that is not what the optimizer itself keeps: a tensor-parallel parameter's
     own state is a DTensor laid out like the parameter over its 1-D slice."""
-    if not isinstance(value, DTensor):
-        return False
+    if not isinstance(value, DTensor):  # a full value of a face's state
+        return isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
     return not (
         isinstance(param, DTensor)
         and value.device_mesh == param.device_mesh

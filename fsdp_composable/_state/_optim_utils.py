@@ -64,13 +64,13 @@ def _index(module: nn.Module) -> _Index:
                 continue
             names = [
                 first.get(id(p), _join(fqns[i.holders[0][0]], i.holders[0][1]))
-                for p, i in zip(handle.params, handle.layout.infos)
+                for p, i in zip(handle.faces, handle.layout.infos)
             ]
             unit = _Unit(handle, names)
             index.units.append(unit)
             index.flat[id(handle.flat_param)] = unit
-            for k, orig in enumerate(handle.params):
-                index.orig[id(orig)] = (unit, k)
+            for k, face in enumerate(handle.faces):
+                index.orig[id(face)] = (unit, k)
     for owner, fqn in fqns.items():
         for name, param in owner._parameters.items():
             pid = id(param)
@@ -120,7 +120,7 @@ def _mode(where: str, module: nn.Module) -> tuple[bool, StateDictConfig, bool]:
 def _units_in(index: _Index, params: list[torch.Tensor]) -> list[_Unit]:
     """Units with at least one parameter in the optimizer (the same on every rank)."""
     ids = {id(p) for p in params}
-    return [u for u in index.units if id(u.handle.flat_param) in ids or any(id(p) in ids for p in u.handle.params)]
+    return [u for u in index.units if id(u.handle.flat_param) in ids or any(id(p) in ids for p in u.handle.faces)]
 
 
 def _export(unit: _Unit, c: _UnitState, sharded: bool, config: StateDictConfig) -> dict[str, dict[str, Any]]:

@@ -1,11 +1,12 @@
 """FULL_STATE_DICT: full tensors, gathered one unit at a time.
 
 [Note: full state dicts from sharded units]
-Between steps an original parameter is a 1-D view of its slice of this rank's shard, so the plain
-``state_dict()`` would hold shard slices. Each unit is therefore unsharded around its subtree's save
-and load (see [Note: a unit is unsharded around its subtree's save and load]): FULL points the
-parameters at views of the all-gathered flat tensor, so ``nn.Module`` saves and loads full shapes
-itself, under every FQN and through every hook of the model's own modules.
+Between steps a module registers its parameters' faces, DTensors holding this rank's chunks, so the
+plain ``state_dict()`` would hold those. Each unit is therefore unsharded around its subtree's save
+(see [Note: a unit is unsharded around its subtree's save and load]): FULL registers the original
+parameters, pointed at views of the all-gathered flat tensor, so ``nn.Module`` saves full tensors
+itself, under every FQN and through every hook of the model's own modules. A FULL load needs no
+gather: each rank copies its chunk of the full values into the faces ([Note: loading into the faces]).
 """
 
 from __future__ import annotations
@@ -21,7 +22,6 @@ from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_f
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
 from fsdp_composable._state._state_dict_settings import _config, _copy, _drops_values, _rank0_only
-from fsdp_composable._state._state_dict_sharded import _take_assigned
 from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
@@ -38,6 +38,7 @@ def _open_full(handle: FlatParamHandle) -> _OpenUnit:
     full = _gather_full_flat(handle)
     for param, info in zip(handle.params, handle.layout.infos):
         _tensor_parallel.point_at(param, full[info.offset : info.offset + info.numel].view(info.shape))
+    handle.register_params()
     return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
 
 
@@ -80,26 +81,3 @@ def _take_over_views(
             del state_dict[key]
         else:
             state_dict[key] = _copy_out(state, value)
-
-
-def _match_tp_placements(
-    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
-) -> None:
-    """FULL load: a tensor-parallel parameter takes a plain full tensor (e.g. from the unsharded model)
-    or a DTensor of any layout; give it the parameter's own layout (see [Note: 2-D state-dict values])."""
-    for attr, k in attrs:
-        spec = handle.layout.infos[k].tp
-        value = state_dict.get(prefix + attr)
-        if spec is None or not isinstance(value, torch.Tensor) or value.shape != spec.shape:
-            continue
-        if not _tensor_parallel.is_tp_value(value, spec):
-            local = _tensor_parallel.tp_local_of(value, spec, handle.device).to(handle.dtype)
-            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(spec, local)
-
-
-def _write_back_full(handle: FlatParamHandle, opened: _OpenUnit) -> None:
-    assert opened.full is not None
-    _take_assigned(handle, opened)
-    layout = handle.layout
-    with torch.no_grad():
-        handle.flat_param.data.copy_(layout.shard_of(opened.full))

@@ -84,10 +84,12 @@ def _local_pre_load_hook(
             f"{tuple(handle.flat_param.shape)}, got {getattr(flat, 'shape', type(flat).__name__)}."
         )
         flat = handle.flat_param.detach().clone()
-    for info, sharded_view in zip(layout.infos, handle._sharded_views):
+    for k, (info, sharded_view) in enumerate(zip(layout.infos, handle._sharded_views)):
         start, end = layout.shard_range(info)
-        # a tensor-parallel parameter is, between steps, a DTensor over its 1-D slice: give the same
-        value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
+        if info.tp is not None:  # between steps a DTensor over its 1-D slice: give the same
+            value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
+        else:  # laid out like the face, so nn.Module's copy is a local one
+            value = handle.face_grad(k, flat[start:end])
         for _, _, fqn in info.holders:
             state_dict[prefix + fqn] = value
 

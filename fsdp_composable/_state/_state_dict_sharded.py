@@ -1,13 +1,25 @@
-"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout.
+"""SHARDED_STATE_DICT: one DTensor per original parameter in torch.chunk layout, and loading into the faces.
 
-[Note: sharded state dicts are DTensors in torch.chunk layout]
+[Note: sharded state dicts are the faces]
 A unit's flat shard is rank-major ([Note: rank-major flat shards] in `_rank_major`): this rank holds
-rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous.
-That is exactly the piece a ``Shard(0)`` DTensor describes, so every value is an ordinary DTensor of
-the parameter's original shape over a 1-D mesh of the unit's process group, whose local tensor is
-cut from the shard without communication (``Replicate()`` for 0-dim parameters and for units that
-are not sharded); `torch.distributed.checkpoint` saves and loads it at any world size. Loading
-copies each chunk back where the shard holds it. Nothing is gathered in full.
+rows [r*c, (r+1)*c) of every parameter (c = ceil(rows / world), the `torch.chunk` rule), contiguous,
+which is the piece a ``Shard(0)`` DTensor describes. Between steps each module registers its
+parameters' faces ([Note: parameter faces]), DTensors of that layout, so ``nn.Module.state_dict()``
+saves them as they are: the SHARDED values are the faces (detached: they view the live shard, as
+torch FSDP2's do; ``offload_to_cpu`` gives CPU copies), and `torch.distributed.checkpoint` saves and
+loads them at any world size. Nothing is gathered and no unit is opened. A tensor-parallel unit's
+parameters are DTensors over their 1-D slices, not faces: its save and load still open the unit with
+2-D values (see [Note: 2-D state-dict values]).
+
+[Note: loading into the faces]
+FULL and SHARDED loads copy straight into the faces: a placement hook on each module holding a
+parameter (`_match_sharded_placements`) turns the value it will load (a full tensor, or a DTensor of
+any layout, e.g. DCP's at another world size) into a DTensor of the face's layout holding this rank's
+chunk, so ``nn.Module``'s ``copy_`` writes the flat shard locally. A load that fails on any rank is
+undone on every rank by [Note: a refused load writes nothing], and a key some ranks lack is refused on
+every rank by the key comparison (`_compare_keys_across_ranks`), so each key loads everywhere or
+nowhere. ``assign=True`` registers the checkpoint's tensors: `_take_assigned` copies them into the
+faces and registers the faces again.
 """
 
 from __future__ import annotations
@@ -23,26 +35,28 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat._checkpoint_comm import comm_device_of, gather_flags
+from fsdp_composable._flat._checkpoint_comm import comm_device_of
+from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
-from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit, _unit_name
-from fsdp_composable._state._state_dict_settings import _to_output
+from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
+from fsdp_composable._state._state_dict_settings import _config, _to_output
 from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 
 
-def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) -> _OpenUnit:
-    """Register a `DTensor` parameter of the original shape in place of each original parameter."""
+def _open_sharded(state: _FSDPState, handle: FlatParamHandle) -> _OpenUnit:
+    """A tensor-parallel unit's SHARDED save: register a 2-D `DTensor` parameter of the original shape in
+    place of each of its parameters (which are DTensors over their 1-D slices)."""
     _check_registered(handle)
     layout = handle.layout
     chunks = _flat_to_chunks(handle, handle.flat_param.detach())
     mesh = _mesh_of(handle.process_group, comm_device_of(handle))
     opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
-    for param, info, chunk in zip(handle.params, layout.infos, chunks):
-        local = _to_output(state, chunk) if for_save else chunk
+    for param, info, chunk in zip(handle.registered, layout.infos, chunks):
+        local = _to_output(state, chunk)
         dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
         opened.dparams.append(dparam)
         for module, attr, _ in info.holders:
@@ -51,92 +65,47 @@ def _open_sharded(state: _FSDPState, handle: FlatParamHandle, for_save: bool) ->
     return opened
 
 
-def _match_sharded_placements(
-    handle: FlatParamHandle, opened: _OpenUnit, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
+def _match_face_placements(
+    handle: FlatParamHandle, attrs: list[tuple[str, int]], state_dict: dict[str, Any], prefix: str
 ) -> None:
-    """SHARDED load: each checkpoint value of a parameter the module holds becomes a DTensor of the open
-    unit's layout (a full tensor or a DTensor of another placement: this rank's chunk of it)."""
+    """FULL and SHARDED load: each checkpoint value of a parameter the module holds (a full tensor or a
+    DTensor of any layout) becomes a DTensor laid out like the parameter's face, holding this rank's
+    chunk, so ``nn.Module``'s ``copy_`` is a local copy (see [Note: loading into the faces])."""
     layout = handle.layout
     for attr, k in attrs:
-        info, target = layout.infos[k], opened.dparams[k].data
-        assert isinstance(target, DTensor)
+        info, face = layout.infos[k], handle.faces[k]
         value = state_dict.get(prefix + attr)
         if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
             continue  # absent, or nn.Module reports the size mismatch
-        if (
-            isinstance(value, DTensor)
-            and value.device_mesh == target.device_mesh
-            and value.placements == target.placements
-        ):
+        if not isinstance(face, DTensor) or info.tp is not None:
+            # a tensor-parallel unit's parameter: a DTensor over its 1-D slice of the shard (plain if not
+            # tensor-parallel itself), see [Note: 2-D state-dict values]
+            chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
+            chunk = chunk.view(handle._sharded_views[k].shape).to(handle.dtype)
+            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(info.tp, chunk)
+            continue
+        if isinstance(value, DTensor) and value.device_mesh == face.device_mesh and value.placements == face.placements:
             continue
         chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-        chunk = chunk.view(layout.local_shape(info))
-        state_dict[prefix + attr] = _sharded_value(handle, info, chunk.to(handle.dtype), target.device_mesh)
+        chunk = chunk.view(layout.local_shape(info)).to(handle.dtype)
+        state_dict[prefix + attr] = _as_dtensor(chunk, info, layout, face.device_mesh)
 
 
-def _take_assigned(handle: FlatParamHandle, opened: _OpenUnit) -> None:
+def _take_assigned(handle: FlatParamHandle) -> None:
     """``load_state_dict(assign=True)`` registers the checkpoint's tensors themselves: copy their values
-    into the open unit and register the original parameters again."""
+    into the faces (this rank's chunk) and register the faces again."""
     layout = handle.layout
-    for param, info, k in zip(handle.params, layout.infos, range(len(layout.infos))):
-        expected = opened.dparams[k] if opened.dparams else param
+    for k, info in enumerate(layout.infos):
+        face = handle.faces[k]
         for module, attr, _ in info.holders:
             current = module._parameters.get(attr)
-            if current is expected or current is None:
+            if current is face or current is None:
                 continue
             with torch.no_grad():
-                if opened.full is not None:
-                    value = _whole(current.detach(), info, handle.device)
-                    opened.full[info.offset : info.offset + info.numel].copy_(value.reshape(-1))
-                else:
-                    target = expected.data
-                    assert isinstance(target, DTensor)
-                    chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
-                    target.to_local().copy_(chunk.view(target.to_local().shape))
-            module._parameters[attr] = expected
-
-
-def _write_back_sharded(handle: FlatParamHandle, opened: _OpenUnit, missing: set[str]) -> None:
-    """Every rank agrees which parameters were loaded; the chunks go back into the flat shard. A
-    parameter loaded on some ranks but not others keeps its values on every rank and is reported on
-    every rank (see [Note: a sharded load is all or nothing per key])."""
-    _take_assigned(handle, opened)
-    layout = handle.layout
-    loaded = [any(opened.prefix + fqn not in missing for _, _, fqn in info.holders) for info in layout.infos]
-    by_rank = gather_flags(handle, loaded)
-    partial = [(by_rank[:, k].min() != by_rank[:, k].max()).item() for k in range(len(layout.infos))]
-    chunks = []
-    for dparam in opened.dparams:
-        assert isinstance(dparam.data, DTensor)
-        chunks.append(dparam.data.to_local().reshape(-1).to(handle.dtype))
-    flat = _chunks_to_flat(handle, chunks)
-    with torch.no_grad():
-        current = handle.flat_param.detach()
-        for k, info in enumerate(layout.infos):
-            if partial[k]:
-                start, end = layout.shard_range(info)
-                flat[start:end] = current[start:end]
-                _report_partial_key(handle, opened, info, by_rank[:, k])
-        handle.flat_param.data.copy_(flat.to(handle.flat_param.device))
-
-
-# [Note: a sharded load is all or nothing per key]
-# Each rank loads its own dict, and the ranks exchange pieces: a key missing on one rank would leave
-# zeros (or stale values) in the other ranks' parameters while strict loading passes there. So the
-# ranks compare which keys they have (`_root_pre_load_hook`, every key) and which parameters they
-# loaded (`_write_back_sharded`), and a difference is an error on every rank.
-def _report_partial_key(handle: FlatParamHandle, opened: _OpenUnit, info: ParamInfo, flags: torch.Tensor) -> None:
-    if opened.error_msgs is None:
-        return
-    key = opened.prefix + info.fqn
-    if any(f"'{key}'" in m for m in opened.error_msgs):
-        return  # the key comparison of the whole state dict already reported it
-    lacking = [r for r, f in enumerate(flags.tolist()) if not f]
-    opened.error_msgs.append(
-        f"SHARDED_STATE_DICT: parameter '{key}' of {_unit_name(handle)} was loaded on some ranks but not on "
-        f"ranks {lacking} (of its process group); every rank must load the same keys. It keeps its previous "
-        "values on every rank"
-    )
+                local = face.to_local() if isinstance(face, DTensor) else face.data
+                chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
+                local.copy_(chunk.view(local.shape))
+            module._parameters[attr] = face
 
 
 def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[torch.Tensor]:
@@ -148,17 +117,6 @@ def _flat_to_chunks(handle: FlatParamHandle, flat_shard: torch.Tensor) -> list[t
         start, end = layout.shard_range(info)
         out.append(flat_shard[start:end].view(layout.local_shape(info)).clone())
     return out
-
-
-def _chunks_to_flat(handle: FlatParamHandle, chunks: list[torch.Tensor]) -> torch.Tensor:
-    """The inverse of `_flat_to_chunks`: this rank's flat shard (zero padding) from its chunks."""
-    layout = handle.layout
-    like = chunks[0] if chunks else handle.flat_param.detach()
-    flat = torch.zeros(layout.shard_numel, dtype=like.dtype, device=like.device)
-    for info, chunk in zip(layout.infos, chunks):
-        start, end = layout.shard_range(info)
-        flat[start:end] = chunk.reshape(-1)
-    return flat
 
 
 def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
@@ -240,6 +198,17 @@ def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]
         chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
         flat[start:end] = chunk.to(dtype=dtype, device=device)
     return flat
+
+
+def _saved_faces(state: _FSDPState, state_dict: dict[str, Any], prefix: str) -> None:
+    """SHARDED: the saved faces (``nn.Module`` detached them) as `face_value` builds them, so their
+    wrappers hold no storage offset (see `face_value`); with ``offload_to_cpu``, over CPU copies."""
+    offload = _config(state).offload_to_cpu
+    for key in [k for k in state_dict if k.startswith(prefix)]:
+        value = state_dict[key]
+        if isinstance(value, DTensor) and (value.storage_offset() != 0 or (offload and value.device.type != "cpu")):
+            local = value.to_local()
+            state_dict[key] = face_value(local.cpu() if offload else local, value._spec)
 
 
 # ---------------------------------------------------------------------------- SHARDED_STATE_DICT

@@ -16,7 +16,6 @@ from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import _FSDPState, _get_fsdp_states
 from fsdp_composable._flat._checkpoint_comm import all_gather_object
 from fsdp_composable._flat_param import FlatParamHandle
-from fsdp_composable._guards._data_writes import keep_data_writes
 from fsdp_composable._guards._dtype_casts import adopt_cast
 from fsdp_composable._init._group_units import check_no_local_state_dict
 from fsdp_composable._names._fsdp1_names import as_ours
@@ -24,10 +23,16 @@ from fsdp_composable._runtime._module_controls import reshard_left_unsharded
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns as _clean_module_fqns
 from fsdp_composable._runtime._state_dict_keys import _join as _join
 from fsdp_composable._runtime._state_dict_keys import _register_prefix_hooks as _register_prefix_hooks
-from fsdp_composable._runtime._state_dict_open import _close, _close_stale, _open, _open_unit, _take_open
+from fsdp_composable._runtime._state_dict_open import (
+    _check_registered,
+    _close,
+    _close_stale,
+    _open,
+    _take_open,
+)
 from fsdp_composable._runtime._state_dict_open import close_stale_units as close_stale_units
 from fsdp_composable._state._state_dict_atomic import decide_after_load, keep_before_load
-from fsdp_composable._state._state_dict_full import _match_tp_placements, _open_full, _take_over_views, _write_back_full
+from fsdp_composable._state._state_dict_full import _open_full, _take_over_views
 from fsdp_composable._state._state_dict_local import _local_post_state_dict_hook, _local_pre_load_hook
 from fsdp_composable._state._state_dict_settings import (
     _CONFIG_TYPES,
@@ -40,10 +45,11 @@ from fsdp_composable._state._state_dict_settings import (
 )
 from fsdp_composable._state._state_dict_sharded import (
     _is_replicated,
-    _match_sharded_placements,
+    _match_face_placements,
     _open_sharded,
     _replicate_buffers,
-    _write_back_sharded,
+    _saved_faces,
+    _take_assigned,
 )
 from fsdp_composable.api import StateDictConfig, StateDictType
 
@@ -150,12 +156,14 @@ def _pre_state_dict_hook(
 ) -> None:
     _close_stale(state, handle)
     adopt_cast(handle)  # model.half() since the last step: see [Note: casts after sharding]
-    keep_data_writes(handle)  # `p.data = t` since the last step: saved as the next forward would see it
     kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
     elif kind is StateDictType.SHARDED_STATE_DICT:
-        _open(state, handle, _open_sharded(state, handle, for_save=True))
+        if handle.tensor_parallel:  # 2-D values: see [Note: 2-D state-dict values]
+            _open(state, handle, _open_sharded(state, handle))
+        else:  # the faces are the values: see [Note: sharded state dicts are the faces]
+            _check_registered(handle)
 
 
 def _post_state_dict_hook(
@@ -172,6 +180,8 @@ def _post_state_dict_hook(
         return
     opened = _take_open(state, handle)
     if opened is None:
+        if _kind(state) is StateDictType.SHARDED_STATE_DICT:
+            _saved_faces(state, state_dict, prefix)
         return
     try:
         if opened.full is not None:
@@ -196,7 +206,6 @@ def _pre_load_state_dict_hook(
     _close_stale(state, handle)
     reshard_left_unsharded(state, handle)  # its unsharded copy would go stale ([Note: a unit left unsharded])
     adopt_cast(handle)
-    keep_data_writes(handle)  # else the next forward would copy the write over what this loads
     kind = _kind(state)
     if kind is StateDictType.LOCAL_STATE_DICT:
         check_no_local_state_dict(handle)
@@ -204,11 +213,7 @@ def _pre_load_state_dict_hook(
         return
     if kind is StateDictType.FULL_STATE_DICT:
         _check_not_rank0_only_load(state)
-        opened = _open_full(handle)
-    else:
-        opened = _open_sharded(state, handle, for_save=False)  # values are matched by `_match_placements`
-    opened.prefix, opened.error_msgs = prefix, error_msgs
-    _open(state, handle, opened)
+    _check_registered(handle)  # the values are copied into the faces: see [Note: loading into the faces]
 
 
 def _register_placement_hooks(state: _FSDPState, handle: FlatParamHandle) -> None:
@@ -231,32 +236,19 @@ def _match_placements(
     prefix: str,
     *args: Any,
 ) -> None:
-    """Give the checkpoint value of each parameter this module holds our DTensor layout, so ``nn.Module``'s
-    ``copy_`` is a local copy: a full tensor or a DTensor of another placement becomes this rank's chunk.
-    Under FULL, a tensor-parallel parameter's value becomes a DTensor laid out like the parameter."""
-    opened = _open_unit(state, handle)
-    if opened is None:
-        return
-    if opened.kind is StateDictType.FULL_STATE_DICT:
-        _match_tp_placements(handle, attrs, state_dict, prefix)
-    else:
-        _match_sharded_placements(handle, opened, attrs, state_dict, prefix)
+    """Give the checkpoint value of each parameter this module holds its face's layout (see [Note: loading
+    into the faces])."""
+    if _kind(state) is StateDictType.LOCAL_STATE_DICT or handle.registered is not handle.faces:
+        return  # LOCAL gives the faces' layout itself; in a step there is nothing to match
+    _match_face_placements(handle, attrs, state_dict, prefix)
 
 
 @_rank_agreement.entry_point("load_state_dict()")
 def _post_load_state_dict_hook(
     state: _FSDPState, handle: FlatParamHandle, module: nn.Module, incompatible_keys: Any
 ) -> None:
-    opened = _take_open(state, handle)
-    if opened is None:
-        return
-    try:
-        if opened.kind is StateDictType.FULL_STATE_DICT:
-            _write_back_full(handle, opened)
-        else:
-            _write_back_sharded(handle, opened, set(incompatible_keys.missing_keys))
-    finally:
-        _close(handle, opened)
+    if _kind(state) is not StateDictType.LOCAL_STATE_DICT:
+        _take_assigned(handle)
 
 
 def _root_post_state_dict_hook(
@@ -302,10 +294,9 @@ def _root_post_load_hook(state: _FSDPState, module: nn.Module, incompatible_keys
 def _compare_keys_across_ranks(
     state: _FSDPState, state_dict: dict[str, Any], prefix: str, error_msgs: list[str]
 ) -> None:
-    """SHARDED and FULL loads are collective: a key some ranks have and others lack is an error on every
-    rank. SHARDED: the pieces of a sharded parameter are exchanged, so a partial key is not written
-    back (`_write_back_sharded`). FULL: each rank writes its own shard from its own dict, so the key is
-    dropped here on every rank, and the ranks' shards (and replicas) stay of one piece."""
+    """SHARDED and FULL loads are collective: a key some ranks have and others lack is dropped here and
+    is an error on every rank (which then puts everything back: [Note: a refused load writes nothing]),
+    so the ranks' shards (and replicas) stay of one piece."""
     mine = sorted(k for k in state_dict if k.startswith(prefix))
     everyone = _keys_of_every_rank(state, mine)
     full = _kind(state) is StateDictType.FULL_STATE_DICT
@@ -313,8 +304,8 @@ def _compare_keys_across_ranks(
         lacking = [r for r, keys in sorted(everyone.items()) if key not in keys]
         if not lacking:
             continue
+        state_dict.pop(key, None)
         if full:
-            state_dict.pop(key, None)
             message = (
                 f"FULL_STATE_DICT: key '{key}' is in the state dict on some ranks but not on ranks {lacking}; "
                 "every rank must load the same keys (each rank writes its shard of every parameter from its own "

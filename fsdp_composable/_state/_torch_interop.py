@@ -12,10 +12,10 @@
    post-hook reads (never changes) the stack for torch's ``_load_optim_state_dict``.
 3. torch's ``clip_grad_norm_`` routed through `_clip_grad_norm_` when given our parameters (the global
    norm instead of this rank's), installed by the first `fully_shard` call. Why, and why a closure
-   cell: see [Note: torch's clip_grad_norm_].
-4. On each root module, a state-dict and a load-state-dict pre-hook (``nn.Module``'s public hooks)
-   that recognise torch's ``torch.distributed.checkpoint.state_dict`` API and switch the state-dict
-   type its options ask for. Why, and why frames are read: see [Note: torch's model state-dict API].
+   cell: see [Note: torch's clip_grad_norm_] in `_torch_clip`.
+4. On each root module, a state-dict pre-hook (``nn.Module``'s public hook) that recognises torch's
+   ``torch.distributed.checkpoint.state_dict`` API and switches the state-dict type its options ask
+   for. Why, and why frames are read: see [Note: torch's model state-dict API].
 5. ``nn.Module``'s global parameter and module registration hooks (public:
    ``register_module_parameter_registration_hook`` / ``register_module_module_registration_hook``),
    installed by the first `fully_shard` call: they count registrations in the registry, telling the
@@ -37,54 +37,39 @@ edit-check tests, 6. by tests/test_accelerate.py, 7. by the recovery tests, on t
 (2.13); code that reads torch's internals (its hook dicts, the clip closure, the frames) has a
 fallback for other versions of the supported range (``torch>=2.5``).
 
-[Note: torch's clip_grad_norm_]
-Between steps each original parameter's ``.grad`` is this rank's slice of the reduced gradient, so
-torch's function would compute and clip with this rank's local norm, silently. FSDP2 gets the global
-norm because its gradients are DTensors; ours are plain tensors. So `fully_shard` routes torch's
-function through `_clip_grad_norm_`: when one of the given parameters is ours it computes the norm
-over every shard (each sharded unit's term summed over its shard group, everything else counted
-once), the same on every rank, and clips with it; otherwise it is torch's function, unchanged. The
-routing replaces the function torch's public wrapper calls (its closure cell): torch 2.13 offers no
-extension point for it (no hook; the gradients are plain tensors, so no ``__torch_function__`` either),
-and replacing the cell is the one way that holds however the user imported it (``from torch.nn.utils
-import clip_grad_norm_`` before `fully_shard` included). The cell holds a `_RoutedClip`, which keeps
-torch's function to fall back on; if torch's wrapper ever changes shape (no ``func`` cell), the module
-attributes are replaced instead. With our parameters it is a collective: call it on every rank with
-the same parameters, as our own `clip_grad_norm_(model, ...)` (the one to prefer: it also checks its
-arguments).
-
 [Note: torch's model state-dict API]
 torch's API calls ``model.state_dict()`` / ``model.load_state_dict()`` and post-processes the result
 by its ``StateDictOptions``; it only switches torch FSDP's own state-dict type, which it finds by
-type. Our default type is FULL (the unsharded model's state dict), so left alone it would gather
-the whole model on every rank even for the default options, which torch (and DCP) mean to be
-sharded. So while torch's API runs on a root we manage, the root's state-dict pre-hooks set the
-type its options ask for, the way torch does for its own FSDP:
+type. Loading needs no switch: the parameters are the faces, torch gives them values in their own
+layout (``full_state_dict=True``: it distributes the full tensors over the faces' layout itself), and
+every load copies a value of any layout into the faces ([Note: loading into the faces]). Saving
+does: our default type is FULL (the unsharded model's state dict), so left alone it would gather the
+whole model on every rank even for the default options, which torch (and DCP) mean to be sharded.
+So while torch's API saves a root we manage, the root's state-dict pre-hook sets the type its
+options ask for, the way torch does for its own FSDP:
 - ``full_state_dict=False`` (the default): SHARDED, ``DTensor``s of the original shapes that DCP
   saves at N ranks and loads at M;
 - ``full_state_dict=True``: FULL (full tensors; ``cpu_offload=True`` also means ``offload_to_cpu``
   and ``rank0_only``, as torch sets for its FSDP).
 A one-shot post-hook puts the previous type back. A call is torch's when one of the frames above
-the hook runs torch's ``_get_model_state_dict`` / ``_load_model_state_dict`` with this module as its
-``model``: torch passes its options to ``model.state_dict()`` by no public means (it only switches
-torch FSDP's own type, found by class), so the frames are read, never changed; were torch to rename
-them, nothing is switched and the default FULL state dict still saves and loads correctly with DCP
-at any world size (full tensors on every rank), just not sharded.
+the hook runs torch's ``_get_model_state_dict`` with this module as its ``model``: torch passes its
+options to ``model.state_dict()`` by no public means (it only switches torch FSDP's own type, found
+by class), so the frames are read, never changed; were torch to rename it, nothing is switched and
+the default FULL state dict still saves and loads correctly with DCP at any world size (full
+tensors on every rank), just not sharded.
 The optimizer's half needs no detection: see [Note: torch's optimizer state dict].
 """
 
 from __future__ import annotations
 
-import functools
 import inspect
 import sys
 from collections.abc import Mapping
 from types import CodeType, FrameType
-from typing import Any, Callable, Optional, Sequence, Union
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.nn.utils
-import torch.nn.utils.clip_grad as clip_grad
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.nn.modules import module as torch_module
@@ -96,11 +81,12 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._comm import _rank_agreement
-from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
+from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
+from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
+from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._guards._ddp_guard import refuse_ddp_of_sharded
-from fsdp_composable._runtime._grad_utils import NormPieces
 from fsdp_composable._state._optim_convert import (
     STEP,
     _check_same_on_all_ranks,
@@ -116,6 +102,7 @@ from fsdp_composable._state._optim_convert import (
     _unit_of,
 )
 from fsdp_composable._state._state_dict_settings import Setting, _restore_setting, _set_setting
+from fsdp_composable._state._torch_clip import _route_torch_clip_grad_norm
 from fsdp_composable.api import (
     FullStateDictConfig,
     ShardedStateDictConfig,
@@ -128,12 +115,11 @@ __all__: list[str] = []
 
 # ---------------------------------------------------------------------------- stale optimizers
 # [Note: optimizers built before fully_shard]
-# fully_shard keeps the original parameter objects, so an optimizer built before it still steps the
-# right tensors. Two cases go wrong silently or cryptically, and a global step pre-hook checks for
-# them on each optimizer's first step after a fully_shard call over its parameters (then not again
-# until the next such call):
-# - optimizer state created before sharding (a step was taken first): its tensors have the full
-#   shape while the parameter is now a 1-D shard slice;
+# fully_shard registers a face in place of each original parameter, so an optimizer built before it
+# holds parameters nothing steps any more. That and two more cases go wrong silently or cryptically,
+# and a global step pre-hook checks for them on each optimizer's first step after a fully_shard call
+# over its parameters (then not again until the next such call):
+# - optimizer state whose shape is not its parameter's (state created before sharding);
 # - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
 #   parameters never receive gradients there.
 # Each optimizer remembers (`_CHECKED_ATTR`, on the optimizer itself) how many of our parameters it
@@ -186,6 +172,38 @@ def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:
         )
 
 
+def _hidden_original(param: torch.Tensor) -> bool:
+    """An original parameter that a face replaces between steps ([Note: parameter faces])."""
+    return not is_face(param) and not isinstance(param, DTensor)
+
+
+def _refuse_original_of_unsharded_unit(param: torch.Tensor, fqn: str) -> None:
+    """Raise if ``param``'s unit is unsharded now: the optimizer was then most likely built from the
+    originals that an unsharded unit registers, not before fully_shard."""
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        for handle in state.handles if state is not None else ():
+            if not any(p is param for p in handle.params) or not (handle.is_unsharded or handle.unshard_in_flight):
+                continue
+            raise RuntimeError(
+                f"the optimizer holds parameter '{fqn}' as registered while its unit '{handle.root_fqn}' is "
+                "unsharded (after unshard(module), inside unshard_params, or kept by "
+                "set_reshard_after_backward(False) or reshard_after_forward=False): between steps a DTensor "
+                "parameter replaces it, which the optimizer would never step. Build the optimizer while every "
+                "unit is sharded, e.g. right after fully_shard or after reshard(module), from model.parameters()"
+            )
+
+
+def _managed_tensor_ids() -> set[int]:
+    """Every flat parameter, original parameter and face of this process's units."""
+    out: set[int] = set()
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        for h in state.handles if state is not None else ():
+            out.update(id(t) for t in (h.flat_param, *h.params, *h.faces))
+    return out
+
+
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
     if not _module_to_states:  # nothing was ever sharded in this process
         return
@@ -194,6 +212,7 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
         # a later step on a unit left unsharded would update its full-shape views, which the next
         # reshard throws away: silently no step ([Note: a unit left unsharded] in _module_controls)
         _refuse_unsharded(optim.__dict__.get(_HANDLES_ATTR, ()), first=False)
+        _exposed_grads.refuse_replaced_grad_data(optim.__dict__.get(_HANDLES_ATTR, ()))
         return
     optim.__dict__[_CHECKED_ATTR] = ours
     if ours:
@@ -206,11 +225,20 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
             del optim.__dict__[_CHECKED_ATTR]
             raise
         optim.__dict__[_HANDLES_ATTR] = tuple(handles)
+        _exposed_grads.refuse_replaced_grad_data(handles)
+    known = _managed_tensor_ids()
     for group in optim.param_groups:
         for param in group["params"]:
-            if not getattr(param, FSDP_FLATTENED, False):
-                continue
+            if not getattr(param, FSDP_FLATTENED, False) or id(param) not in known:
+                continue  # not ours (torch's FSDP1, or another copy of this library, marks the same way)
             fqn = getattr(param, "_fsdp_fqn", "?")
+            if not getattr(param, FLAT_MODE, False) and _hidden_original(param):
+                _refuse_original_of_unsharded_unit(param, fqn)
+                raise RuntimeError(
+                    f"the optimizer holds parameter '{fqn}' as it was before fully_shard: fully_shard registers a "
+                    "new DTensor parameter in its place, which the optimizer would never step. Build the optimizer "
+                    "after fully_shard, from model.parameters()"
+                )
             if getattr(param, FLAT_MODE, False):
                 raise RuntimeError(
                     f"the optimizer holds original parameter '{fqn}', but FullyShardedDataParallel("
@@ -229,18 +257,21 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 
 # ---------------------------------------------------------------------------- optim.state_dict() hooks
 # [Note: torch's optimizer state dict]
-# Between steps the optimizer holds, per original parameter, its slice of this rank's flat shard, so a
-# plain ``optim.state_dict()`` would be per-rank pieces under the global parameter numbering, which
-# `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` then names by FQN: DCP would keep
-# one rank's piece. Instead every optimizer that holds our parameters gets two hooks:
-# - a state-dict post-hook presents each original parameter's per-parameter tensors in the layout of
-#   the SHARDED model state dict: ``DTensor``s of the parameter's shape (a collective per unit, like
-#   ``model.state_dict()``). The wrapper's flat parameters (``use_orig_params=False``) are presented as
-#   ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the same world size
-#   and wrapping only: use `optim_state_dict` to move between them);
-# - a load-state-dict pre-hook takes that global form back (DTensors of any placement and mesh size,
-#   or full tensors), keyed by int ids or by FQN (as torch's set_optimizer_state_dict passes it): it
-#   matches saved to current parameters by position in the param groups, as ``load_state_dict`` does.
+# Between steps the optimizer holds the faces ([Note: parameter faces]), so torch creates their state
+# as DTensors of the parameters' shapes and a plain ``optim.state_dict()`` is already the global
+# (SHARDED) form that `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` names by FQN
+# and DCP saves at N ranks and loads at M: the hooks leave it as it is. What they still convert is the
+# state of parameters that are not faces: the wrapper's flat parameters (``use_orig_params=False``),
+# presented as ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the
+# same world size and wrapping only: use `optim_state_dict` to move between them), and a
+# tensor-parallel unit's parameters (DTensors over their 1-D slice of the shard). Every optimizer
+# that holds our parameters gets two hooks:
+# - a state-dict post-hook checks that every rank holds the same parameters and state (a collective
+#   per process group) and presents the non-face state in the global form;
+# - a load-state-dict pre-hook takes the global form back (DTensors of any placement and mesh size,
+#   or full tensors: a face's full value becomes its DTensor chunk), keyed by int ids or by FQN (as
+#   torch's set_optimizer_state_dict passes it): it matches saved to current parameters by position
+#   in the param groups, as ``load_state_dict`` does.
 # Units are visited in the order they were built, never in the optimizer's order, so ranks that list
 # parameters in different orders still run the same collectives; the presented state is ordered the
 # same way (torch's API gathers DTensor values in the dict's order), and torch's full-state-dict load
@@ -278,6 +309,14 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     config = ShardedStateDictConfig()
     for unit, c in zip(units, collected):
         handle = unit.handle
+        # faces' state is torch's own DTensors already; ``step`` is handed out live (a plain tensor the
+        # next step increments in place, which a full gather keeps as it is), so a saved dict would count on
+        for face in handle.faces:
+            entry = state.get(numbers.get(id(face), -1))
+            if isinstance(entry, Mapping) and isinstance(entry.get(STEP), torch.Tensor):
+                state[numbers[id(face)]] = {**entry, STEP: entry[STEP].clone()}
+        if id(handle.flat_param) not in numbers and not handle.tensor_parallel:
+            continue
         if id(handle.flat_param) in numbers:
             number = numbers[id(handle.flat_param)]
             if isinstance(state.get(number), Mapping):
@@ -288,7 +327,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
                     for key, v in state[number].items()
                 }
             continue
-        for param, entry in zip(handle.params, _export_entries(unit, c, True, config)):
+        for param, entry in zip(handle.faces, _export_entries(unit, c, True, config)):
             if entry is not None and id(param) in numbers:
                 state[numbers[id(param)]] = entry
     # The same order on every rank: a parameter with no state here (its slice is empty and it was
@@ -297,7 +336,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     # may list the parameters in different orders).
     built: dict[int, tuple[int, int]] = {}
     for h, handle in enumerate(handles):
-        for k, param in enumerate([handle.flat_param, *handle.params]):
+        for k, param in enumerate([handle.flat_param, *handle.faces]):
             if id(param) in numbers:
                 built[numbers[id(param)]] = (h, k)
 
@@ -356,7 +395,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
     saved_of_unit = []
     for handle in handles:
         flat_key = key_of.get(id(handle.flat_param))
-        keys = [flat_key] * len(handle.params) if flat_key is not None else [key_of.get(id(p)) for p in handle.params]
+        keys = [flat_key] * len(handle.faces) if flat_key is not None else [key_of.get(id(p)) for p in handle.faces]
         saved_of_unit.append([saved_state.get(key) if usable and key is not None else None for key in keys])
     _check_saved_same_on_all_ranks(units, saved_of_unit, usable)
     if not usable:
@@ -370,7 +409,7 @@ def _take_back_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, An
             if isinstance(entry, Mapping):
                 state[flat_key] = {key: _flat_local(unit, key, v) for key, v in entry.items()}
             continue
-        keys = [key_of.get(id(p)) for p in handle.params]
+        keys = [key_of.get(id(p)) for p in handle.faces]
         for key, entry in zip(keys, _local_state(unit, [s if isinstance(s, Mapping) else None for s in saved])):
             if key is not None and entry is not None:
                 state[key] = entry
@@ -401,117 +440,33 @@ def _take_back_state_loaded_early(optim: torch.optim.Optimizer) -> None:
             optim.state[p] = converted["state"][numbers[id(p)]]
 
 
-def _is_ours(p: Any) -> bool:
-    return isinstance(p, torch.Tensor) and (getattr(p, FSDP_FLATTENED, False) or type(p) is FlatParameter)
-
-
-class _RoutedClip:
-    """What torch's ``clip_grad_norm_`` calls once routed: the global norm for our parameters,
-    torch's own function (``original``, kept here) for any other."""
-
-    def __init__(self, original: Callable[..., torch.Tensor]) -> None:
-        self.original = original
-        functools.update_wrapper(self, original)
-
-    def __call__(
-        self,
-        parameters: Union[torch.Tensor, Any],
-        max_norm: float,
-        norm_type: Union[float, str] = 2.0,
-        error_if_nonfinite: bool = False,
-        foreach: Optional[bool] = None,
-    ) -> torch.Tensor:
-        params = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        if not any(_is_ours(p) for p in params):
-            return self.original(params, max_norm, norm_type, error_if_nonfinite, foreach)
-        return _clip_grad_norm_(params, max_norm, float(norm_type), error_if_nonfinite, foreach)
-
-
-def _route_torch_clip_grad_norm() -> None:
-    """Route torch's clip_grad_norm_ through a `_RoutedClip` (once per process: the cell, or the
-    module attribute, already holding one says it was done)."""
-    public = clip_grad.clip_grad_norm_
-    cells = dict(zip(public.__code__.co_freevars, public.__closure__ or ())) if hasattr(public, "__code__") else {}
-    inner = cells.get("func")
-    if inner is not None and callable(inner.cell_contents):  # torch's ``_no_grad`` wrapper (2.5 to 2.13)
-        if not isinstance(inner.cell_contents, _RoutedClip):
-            inner.cell_contents = _RoutedClip(inner.cell_contents)  # torch's function without its no_grad wrapper
-        return
-    if not isinstance(public, _RoutedClip):  # another shape: replace the module attributes
-        routed = _RoutedClip(public)
-        clip_grad.clip_grad_norm_ = routed  # type: ignore[assignment]
-        torch.nn.utils.clip_grad_norm_ = routed  # type: ignore[assignment]
-
-
-def _clip_grad_norm_(
-    params: list[torch.Tensor], max_norm: float, norm_type: float, error_if_nonfinite: bool, foreach: Optional[bool]
-) -> torch.Tensor:
-    with torch.no_grad():
-        total = _global_norm(params, norm_type)
-        if error_if_nonfinite and not bool(torch.isfinite(total)):
-            raise RuntimeError(
-                f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it "
-                "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
-                "set `error_if_nonfinite=False`"
-            )
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
-    return total
-
-
-def _global_norm(params: list[torch.Tensor], norm_type: float) -> torch.Tensor:
-    ids = {id(p) for p in params}
-    grads = [p.grad for p in params if p.grad is not None]
-    dtype = torch.float64 if any(g.dtype == torch.float64 for g in grads) else torch.float32
-    pieces = NormPieces()
-    counted: set[int] = set()
-    handles = _handles_holding(params)
-    for handle in handles:
-        if id(handle.flat_param) in ids:  # a flat-mode wrapper's parameter: its whole shard
-            counted.add(id(handle.flat_param))
-            pieces.add_unit(handle, handle.flat_param.grad)
-        else:
-            counted.update(id(p) for p in handle.params if id(p) in ids)
-            pieces.add_unit(handle, None, ids)
-    # gradients of parameters no unit manages are each rank's own: [Note: clipping ignored parameters]
-    groups = (handles[0].process_group, handles[0].replicate_group) if handles else ()
-    replicated_over = tuple(g for g in groups if g is not None)
-    for p in params:
-        if id(p) not in counted:
-            counted.add(id(p))
-            pieces.add_whole(p, replicated_over)
-    # the units' compute device, where their groups communicate (CPU-offloaded gradients included);
-    # torch's clip_grads_with_norm_ then scales each gradient with the coefficient on its own device
-    return pieces.norm(norm_type, dtype, handles[0].device if handles else params[0].device)
-
-
-def _torch_codes() -> tuple[CodeType, ...]:
-    """The code objects of torch's model state-dict functions; none if their module was never imported
-    (then torch's API cannot be running)."""
+def _torch_code() -> Optional[CodeType]:
+    """The code object of torch's ``_get_model_state_dict``; None if its module was never imported (then
+    torch's API cannot be running)."""
     dsd = sys.modules.get("torch.distributed.checkpoint.state_dict")
-    fns = [getattr(dsd, name, None) for name in ("_get_model_state_dict", "_load_model_state_dict")]
-    return tuple(inspect.unwrap(fn).__code__ for fn in fns if fn is not None)
+    fn = getattr(dsd, "_get_model_state_dict", None)
+    return inspect.unwrap(fn).__code__ if fn is not None else None
 
 
-def _torch_call_options(module: nn.Module) -> Optional[tuple[Any, bool]]:
-    """(``_StateDictInfo``, is a load) of the torch API call working on ``module`` right now, or None."""
-    codes = _torch_codes()
-    if not codes:
+def _torch_call_options(module: nn.Module) -> Optional[Any]:
+    """The ``_StateDictInfo`` of the torch API call saving ``module`` right now, or None."""
+    code = _torch_code()
+    if code is None:
         return None
     frame: Optional[FrameType] = sys._getframe(2)
     while frame is not None:
-        if frame.f_code in codes and frame.f_locals.get("model") is module:
-            return frame.f_locals.get("info"), frame.f_code is codes[-1]
+        if frame.f_code is code and frame.f_locals.get("model") is module:
+            return frame.f_locals.get("info")
         frame = frame.f_back
     return None
 
 
 def _register_torch_api_hooks(module: nn.Module) -> None:
-    """Called by `fully_shard` before it builds its state, so that on the root these pre-hooks run
+    """Called by `fully_shard` before it builds its state, so that on the root this pre-hook runs
     before the state-dict hooks of `_state_dict_utils` read the type."""
     if _state_dict_pre_hook in getattr(module, "_state_dict_pre_hooks", {}).values():
         return
     module.register_state_dict_pre_hook(_state_dict_pre_hook)
-    module.register_load_state_dict_pre_hook(_load_state_dict_pre_hook)
 
 
 class _OneShot:
@@ -533,25 +488,17 @@ def _state_dict_pre_hook(module: nn.Module, prefix: str, keep_vars: bool) -> Non
         hook.handle = module.register_state_dict_post_hook(hook)
 
 
-def _load_state_dict_pre_hook(module: nn.Module, *args: Any) -> None:
-    hook = _switch(module)
-    if hook is not None:
-        hook.handle = module.register_load_state_dict_post_hook(hook)
-
-
 def _switch(module: nn.Module) -> Optional[_OneShot]:
     """Set the type torch's options ask for on every state under ``module``, if torch's API is the
     caller; then returns the one-shot hook that restores it, for the caller to register."""
     _restore(module)  # a previous call that raised halfway
-    call = _torch_call_options(module)
+    info = _torch_call_options(module)
     states = _get_fsdp_states(module)
-    if call is None or not states:
+    if info is None or not states:
         return None
-    info, is_load = call
     config: StateDictConfig
     if getattr(info, "full_state_dict", False):
-        # On load torch has already given every rank the full tensors (or broadcast them).
-        rank0 = bool(getattr(info, "cpu_offload", False)) and not is_load
+        rank0 = bool(getattr(info, "cpu_offload", False))
         kind, config = StateDictType.FULL_STATE_DICT, FullStateDictConfig(offload_to_cpu=rank0, rank0_only=rank0)
     else:
         kind, config = StateDictType.SHARDED_STATE_DICT, ShardedStateDictConfig()
@@ -560,7 +507,6 @@ def _switch(module: nn.Module) -> Optional[_OneShot]:
 
 def _restore(module: nn.Module) -> None:
     """Run the one-shot hooks a call that raised halfway left on ``module``."""
-    for hooks in (getattr(module, "_state_dict_hooks", {}), getattr(module, "_load_state_dict_post_hooks", {})):
-        for hook in list(hooks.values()):
-            if isinstance(hook, _OneShot):
-                hook()
+    for hook in list(getattr(module, "_state_dict_hooks", {}).values()):
+        if isinstance(hook, _OneShot):
+            hook()
