@@ -337,8 +337,8 @@ def test_optimizer_step_while_unsharded_is_refused(dist_run) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="torch's _init_optim_state sets .grad = zeros of the unsharded shapes before the refused step and "
-    "does not clear them when it raises; the following backward then fails on those gradients",
+    reason="torch's _init_optim_state sets every group's lr to 0 and every .grad to zeros before the step we "
+    "refuse, and restores neither when the step raises: the following steps change nothing (lr 0)",
 )
 def test_training_goes_on_after_a_refused_step_while_unsharded(dist_run) -> None:
     for r in dist_run(2, torch_state_dict_between_forward_and_backward, True):
