@@ -69,6 +69,11 @@ def _shard(impl: str, model: nn.Sequential, world_size: int, device: torch.devic
 
 
 def _time_steps(model: nn.Module, args: argparse.Namespace, device: torch.device) -> list[float]:
+    return [a + b for a, b in _time_step_parts(model, args, device)]
+
+
+def _time_step_parts(model: nn.Module, args: argparse.Namespace, device: torch.device) -> list[tuple[float, float]]:
+    """Each timed step as (forward + backward, optimizer step + zero_grad) seconds."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     x = torch.randn(args.batch, args.d, device=device)
     sync: Callable[[], None] = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -77,11 +82,13 @@ def _time_steps(model: nn.Module, args: argparse.Namespace, device: torch.device
         sync()
         t0 = time.perf_counter()
         model(x).sum().backward()
+        sync()
+        t1 = time.perf_counter()
         optimizer.step()
         optimizer.zero_grad()
         sync()
         if step >= args.warmup:
-            times.append(time.perf_counter() - t0)
+            times.append((t1 - t0, time.perf_counter() - t1))
     return times
 
 

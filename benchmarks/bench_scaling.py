@@ -13,7 +13,8 @@ Three parts (``--parts``, default all), each with torch FSDP2 beside ours in the
 - ``units``: one process as rank 0 of ``--fake-world-size`` ranks on torch's fake process group
   (collectives return at once), ``bench_overhead.py``'s residual MLP blocks at ``--units`` units, the
   three impls built at once and timed in ``--rounds`` interleaved rounds of ``--unit-steps`` steps: the
-  runtime's own CPU time per step beyond the unsharded model (medians), and per unit.
+  runtime's own CPU time per step beyond the unsharded model (medians), and per unit; also forward +
+  backward alone, and the SGD step alone (over `DTensor` parameters for both sharded impls).
 - ``ws1``: one gloo rank, the default GPT, ``local`` (the unsharded model), ``ours`` and
   ``torch-fsdp2``, all built at once and run in ``--rounds`` interleaved rounds of ``--steps`` steps:
   each sharded impl's speed relative to the unsharded model (world size 1 makes ours NO_SHARD).
@@ -134,18 +135,23 @@ def run_units(args: argparse.Namespace, units: list[int]) -> list[dict[str, Any]
                 impl: bench_overhead._shard(impl, bench_overhead._model(ns, _CPU), args.fake_world_size, _CPU)
                 for impl in bench_overhead.IMPLS  # local, ours, torch-fsdp2
             }
-            times: dict[str, list[float]] = {impl: [] for impl in models}
+            times: dict[str, list[tuple[float, float]]] = {impl: [] for impl in models}
             for r in range(args.rounds):
                 order = list(models)[r % len(models) :] + list(models)[: r % len(models)]
                 for impl in order:
-                    times[impl] += bench_overhead._time_steps(models[impl], ns, _CPU)
+                    times[impl] += bench_overhead._time_step_parts(models[impl], ns, _CPU)
             del models
             for impl, samples in times.items():
-                row[impl] = statistics.median(samples)
+                row[impl] = statistics.median(a + b for a, b in samples)
+                row[f"{impl}_fwd_bwd_s"] = statistics.median(a for a, _ in samples)
+                row[f"{impl}_optim_s"] = statistics.median(b for _, b in samples)
             for impl in SHARDED:
                 row[f"{impl}_overhead_s"] = row[impl] - row["local"]
                 row[f"{impl}_per_unit_s"] = row[f"{impl}_overhead_s"] / n
+                row[f"{impl}_fwd_bwd_per_unit_s"] = (row[f"{impl}_fwd_bwd_s"] - row["local_fwd_bwd_s"]) / n
             row["ours_vs_fsdp2_per_unit"] = row["ours_per_unit_s"] / row["torch-fsdp2_per_unit_s"]
+            fwd_bwd = row["ours_fwd_bwd_per_unit_s"] / row["torch-fsdp2_fwd_bwd_per_unit_s"]
+            row["ours_vs_fsdp2_fwd_bwd_per_unit"] = fwd_bwd
             rows.append(row)
             _log(f"units: {n}: ours {row['ours_per_unit_s'] * 1e6:.0f} us/unit, "
                  f"torch-fsdp2 {row['torch-fsdp2_per_unit_s'] * 1e6:.0f} us/unit")
@@ -201,14 +207,16 @@ def format_tables(report: dict[str, Any]) -> str:
     if report.get("units"):
         out += [
             "| units | local step (ms) | ours step (ms) | FSDP2 step (ms) | ours per unit (µs) | FSDP2 per unit (µs) | "
-            "ours / FSDP2 per unit |",
-            "|---|---|---|---|---|---|---|",
+            "ours / FSDP2 per unit | the same, forward + backward only | optimizer step (ms): local / ours / FSDP2 |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
         for r in report["units"]:
             out.append(
                 f"| {r['units']} | {r['local'] * 1e3:.2f} | {r['ours'] * 1e3:.2f} | {r['torch-fsdp2'] * 1e3:.2f} | "
                 f"{r['ours_per_unit_s'] * 1e6:.0f} | {r['torch-fsdp2_per_unit_s'] * 1e6:.0f} | "
-                f"{r['ours_vs_fsdp2_per_unit']:.2f} |"
+                f"{r['ours_vs_fsdp2_per_unit']:.2f} | {r['ours_vs_fsdp2_fwd_bwd_per_unit']:.2f} | "
+                f"{r['local_optim_s'] * 1e3:.2f} / {r['ours_optim_s'] * 1e3:.2f} / "
+                f"{r['torch-fsdp2_optim_s'] * 1e3:.2f} |"
             )
         out.append("")
     if report.get("ws1"):
