@@ -550,8 +550,3 @@ def abort(handle: FlatParamHandle) -> None:
     back = GradState.KEPT_FOR_NO_SYNC if grads.kept is not None else GradState.NONE
     if grads.state is not back:
         _set_state(handle, back)
-
-
-def has_unreduced(handle: FlatParamHandle) -> bool:
-    """The unit holds gradients that no reduction has taken yet (its backward ran, or ``no_sync``)."""
-    return handle.grads.state in (GradState.FLAT, GradState.AUTOGRAD, GradState.KEPT_FOR_NO_SYNC)
