@@ -11,6 +11,7 @@ import json
 import os
 import resource
 import socket
+import statistics
 import tempfile
 import time
 import traceback
@@ -106,3 +107,10 @@ def run_ranks(
             value = r["value"]
             results.append({**value, "peak_rss_bytes": r["peak_rss_bytes"]} if isinstance(value, dict) else value)
     return results
+
+
+def slowest_steps(ranks: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """Each timed step of ``name`` as its slowest rank's (``ranks``: each rank's result, whose
+    ``times[name]`` lists its step times in order), with their median and minimum."""
+    steps = [max(t) for t in zip(*(r["times"][name] for r in ranks))]
+    return {"step_times_s": steps, "median_s": statistics.median(steps), "min_s": min(steps)}

@@ -18,7 +18,6 @@ import argparse
 import datetime
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -34,7 +33,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from torch import nn  # noqa: E402
 
 from benchmarks._model import DEFAULT, Block  # noqa: E402
-from benchmarks._ranks import free_port  # noqa: E402
+from benchmarks._ranks import free_port, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable._comm import _collectives  # noqa: E402
 from fsdp_composable._flat._rank_major import build_layout  # noqa: E402
@@ -140,10 +139,9 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     payload = -(-args.numel // args.world_size) * args.world_size * 4
     rows = []
     for name, kind in ranks[0]["kinds"].items():
-        per_rep = [max(r["times"][name][i] for r in ranks) for i in range(args.reps)]
-        median = statistics.median(per_rep)
+        median, low = (slowest_steps(ranks, name)[k] for k in ("median_s", "min_s"))
         wire = payload * share * (2 if kind == "all_reduce" else 1)  # what one rank sends
-        rows.append({"op": name, "kind": kind, "median_s": median, "min_s": min(per_rep), "wire_bytes": wire})
+        rows.append({"op": name, "kind": kind, "median_s": median, "min_s": low, "wire_bytes": wire})
     return rows
 
 

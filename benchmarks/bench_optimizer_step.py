@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -33,7 +32,7 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
-from benchmarks._ranks import run_ranks  # noqa: E402
+from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
 VARIANTS = ("faces", "faces, foreach", "plain", "plain, foreach")
@@ -82,9 +81,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     ranks = run_ranks(args.world_size, _rank, (cfg.as_dict(), args.rounds, args.warmup), args.threads)
     rows = []
     for name in VARIANTS:
-        per_round = [max(r["times"][name][i] for r in ranks) for i in range(args.rounds)]
-        rows.append({"variant": name, "params": ranks[0]["params"], "step_times_s": per_round,
-                     "median_s": statistics.median(per_round), "min_s": min(per_round)})
+        rows.append({"variant": name, "params": ranks[0]["params"], **slowest_steps(ranks, name)})
     plain = rows[2]["median_s"]
     for row in rows:
         row["vs_plain"] = row["median_s"] / plain

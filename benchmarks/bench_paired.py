@@ -39,7 +39,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import Built, build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
-from benchmarks._ranks import run_ranks  # noqa: E402
+from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
 # name -> (impl of benchmarks._impls, ours' forward_prefetch: None is the library's default)
@@ -100,23 +100,18 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         args.world_size, _rank, (cfg.as_dict(), args.impl_list, args.rounds, args.warmup), args.threads, args.timeout
     )
     stepping = {name: ranks[:1] if name == ALONE else ranks for name in args.impl_list}
-    per_step = {
-        name: [max(r["times"][name][i] for r in stepping[name]) for i in range(args.rounds)]
-        for name in args.impl_list
-    }
-    first = per_step[args.impl_list[0]]
+    timed = {name: slowest_steps(stepping[name], name) for name in args.impl_list}
+    first = timed[args.impl_list[0]]["step_times_s"]
     return [
         {
             "impl": name,
-            "step_times_s": steps,
-            "median_s": statistics.median(steps),
-            "min_s": min(steps),
-            "ratio_to_first": statistics.median(s / f for s, f in zip(steps, first)),
+            **t,
+            "ratio_to_first": statistics.median(s / f for s, f in zip(t["step_times_s"], first)),
             # CPU seconds per step (median) of each rank's process: for `local`, the waiting ranks' too
             "cpu_s_by_rank": [statistics.median(r["cpu"][name]) for r in ranks],
             "minor_faults_by_rank": [statistics.median(r["faults"][name]) for r in ranks],
         }
-        for name, steps in per_step.items()
+        for name, t in timed.items()
     ]
 
 

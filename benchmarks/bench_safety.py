@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
 import time
 from typing import Any, Optional
@@ -31,7 +30,7 @@ import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
-from benchmarks._ranks import run_ranks  # noqa: E402
+from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable._base import _safety  # noqa: E402
 
@@ -70,9 +69,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
     ranks = run_ranks(args.world_size, _rank, (cfg.as_dict(), args.rounds, args.steps, args.warmup), args.threads)
     rows = []
     for name, off in VARIANTS:
-        per_step = [max(r["times"][name][i] for r in ranks) for i in range(len(ranks[0]["times"][name]))]
-        rows.append({"variant": name, "off": list(off), "step_times_s": per_step,
-                     "median_s": statistics.median(per_step), "min_s": min(per_step)})
+        rows.append({"variant": name, "off": list(off), **slowest_steps(ranks, name)})
     on = rows[0]["median_s"]
     for row in rows:
         row["cost_s"] = on - row["median_s"]
