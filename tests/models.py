@@ -89,3 +89,18 @@ class Branchy(nn.Module):
         for i in self.order:
             x = torch.tanh(self.blocks[i](x))
         return x
+
+
+class Toy(nn.Module):
+    """A scale and three Linears of odd sizes, for memory estimates by hand. Units under
+    ModuleWrapPolicy({nn.Linear}): root (scale, 3), a (20), b (42), c (8)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(3))
+        self.a = nn.Linear(3, 5)
+        self.b = nn.Linear(5, 7)
+        self.c = nn.Linear(7, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(torch.relu(self.b(torch.relu(self.a(x * self.scale)))))

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss
+from models import Block, OddMLP, TinyGPT, Toy, gpt_batch, gpt_loss
 from torch import nn
 
 from fsdp_composable import (
@@ -208,20 +208,6 @@ def test_unsharded_grads_do_not_grow_with_depth(dist_run, world_size: int) -> No
 
 
 # ---------------------------------------------------------------------------- estimate, by hand
-class Toy(nn.Module):
-    """Units under ModuleWrapPolicy({nn.Linear}): root (scale, 3), a (20), b (42), c (8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-        self.a = nn.Linear(3, 5)
-        self.b = nn.Linear(5, 7)
-        self.c = nn.Linear(7, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.b(torch.relu(self.a(x * self.scale)))))
-
-
 LINEARS = ModuleWrapPolicy({nn.Linear})
 BATCH = torch.zeros(4, 3)
 

@@ -11,7 +11,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from models import Block, TinyGPT, gpt_batch, gpt_loss
+from models import Block, TinyGPT, Toy, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
 
@@ -28,20 +28,6 @@ from fsdp_composable._common_utils import _get_fsdp_states
 
 BF16 = torch.bfloat16
 POLICY = ModuleWrapPolicy({Block})
-
-
-class Toy(nn.Module):
-    """Units under ModuleWrapPolicy({nn.Linear}): root (scale, 3), a (20), b (42), c (8)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.scale = nn.Parameter(torch.ones(3))
-        self.a = nn.Linear(3, 5)
-        self.b = nn.Linear(5, 7)
-        self.c = nn.Linear(7, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c(torch.relu(self.b(torch.relu(self.a(x * self.scale)))))
 
 
 LINEARS = ModuleWrapPolicy({nn.Linear})
