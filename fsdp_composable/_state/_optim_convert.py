@@ -468,23 +468,21 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
     return to_flat_shard(unit.handle, values, value.dtype)
 
 
+def _every_handle() -> list[FlatParamHandle]:
+    """Every unit's handle in this process, once each, in the order `fully_shard` built them."""
+    out: dict[int, FlatParamHandle] = {}
+    for apis in list(_module_to_states.values()):
+        state = apis.get(API_NAME)
+        for handle in state.handles if state is not None else ():
+            out.setdefault(id(handle), handle)
+    return list(out.values())
+
+
 def _handles_holding(params: list[torch.Tensor]) -> list[FlatParamHandle]:
     """The handles with a parameter in ``params``, in the order `fully_shard` built them (the same on
     every rank), whichever order ``params`` lists them in."""
     ids = {id(p) for p in params}
-    out: list[FlatParamHandle] = []
-    seen: set[int] = set()
-    for apis in list(_module_to_states.values()):
-        state = apis.get(API_NAME)
-        if state is None:
-            continue
-        for handle in state.handles:
-            if id(handle) in seen:
-                continue
-            seen.add(id(handle))
-            if id(handle.flat_param) in ids or any(id(p) in ids for p in handle.faces):
-                out.append(handle)
-    return out
+    return [h for h in _every_handle() if id(h.flat_param) in ids or any(id(p) in ids for p in h.faces)]
 
 
 def _unit_of(handle: FlatParamHandle) -> _Unit:

@@ -81,7 +81,7 @@ from torch.optim import optimizer as torch_optimizer
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._comm import _rank_agreement
-from fsdp_composable._common_utils import API_NAME, FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
+from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import _module_to_states, count_registration
 from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
@@ -92,6 +92,7 @@ from fsdp_composable._state._optim_convert import (
     _check_same_on_all_ranks,
     _check_saved_same_on_all_ranks,
     _collect,
+    _every_handle,
     _export_entries,
     _flat_global,
     _flat_local,
@@ -180,28 +181,21 @@ def _hidden_original(param: torch.Tensor) -> bool:
 def _refuse_original_of_unsharded_unit(param: torch.Tensor, fqn: str) -> None:
     """Raise if ``param``'s unit is unsharded now: the optimizer was then most likely built from the
     originals that an unsharded unit registers, not before fully_shard."""
-    for apis in list(_module_to_states.values()):
-        state = apis.get(API_NAME)
-        for handle in state.handles if state is not None else ():
-            if not any(p is param for p in handle.params) or not (handle.is_unsharded or handle.unshard_in_flight):
-                continue
-            raise RuntimeError(
-                f"the optimizer holds parameter '{fqn}' as registered while its unit '{handle.root_fqn}' is "
-                "unsharded (after unshard(module), inside unshard_params, or kept by "
-                "set_reshard_after_backward(False) or reshard_after_forward=False): between steps a DTensor "
-                "parameter replaces it, which the optimizer would never step. Build the optimizer while every "
-                "unit is sharded, e.g. right after fully_shard or after reshard(module), from model.parameters()"
-            )
+    for handle in _every_handle():
+        if not any(p is param for p in handle.params) or not (handle.is_unsharded or handle.unshard_in_flight):
+            continue
+        raise RuntimeError(
+            f"the optimizer holds parameter '{fqn}' as registered while its unit '{handle.root_fqn}' is "
+            "unsharded (after unshard(module), inside unshard_params, or kept by "
+            "set_reshard_after_backward(False) or reshard_after_forward=False): between steps a DTensor "
+            "parameter replaces it, which the optimizer would never step. Build the optimizer while every "
+            "unit is sharded, e.g. right after fully_shard or after reshard(module), from model.parameters()"
+        )
 
 
 def _managed_tensor_ids() -> set[int]:
     """Every flat parameter, original parameter and face of this process's units."""
-    out: set[int] = set()
-    for apis in list(_module_to_states.values()):
-        state = apis.get(API_NAME)
-        for h in state.handles if state is not None else ():
-            out.update(id(t) for t in (h.flat_param, *h.params, *h.faces))
-    return out
+    return {id(t) for h in _every_handle() for t in (h.flat_param, *h.params, *h.faces)}
 
 
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
