@@ -38,7 +38,7 @@ from fsdp_composable._base._state_machine import Transitions, check_transition
 from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
-from fsdp_composable._comm._tensor_parallel import local_of, point_at
+from fsdp_composable._comm._tensor_parallel import face_spec_2d, local_of, mesh_2d, point_at
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, grad_face, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
@@ -159,10 +159,10 @@ class FlatParamHandle:
         self._unsharded_regions: list[torch.Tensor] = []
         self._unsharded_views: list[torch.Tensor] = []
         self._sharded_views: list[torch.Tensor] = []
-        # each parameter's DTensor face ([Note: parameter faces]); a tensor-parallel unit's parameters
-        # are DTensors already and are their own faces
+        # each parameter's DTensor face ([Note: parameter faces]; a tensor-parallel one's: [Note: 2-D faces])
         self.faces: list[nn.Parameter] = []
         self._mesh: Optional[DeviceMesh] = None  # the faces' mesh: the process group's ranks
+        self._mesh_2d: Optional[DeviceMesh] = None  # a tensor-parallel unit's (dp, tp) mesh
         self._face_specs: dict[torch.dtype, list[DTensorSpec]] = {}
         self._local_shapes = [self.layout.local_shape(i) for i in self.layout.infos]
         self._local_strides = [contiguous_strides(shape) for shape in self._local_shapes]
@@ -231,20 +231,14 @@ class FlatParamHandle:
             self._unsharded_views = list(self._sharded_views)
 
     def _init_faces(self) -> None:
-        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces]). A
-        tensor-parallel parameter is a DTensor already and is its own face (repointed by
-        `_point_params_at`); the plain parameters of its unit get faces as any other."""
+        """Make the faces, or point them at a new shard of their dtype ([Note: parameter faces])."""
         locals_ = [v.view(shape) for v, shape in zip(self._sharded_views, self._local_shapes)]
         if self.faces and all(f.dtype == v.dtype for f, v in zip(self.faces, locals_)):
-            for face, param, local in zip(self.faces, self.params, locals_):
-                if face is not param:
-                    repoint_face(face, local)
+            for face, local in zip(self.faces, locals_):
+                repoint_face(face, local)
             return
         specs = self.face_specs(self.dtype)
-        self.faces = [
-            p if info.tp is not None else make_face(local, spec, p.requires_grad)
-            for p, info, spec, local in zip(self.params, self.layout.infos, specs, locals_)
-        ]
+        self.faces = [make_face(local, spec, p.requires_grad) for p, spec, local in zip(self.params, specs, locals_)]
         for face, param in zip(self.faces, self.params):
             face._fsdp_fqn = param._fsdp_fqn  # type: ignore[attr-defined]
             setattr(face, FSDP_FLATTENED, True)
@@ -256,13 +250,23 @@ class FlatParamHandle:
             if self._mesh is None:
                 self._mesh = face_mesh(self.process_group, self.device)
             mesh, layout = self._mesh, self.layout
-            specs = self._face_specs[dtype] = [face_spec(info, layout, mesh, dtype) for info in layout.infos]
+            specs = self._face_specs[dtype] = [
+                face_spec(info, layout, mesh, dtype) if info.tp is None else self._face_spec_2d(info, dtype)
+                for info in layout.infos
+            ]
         return specs
+
+    def _face_spec_2d(self, info: ParamInfo, dtype: torch.dtype) -> DTensorSpec:
+        assert info.tp is not None
+        if self._mesh_2d is None:  # maybe a collective: made while the faces are made, on every rank
+            self._mesh_2d = mesh_2d(self.process_group, info.tp, self.device)
+        replicated = info.replicated or self.layout.world_size == 1
+        return face_spec_2d(self._mesh_2d, info.tp, replicated, dtype)
 
     def face_grads(self, flat_grad: torch.Tensor) -> list[torch.Tensor]:
         """Every parameter's gradient face over ``flat_grad`` (a shard-sized flat gradient), built the
         cheap way (one ``as_strided`` each), as every backward does: a wrapper over a view at an offset,
-        as FSDP2's gradients are (a tensor-parallel parameter's entry is unused)."""
+        as FSDP2's gradients are."""
         base, specs = flat_grad.storage_offset(), self.face_specs(flat_grad.dtype)
         where = zip(self._local_shapes, self._local_strides, self._shard_ranges, specs)
         return [
@@ -271,7 +275,8 @@ class FlatParamHandle:
         ]
 
     def face_grad(self, i: int, view: torch.Tensor) -> torch.Tensor:
-        """Parameter ``i``'s gradient as its face shows it, from its 1-D slice ``view`` of a flat shard."""
+        """Parameter ``i``'s value (a gradient, optimizer state, a SHARDED state-dict value) as its face
+        shows it, from its 1-D slice ``view`` of a flat shard."""
         return face_value(view.view(self._local_shapes[i]), self.face_specs(view.dtype)[i])
 
     def register_params(self) -> None:

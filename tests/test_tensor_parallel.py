@@ -311,6 +311,76 @@ def test_2d_no_shard_matches_the_unsharded_model(dist_run) -> None:
         assert r["weights_diff"] < 1e-10
 
 
+def _faces_2d(strategy: ShardingStrategy) -> dict[str, Any]:
+    """Between steps every tensor-parallel parameter, its gradient and its optimizer state are DTensors
+    over the (dp, tp) mesh whose full values are the plain model's; writes through them reach the shard."""
+    mesh = _mesh()
+    ref = _plain()
+    model = _shard(_tp(copy.deepcopy(ref), mesh), mesh, strategy=strategy)
+    opt_ref, opt = _adamw(ref), _adamw(model)
+    ref_params = dict(ref.named_parameters())
+
+    def diff(values: dict[str, torch.Tensor], of: Any = lambda p: p.detach()) -> float:
+        return max(float((of(p).full_tensor() - values[n]).abs().max()) for n, p in _tp_faces(model, values).items())
+
+    batch = _batch(0)
+    _loss(ref, batch).backward()
+    _loss(model, _local(batch, mesh)).backward()
+    grads = diff({n: p.grad for n, p in ref_params.items()}, of=lambda p: p.grad)
+    opt_ref.step()
+    opt.step()
+    params = diff({n: p.detach() for n, p in ref_params.items()})
+    state = {n: opt_ref.state[p]["exp_avg"] for n, p in ref_params.items()}
+    exp_avg = diff(state, of=lambda p: opt.state[p]["exp_avg"])
+    layout = {
+        n: (p.device_mesh.ndim, str(tuple(p.placements)), tuple(p.shape), p.numel(), str(tuple(p.grad.placements)))
+        for n, p in _tp_faces(model, ref_params).items()
+        if n.startswith("blocks.0.")
+    }
+    with torch.no_grad():  # an in-place write through a face lands in the unit's shard
+        model.blocks[0].up.weight.mul_(0.5)
+        ref.blocks[0].up.weight.mul_(0.5)
+    opt_ref.zero_grad()
+    opt.zero_grad()
+    losses = _train_steps(model, opt, mesh, range(1, 3))
+    ref_losses = _ref_run(range(1, 3), ref, opt_ref)[2]
+    return {
+        "grads": grads,
+        "params": params,
+        "exp_avg": exp_avg,
+        "layout": layout,
+        "losses": losses,
+        "ref_losses": ref_losses,
+    }
+
+
+def _tp_faces(model: nn.Module, names: dict[str, Any]) -> dict[str, DTensor]:
+    """The model's tensor-parallel parameters (those of the blocks' up and down layers) by name."""
+    return {n: p for n, p in model.named_parameters() if n in names and (".up." in n or ".down." in n)}
+
+
+@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD])
+def test_2d_parameters_gradients_and_optimizer_state_are_2d_dtensors(dist_run, strategy: ShardingStrategy) -> None:
+    """torch FSDP2's 2-D layout between steps: ``full_tensor()`` of each tensor-parallel parameter, its
+    gradient and its AdamW state is the plain model's (rows of 5 per TP rank split 3 + 2 over dp: uneven);
+    an in-place write through a parameter trains on as the plain model does."""
+    dp = "Replicate()" if strategy is ShardingStrategy.NO_SHARD else None
+    for r in dist_run(4, _faces_2d, strategy=strategy):
+        assert r["grads"] < 1e-12 and r["params"] < 1e-12 and r["exp_avg"] < 1e-12, r
+        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12, abs=1e-12)
+        layout = r["layout"]
+        assert layout["blocks.0.up.weight"][:4] == (
+            2,
+            f"({dp or '_StridedShard(dim=0, sf=2)'}, Shard(dim=0))",
+            (10, 6),
+            60,
+        )
+        assert layout["blocks.0.down.weight"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Shard(dim=1))", (6, 10), 60)
+        assert layout["blocks.0.down.bias"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Replicate())", (6,), 6)
+        for _, placements, _, _, grad_placements in layout.values():
+            assert grad_placements == placements
+
+
 def _refused(case: str) -> str:
     from torch.distributed.tensor import distribute_tensor
 

@@ -12,15 +12,13 @@ The ``DTensor`` parameter objects are kept, as plain ones are, and repointed ins
 is a wrapper whose data is its ``_local_tensor`` attribute (its own ``.data`` has no storage), so we
 assign ``_local_tensor`` where a plain parameter gets ``.data``. In forward and backward it is the
 local-shape view into the unsharded flat parameter, so tensor-parallel ops see the ``DTensor`` they
-were built for. Between steps it is the 1-D slice of this rank's shard (possibly empty), and
-``.grad`` is a ``DTensor`` over the same 1-D slice of the sharded gradient: optimizers only apply
-element-wise ops, which ``DTensor`` runs on the local tensors. A backward's gradient of a
+were built for. Between steps the module registers the parameter's 2-D face instead ([Note: 2-D
+faces]), whose gradient and optimizer state are 2-D ``DTensor``s too. A backward's gradient of a
 ``DTensor`` parameter is first brought to the parameter's placements (a ``Partial`` gradient of a
 replicated parameter is summed over the tensor-parallel group) and then flattened like any other.
 
-State dicts turn the local pieces back into ``DTensor``s of the original shapes: FULL gives each
-parameter as the tensor-parallel model itself holds it (full over the data-parallel group), SHARDED
-a ``DTensor`` over the 2-D (data-parallel, tensor-parallel) mesh with both placements.
+FULL state dicts give each parameter as the tensor-parallel model itself holds it (full over the
+data-parallel group); SHARDED ones are the 2-D faces.
 """
 
 from __future__ import annotations
@@ -33,6 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Replicate, Shard
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives
@@ -134,24 +133,12 @@ def is_tp_sharded(spec: Optional[TPSpec]) -> bool:
     return spec is not None and any(isinstance(p, Shard) for p in spec.placements)
 
 
-# ---------------------------------------------------------------------------- state dicts
-# Set on a tensor-parallel mesh object: {data-parallel group name: the 2-D mesh of the pair}. Building
-# one may be a collective, so it is built once per pair and kept by the tensor-parallel mesh itself.
-_MESHES_2D_ATTR = "_fsdp_meshes_2d"
-
-
+# ---------------------------------------------------------------------------- 2-D faces
 def mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec, device: Optional[torch.device] = None) -> DeviceMesh:
     """The (data-parallel, tensor-parallel) mesh: the tensor-parallel mesh's parent when it has the
-    data-parallel group as its other dimension, else one built from the two groups (once per pair,
-    communicating on ``device``'s communication device: a local tensor's, not the current one)."""
-    cache: dict[str, DeviceMesh] = spec.mesh.__dict__.setdefault(_MESHES_2D_ATTR, {})
-    mesh = cache.get(dp_group.group_name)
-    if mesh is None:
-        mesh = cache[dp_group.group_name] = _find_mesh_2d(dp_group, spec, device)
-    return mesh
-
-
-def _find_mesh_2d(dp_group: dist.ProcessGroup, spec: TPSpec, device: Optional[torch.device]) -> DeviceMesh:
+    data-parallel group as its other dimension, else one built from the two groups (a collective over
+    the world, communicating on ``device``'s communication device). Called once per unit, when its faces
+    are made; the handle keeps it."""
     tp_mesh = spec.mesh
     root = tp_mesh._get_root_mesh()
     dp_ranks = sorted(dist.get_process_group_ranks(dp_group))
@@ -218,42 +205,28 @@ def local_part_of_full(full: torch.Tensor, spec: TPSpec) -> torch.Tensor:
     return out
 
 
-# [Note: 2-D state-dict values]
-# A SHARDED value of a tensor-parallel parameter is a ``DTensor`` of the *global* shape over the 2-D
-# (dp, tp) mesh with placements ``(dp_placement, *tp placements)``; its local tensor is this rank's
-# `torch.chunk` rows (over the data-parallel group) of the tensor-parallel local tensor, exactly what
-# `_state_dict_sharded._flat_to_chunks` gives for the parameter's (local-shape) ``ParamInfo``. When the
-# tensor-parallel placement also splits dim 0, ``_StridedShard(0, split_factor=tp)`` says "rows of
-# each tensor-parallel chunk" (right-to-left sharding); DTensor's ``full_tensor()`` and DCP's chunk
-# offsets follow it, uneven sizes included. A FULL value is the parameter as the tensor-parallel model
-# holds it (full over dp). Loading accepts any of these, DTensors of any other mesh or placements, and
-# plain global tensors: each is first brought to this rank's tensor-parallel local tensor
-# (`tp_local_of`), then cut like a plain parameter.
+# [Note: 2-D faces]
+# Between steps a tensor-parallel parameter's face ([Note: parameter faces]) is a ``DTensor`` of the
+# *global* shape over the 2-D (dp, tp) mesh with placements ``(dp_placement, *tp placements)``; its
+# local tensor is this rank's `torch.chunk` rows (over the data-parallel group) of the tensor-parallel
+# local tensor, which is where the unit's rank-major flat shard holds them. When the tensor-parallel
+# placement also splits dim 0, ``_StridedShard(0, split_factor=tp)`` says "rows of each
+# tensor-parallel chunk" (right-to-left sharding); DTensor's ``full_tensor()`` and DCP's chunk offsets
+# follow it, uneven sizes included. The same DTensors are the gradients, the optimizer's state and the
+# SHARDED state-dict values. A FULL value is the parameter as the tensor-parallel model holds it (full
+# over dp). Loading accepts any of these, DTensors of any other mesh or placements, and plain global
+# tensors: each is first brought to this rank's tensor-parallel local tensor (`tp_local_of`), then cut
+# like a plain parameter.
 def sharded_placements(spec: TPSpec, dp_replicated: bool) -> tuple[Placement, ...]:
     """The placements of a SHARDED value over `mesh_2d`: data-parallel first, then the TP ones."""
     return (Replicate() if dp_replicated else dp_placement(spec), *spec.placements)
 
 
-def as_sharded_value(local: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool) -> DTensor:
-    """The 2-D SHARDED ``DTensor`` whose local tensor is ``local`` (see [Note: 2-D state-dict values])."""
-    return DTensor.from_local(
-        local,
-        mesh_2d(dp_group, spec, local.device),
-        sharded_placements(spec, dp_replicated),
-        run_check=False,
-        shape=spec.shape,
-        stride=contiguous_strides(spec.shape),
-    )
-
-
-def is_sharded_value(value: torch.Tensor, dp_group: dist.ProcessGroup, spec: TPSpec, dp_replicated: bool) -> bool:
-    """``value`` already has the layout `as_sharded_value` gives (its local tensor is this rank's chunk)."""
-    return (
-        isinstance(value, DTensor)
-        and value.shape == spec.shape
-        and value.device_mesh == mesh_2d(dp_group, spec, value.device)
-        and tuple(value.placements) == sharded_placements(spec, dp_replicated)
-    )
+def face_spec_2d(mesh: DeviceMesh, spec: TPSpec, dp_replicated: bool, dtype: torch.dtype) -> DTensorSpec:
+    """The face of a tensor-parallel parameter over ``mesh`` (`mesh_2d`): its global shape, placements
+    ``(dp, *tp)`` (see [Note: 2-D faces])."""
+    meta = TensorMeta(spec.shape, contiguous_strides(spec.shape), dtype)
+    return DTensorSpec(mesh, sharded_placements(spec, dp_replicated), tensor_meta=meta)
 
 
 def is_tp_value(value: torch.Tensor, spec: TPSpec) -> bool:

@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from fsdp_composable._base import _safety
-from fsdp_composable._comm._tensor_parallel import as_param_grad, local_of
+from fsdp_composable._comm._tensor_parallel import local_of
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable.api import ModelEditedAfterShardingError
 
@@ -139,11 +139,8 @@ def expose_sharded_grads(handle: FlatParamHandle) -> None:
     if not grads.expose_orig or flat_grad is None or handle.is_unsharded or grads.in_backward():
         return
     exposed: list[Optional[torch.Tensor]] = []
-    views = handle.sharded_views_of(flat_grad) if handle.tensor_parallel else None
-    faces = handle.face_grads(flat_grad)
-    for i, (param, info, face) in enumerate(zip(handle.faces, handle.layout.infos, faces)):
+    for i, (param, grad) in enumerate(zip(handle.faces, handle.face_grads(flat_grad))):
         if param.requires_grad and i not in grads.missing:
-            grad = face if info.tp is None else as_param_grad(info.tp, views[i])  # type: ignore[index]
             assign_grad(param, grad)
             exposed.append(grad)
         else:

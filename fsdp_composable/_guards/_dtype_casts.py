@@ -67,8 +67,6 @@ def mark_faces(handle: FlatParamHandle) -> None:
     """Mark new faces, or give back the attributes ``torch.utils.swap_tensors`` (``_apply``) took with
     a face's contents: what they are, the storage `storage_of` compares, and the refusal of copies
     ([Note: copying a sharded model]). Between steps only."""
-    if handle.tensor_parallel:
-        return
     for face, param in zip(handle.faces, handle.params):
         if getattr(face, "_fsdp_storage", None) is None:
             face._fsdp_face = True  # type: ignore[attr-defined]

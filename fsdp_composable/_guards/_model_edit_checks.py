@@ -29,6 +29,7 @@ from fsdp_composable._comm._tensor_parallel import local_of
 from fsdp_composable._common_utils import FSDP_FLATTENED, _FSDPState
 from fsdp_composable._composable_state import registrations
 from fsdp_composable._flat._faces import face_value
+from fsdp_composable._flat._flat_layout import _saved_shape
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle
 from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._guards._dtype_casts import adopt_casts, mark_faces, storage_of
@@ -90,7 +91,7 @@ def _exposed(handle: FlatParamHandle) -> tuple[list[nn.Parameter], list[torch.Te
     """What the holders register now (the faces between steps) and the views their memory must be."""
     if handle.is_unsharded:
         return handle.params, handle._unsharded_views
-    if handle.registered is handle.faces and not handle.tensor_parallel:
+    if handle.registered is handle.faces:
         return handle.faces, handle._sharded_views
     return handle.params, handle._sharded_views
 
@@ -118,7 +119,7 @@ def _intact(param: torch.Tensor, view: torch.Tensor) -> bool:
 
 def _views_intact(handle: FlatParamHandle) -> bool:
     exposed, views = _exposed(handle)
-    if exposed is handle.faces and any(f.shape != i.shape for f, i in zip(exposed, handle.layout.infos)):
+    if exposed is handle.faces and any(f.shape != _saved_shape(i) for f, i in zip(exposed, handle.layout.infos)):
         return False
     return all(_intact(p, v) for p, v in zip(exposed, views))
 
@@ -147,7 +148,7 @@ def _point_faces_back(handle: FlatParamHandle) -> None:
     had_grads = False
     specs = handle.face_specs(handle.dtype)
     for face, info, spec, view in zip(handle.faces, layout.infos, specs, handle._sharded_views):
-        if _intact(face, view) and face.shape == info.shape:
+        if _intact(face, view) and face.shape == _saved_shape(info):
             continue
         had_grads |= face.grad is not None
         face.grad = None
@@ -165,9 +166,9 @@ def _restore_views(handles: list[FlatParamHandle]) -> None:
         exposed, views = _exposed(handle)
         faces = exposed is handle.faces
         for param, info, view in zip(exposed, handle.layout.infos, views):
-            if first is None and not (_intact(param, view) and (not faces or param.shape == info.shape)):
+            if first is None and not (_intact(param, view) and (not faces or param.shape == _saved_shape(info))):
                 first = (handle, _fqn(handle, info.fqn), local_of(param))
-        if exposed is handle.faces and not handle.tensor_parallel:
+        if faces:
             _point_faces_back(handle)
         else:
             handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()

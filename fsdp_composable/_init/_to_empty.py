@@ -123,8 +123,7 @@ def to_empty_keeping_shards(
 
 def _unit_tensors(handle: FlatParamHandle) -> list[torch.Tensor]:
     # the faces too: torch's to_empty swaps a DTensor face's contents for an empty DTensor
-    faces = [] if handle.tensor_parallel else handle.faces
-    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params, *faces]
+    tensors: list[torch.Tensor] = [handle.flat_param, *handle.params, *handle.faces]
     grads = [t.grad for t in tensors if t.grad is not None]
     return tensors + grads
 

@@ -40,7 +40,7 @@ from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_f
 from fsdp_composable._flat._flat_layout import _saved_shape
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state._state_dict_settings import _copy, _rank0_only
-from fsdp_composable._state._state_dict_sharded import _flat_to_chunks, _mesh_of, _sharded_value, to_flat_shard
+from fsdp_composable._state._state_dict_sharded import _flat_to_chunks, _mesh_of, to_flat_shard
 from fsdp_composable._state._state_digest import digests
 from fsdp_composable.api import StateDictConfig
 
@@ -332,13 +332,12 @@ def _export_entries(
         {key: _copy(v, config) for key, v in scalars.items()} if has else None
         for has, scalars in zip(c.has_state, c.scalars)
     ]
-    mesh = _mesh_of(handle.process_group, comm_device_of(handle)) if sharded else None
     for key, dtype in sorted(c.flats, key=lambda kd: (kd[0], str(kd[1]))):
         flat = c.flats[(key, dtype)]
-        if mesh is not None:
-            for info, entry, chunk in zip(layout.infos, out, _flat_to_chunks(handle, flat)):
+        if sharded:  # laid out like the faces
+            for k, (entry, chunk) in enumerate(zip(out, _flat_to_chunks(handle, flat))):
                 if entry is not None:
-                    entry[key] = _sharded_value(handle, info, chunk.cpu() if config.offload_to_cpu else chunk, mesh)
+                    entry[key] = handle.face_grad(k, chunk.cpu() if config.offload_to_cpu else chunk)
             continue
         full = _gather_full_flat(handle, flat) if layout.world_size > 1 else flat
         for info, entry in zip(layout.infos, out):
@@ -408,14 +407,8 @@ def _local_state(unit: _Unit, saved: list[Optional[Mapping[str, Any]]]) -> list[
             start, end = layout.shard_range(layout.infos[k])
             entry = out[k]
             assert entry is not None
-            local = flat[start:end].clone()
-            # laid out like the parameter the optimizer holds (its face), as the optimizer makes it; a
-            # tensor-parallel parameter is its own face, over its 1-D slice
-            tp = layout.infos[k].tp
-            if tp is not None:
-                entry[key] = _tensor_parallel.as_param_grad(tp, local.view(handle._sharded_views[k].shape))
-            else:
-                entry[key] = handle.face_grad(k, local)
+            # laid out like the parameter the optimizer holds (its face), as the optimizer makes it
+            entry[key] = handle.face_grad(k, flat[start:end].clone())
     return out
 
 
@@ -490,8 +483,7 @@ def _unit_of(handle: FlatParamHandle) -> _Unit:
 
 
 def _in_global_form(param: torch.Tensor, value: Any) -> bool:
-    """A DTensor state value that is not what the optimizer itself keeps: a tensor-parallel parameter's
-    own state is a DTensor laid out like the parameter over its 1-D slice."""
+    """A state value that is not what the optimizer itself keeps (a DTensor laid out like the face)."""
     if not isinstance(value, DTensor):  # a full value of a face's state
         return isinstance(param, DTensor) and isinstance(value, torch.Tensor) and value.dim() > 0
     return not (

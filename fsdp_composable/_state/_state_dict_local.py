@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 
-from fsdp_composable._comm import _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle
 from fsdp_composable._state._state_dict_settings import _to_output
@@ -84,12 +83,9 @@ def _local_pre_load_hook(
             f"{tuple(handle.flat_param.shape)}, got {getattr(flat, 'shape', type(flat).__name__)}."
         )
         flat = handle.flat_param.detach().clone()
-    for k, (info, sharded_view) in enumerate(zip(layout.infos, handle._sharded_views)):
+    for k, info in enumerate(layout.infos):
         start, end = layout.shard_range(info)
-        if info.tp is not None:  # between steps a DTensor over its 1-D slice: give the same
-            value = _tensor_parallel.as_param_grad(info.tp, flat[start:end].view(sharded_view.shape))
-        else:  # laid out like the face, so nn.Module's copy is a local one
-            value = handle.face_grad(k, flat[start:end])
+        value = handle.face_grad(k, flat[start:end])  # laid out like the face: nn.Module's copy is local
         for _, _, fqn in info.holders:
             state_dict[prefix + fqn] = value
 

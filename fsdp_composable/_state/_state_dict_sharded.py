@@ -7,9 +7,8 @@ which is the piece a ``Shard(0)`` DTensor describes. Between steps each module r
 parameters' faces ([Note: parameter faces]), DTensors of that layout, so ``nn.Module.state_dict()``
 saves them as they are: the SHARDED values are the faces (detached: they view the live shard, as
 torch FSDP2's do; ``offload_to_cpu`` gives CPU copies), and `torch.distributed.checkpoint` saves and
-loads them at any world size. Nothing is gathered and no unit is opened. A tensor-parallel unit's
-parameters are DTensors over their 1-D slices, not faces: its save and load still open the unit with
-2-D values (see [Note: 2-D state-dict values]).
+loads them at any world size (a tensor-parallel parameter's face is 2-D: [Note: 2-D faces]). Nothing
+is gathered and no unit is opened.
 
 [Note: loading into the faces]
 FULL and SHARDED loads copy straight into the faces: a placement hook on each module holding a
@@ -24,45 +23,22 @@ faces and registers the faces again.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._comm import _collectives, _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
-from fsdp_composable._flat._checkpoint_comm import comm_device_of
 from fsdp_composable._flat._faces import face_value
 from fsdp_composable._flat._flat_layout import _is_replicated_info, _saved_shape
 from fsdp_composable._flat_param import FlatLayout, FlatParamHandle, ParamInfo
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
-from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
 from fsdp_composable._state._state_dict_settings import _config, _to_output
-from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
-
-
-def _open_sharded(state: _FSDPState, handle: FlatParamHandle) -> _OpenUnit:
-    """A tensor-parallel unit's SHARDED save: register a 2-D `DTensor` parameter of the original shape in
-    place of each of its parameters (which are DTensors over their 1-D slices)."""
-    _check_registered(handle)
-    layout = handle.layout
-    chunks = _flat_to_chunks(handle, handle.flat_param.detach())
-    mesh = _mesh_of(handle.process_group, comm_device_of(handle))
-    opened = _OpenUnit(StateDictType.SHARDED_STATE_DICT)
-    for param, info, chunk in zip(handle.registered, layout.infos, chunks):
-        local = _to_output(state, chunk)
-        dparam = nn.Parameter(_sharded_value(handle, info, local, mesh), requires_grad=param.requires_grad)
-        opened.dparams.append(dparam)
-        for module, attr, _ in info.holders:
-            opened.swaps.append((module, attr, param, dparam))
-            module._parameters[attr] = dparam
-    return opened
 
 
 def _match_face_placements(
@@ -77,18 +53,8 @@ def _match_face_placements(
         value = state_dict.get(prefix + attr)
         if not isinstance(value, torch.Tensor) or value.shape != _saved_shape(info):
             continue  # absent, or nn.Module reports the size mismatch
-        if not isinstance(face, DTensor) or info.tp is not None:
-            # a tensor-parallel unit's parameter: a DTensor over its 1-D slice of the shard (plain if not
-            # tensor-parallel itself), see [Note: 2-D state-dict values]
-            chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-            chunk = chunk.view(handle._sharded_views[k].shape).to(handle.dtype)
-            state_dict[prefix + attr] = _tensor_parallel.as_param_grad(info.tp, chunk)
-            continue
-        if isinstance(value, DTensor) and value.device_mesh == face.device_mesh and value.placements == face.placements:
-            continue
-        chunk = _local_chunk(value, info, layout, handle.device, handle.process_group)
-        chunk = chunk.view(layout.local_shape(info)).to(handle.dtype)
-        state_dict[prefix + attr] = _as_dtensor(chunk, info, layout, face.device_mesh)
+        chunk = _local_chunk(value, info, layout, handle.device, face)  # a view when laid out like the face
+        state_dict[prefix + attr] = handle.face_grad(k, chunk.to(handle.dtype))
 
 
 def _take_assigned(handle: FlatParamHandle) -> None:
@@ -103,7 +69,7 @@ def _take_assigned(handle: FlatParamHandle) -> None:
                 continue
             with torch.no_grad():
                 local = face.to_local() if isinstance(face, DTensor) else face.data
-                chunk = _local_chunk(current.detach(), info, layout, handle.device, handle.process_group)
+                chunk = _local_chunk(current.detach(), info, layout, handle.device, face)
                 local.copy_(chunk.view(local.shape))
             module._parameters[attr] = face
 
@@ -123,21 +89,6 @@ def _mesh_of(group: dist.ProcessGroup, device: torch.device) -> DeviceMesh:
     """The 1-D mesh naming ``group``'s ranks. Built per call, not cached: it only names the ranks (no
     communication, ~0.2 ms) and meshes compare by value, so equal meshes need not be one object."""
     return DeviceMesh.from_group(group, device.type)
-
-
-def _as_dtensor(chunk: torch.Tensor, info: ParamInfo, layout: FlatLayout, mesh: DeviceMesh) -> DTensor:
-    placement = Replicate() if _is_replicated_info(info, layout) else Shard(0)
-    stride = contiguous_strides(info.shape)
-    return DTensor.from_local(chunk, mesh, [placement], run_check=False, shape=info.shape, stride=stride)
-
-
-def _sharded_value(handle: FlatParamHandle, info: ParamInfo, chunk: torch.Tensor, mesh: DeviceMesh) -> DTensor:
-    """``info``'s SHARDED value whose local tensor is ``chunk``: over ``mesh`` (the unit's process
-    group), or for a tensor-parallel parameter over the 2-D mesh (see [Note: 2-D state-dict values])."""
-    if info.tp is not None:
-        replicated = _is_replicated_info(info, handle.layout)
-        return _tensor_parallel.as_sharded_value(chunk, handle.process_group, info.tp, replicated)
-    return _as_dtensor(chunk, info, handle.layout, mesh)
 
 
 def _is_replicated(value: DTensor) -> bool:
@@ -162,27 +113,21 @@ def _whole(value: torch.Tensor, info: ParamInfo, device: torch.device) -> torch.
 
 
 def _local_chunk(
-    value: torch.Tensor,
-    info: ParamInfo,
-    layout: FlatLayout,
-    device: torch.device,
-    group: Optional[dist.ProcessGroup] = None,
+    value: torch.Tensor, info: ParamInfo, layout: FlatLayout, device: torch.device, face: torch.Tensor
 ) -> torch.Tensor:
     """This rank's chunk of ``info`` (flattened) from a full tensor or a DTensor of any placement
-    (``device``: the unit's). A tensor-parallel parameter's value has the global shape; ``group`` is then
-    the unit's process group."""
-    if info.tp is not None:
-        assert group is not None
-        replicated = _is_replicated_info(info, layout)
-        if isinstance(value, DTensor) and _tensor_parallel.is_sharded_value(value, group, info.tp, replicated):
+    (``device``: the unit's; ``face``: the parameter's face), with no communication when the value is
+    laid out like the face."""
+    if isinstance(value, DTensor) and isinstance(face, DTensor):
+        if value.device_mesh == face.device_mesh and value.placements == face.placements:
             return value.to_local().reshape(-1)
-    elif (
-        isinstance(value, DTensor)
-        and not _is_replicated_info(info, layout)
-        and tuple(value.placements) == (Shard(0),)
-        and value.device_mesh.size() == layout.world_size
-    ):
-        return value.to_local().reshape(-1)
+        if (
+            info.tp is None
+            and not _is_replicated_info(info, layout)
+            and tuple(value.placements) == (Shard(0),)
+            and value.device_mesh.size() == layout.world_size
+        ):
+            return value.to_local().reshape(-1)
     lo, hi = layout.param_range(info)
     return _whole(value, info, device).reshape(-1)[lo:hi]
 
@@ -195,7 +140,7 @@ def to_flat_shard(handle: FlatParamHandle, values: list[tuple[int, torch.Tensor]
     flat = torch.zeros(layout.shard_numel, dtype=dtype, device=device)
     for k, value in values:
         start, end = layout.shard_range(layout.infos[k])
-        chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.process_group)
+        chunk = _local_chunk(value, layout.infos[k], layout, handle.device, handle.faces[k])
         flat[start:end] = chunk.to(dtype=dtype, device=device)
     return flat
 

@@ -46,7 +46,6 @@ from fsdp_composable._state._state_dict_settings import (
 from fsdp_composable._state._state_dict_sharded import (
     _is_replicated,
     _match_face_placements,
-    _open_sharded,
     _replicate_buffers,
     _saved_faces,
     _take_assigned,
@@ -159,11 +158,8 @@ def _pre_state_dict_hook(
     kind = _kind(state)
     if kind is StateDictType.FULL_STATE_DICT:
         _open(state, handle, _open_full(handle))
-    elif kind is StateDictType.SHARDED_STATE_DICT:
-        if handle.tensor_parallel:  # 2-D values: see [Note: 2-D state-dict values]
-            _open(state, handle, _open_sharded(state, handle))
-        else:  # the faces are the values: see [Note: sharded state dicts are the faces]
-            _check_registered(handle)
+    elif kind is StateDictType.SHARDED_STATE_DICT:  # the faces: [Note: sharded state dicts are the faces]
+        _check_registered(handle)
 
 
 def _post_state_dict_hook(

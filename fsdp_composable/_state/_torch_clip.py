@@ -4,8 +4,8 @@
 Between steps the faces' gradients are DTensors, and for them alone torch's function gives the global
 norm (a ``Replicate`` DTensor), as with FSDP2. It does not for the rest of what a sharded model
 holds: the wrapper's flat parameters (``use_orig_params=False``: plain tensors, this rank's shard),
-a tensor-parallel unit's parameters (DTensors over the tensor-parallel mesh whose local tensor is a
-1-D slice of the shard: the data-parallel sum is missing), and ignored parameters next to faces
+a model with tensor parallelism inside (2-D faces next to the other units' 1-D ones: torch stacks
+norms of DTensors over different meshes, which it refuses), and ignored parameters next to faces
 (plain gradients mixed with DTensors, which torch refuses). So `fully_shard` routes torch's
 function through `_clip_grad_norm_`: when one of the given parameters is ours it computes the norm
 over every shard (each sharded unit's term summed over its shard group, everything else counted

@@ -93,7 +93,6 @@ from fsdp_composable._state._optim_convert import (
     _check_saved_same_on_all_ranks,
     _collect,
     _every_handle,
-    _export_entries,
     _flat_global,
     _flat_local,
     _handles_holding,
@@ -175,7 +174,7 @@ def _refuse_unsharded(handles: Sequence[FlatParamHandle], first: bool) -> None:
 
 def _hidden_original(param: torch.Tensor) -> bool:
     """An original parameter that a face replaces between steps ([Note: parameter faces])."""
-    return not is_face(param) and not isinstance(param, DTensor)
+    return not is_face(param)
 
 
 def _refuse_original_of_unsharded_unit(param: torch.Tensor, fqn: str) -> None:
@@ -254,14 +253,13 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
 # Between steps the optimizer holds the faces ([Note: parameter faces]), so torch creates their state
 # as DTensors of the parameters' shapes and a plain ``optim.state_dict()`` is already the global
 # (SHARDED) form that `torch.distributed.checkpoint.state_dict.get_optimizer_state_dict` names by FQN
-# and DCP saves at N ranks and loads at M: the hooks leave it as it is. What they still convert is the
-# state of parameters that are not faces: the wrapper's flat parameters (``use_orig_params=False``),
-# presented as ``Shard(0)`` DTensors of the padded flat shape (no communication; they load at the
-# same world size and wrapping only: use `optim_state_dict` to move between them), and a
-# tensor-parallel unit's parameters (DTensors over their 1-D slice of the shard). Every optimizer
-# that holds our parameters gets two hooks:
+# and DCP saves at N ranks and loads at M (a tensor-parallel parameter's too: [Note: 2-D faces]): the
+# hooks leave it as it is. What they still convert is the state of the parameters that are not faces,
+# the wrapper's flat parameters (``use_orig_params=False``), presented as ``Shard(0)`` DTensors of the
+# padded flat shape (no communication; they load at the same world size and wrapping only: use
+# `optim_state_dict` to move between them). Every optimizer that holds our parameters gets two hooks:
 # - a state-dict post-hook checks that every rank holds the same parameters and state (a collective
-#   per process group) and presents the non-face state in the global form;
+#   per process group) and presents the flat parameters' state in the global form;
 # - a load-state-dict pre-hook takes the global form back (DTensors of any placement and mesh size,
 #   or full tensors: a face's full value becomes its DTensor chunk), keyed by int ids or by FQN (as
 #   torch's set_optimizer_state_dict passes it): it matches saved to current parameters by position
@@ -300,8 +298,7 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
     collected = [_collect(u, optim) for u in units]
     _check_same_on_all_ranks(units, collected)
     state = dict(state_dict["state"])
-    config = ShardedStateDictConfig()
-    for unit, c in zip(units, collected):
+    for unit in units:
         handle = unit.handle
         # faces' state is torch's own DTensors already; ``step`` is handed out live (a plain tensor the
         # next step increments in place, which a full gather keeps as it is), so a saved dict would count on
@@ -309,21 +306,14 @@ def _present_state_hook(optim: torch.optim.Optimizer, state_dict: dict[str, Any]
             entry = state.get(numbers.get(id(face), -1))
             if isinstance(entry, Mapping) and isinstance(entry.get(STEP), torch.Tensor):
                 state[numbers[id(face)]] = {**entry, STEP: entry[STEP].clone()}
-        if id(handle.flat_param) not in numbers and not handle.tensor_parallel:
-            continue
-        if id(handle.flat_param) in numbers:
-            number = numbers[id(handle.flat_param)]
-            if isinstance(state.get(number), Mapping):
-                state[number] = {
-                    key: _flat_global(handle, v.detach())
-                    if isinstance(v, torch.Tensor) and key != STEP and v.shape == handle.flat_param.shape
-                    else v
-                    for key, v in state[number].items()
-                }
-            continue
-        for param, entry in zip(handle.faces, _export_entries(unit, c, True, config)):
-            if entry is not None and id(param) in numbers:
-                state[numbers[id(param)]] = entry
+        number = numbers.get(id(handle.flat_param))  # the wrapper's flat-parameter mode
+        if number is not None and isinstance(state.get(number), Mapping):
+            state[number] = {
+                key: _flat_global(handle, v.detach())
+                if isinstance(v, torch.Tensor) and key != STEP and v.shape == handle.flat_param.shape
+                else v
+                for key, v in state[number].items()
+            }
     # The same order on every rank: a parameter with no state here (its slice is empty and it was
     # never stepped here) was added above, and torch's API gathers DTensor values in this dict's order, so our
     # parameters come in the order the units were built, never in the optimizer's numbering (ranks
