@@ -27,8 +27,10 @@ class _Registry:
     each group (for the same reason), how many parameters and submodules were registered on any
     module since import (the cheap change detector of [Note: cheap edit checks] in `_model_edit_checks`),
     the CPU companion group made for a set of ranks ([Note: presence flags agreed on the host] in
-    `_host_flags`: torch names it by its ranks alone, so one per set of ranks per process), and the
-    benchmark-only safety switches ([Note: safety switches] in `_safety`; None: every check on)."""
+    `_host_flags`: torch names it by its ranks alone, so one per set of ranks per process), what the
+    optimizer step pre-hook found on each optimizer, the names wrapper modules hide from their
+    state-dict keys, and the benchmark-only safety switches ([Note: safety switches] in `_safety`;
+    None: every check on)."""
 
     def __init__(self) -> None:
         # module -> {api name: state}
@@ -41,6 +43,12 @@ class _Registry:
         # default group -> {global ranks: the CPU group over them made for the presence flags}
         # (`_host_flags`; weak: a world torn down and initialised again gets new groups)
         self.companions: "weakref.WeakKeyDictionary[Any, dict[tuple[Any, ...], Any]]" = weakref.WeakKeyDictionary()
+        # optimizer -> (how many of our parameters it held when it was last checked, the units they
+        # belong to): [Note: optimizers built before fully_shard] in `_torch_interop` (weak: torch's
+        # optimizer outlives no user reference, and takes no attributes of ours)
+        self.optimizers: "weakref.WeakKeyDictionary[Any, tuple[int, tuple[Any, ...]]]" = weakref.WeakKeyDictionary()
+        # wrapper module -> the attribute name its state-dict prefix hooks hide (`_state_dict_keys`)
+        self.hidden_attrs: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self.registrations = 0
         self.safety: Any = None  # a frozen `_safety.SafetyChecks`, replaced whole, or None
 
@@ -81,6 +89,27 @@ def companion_group(world: Any, ranks: tuple[Any, ...], new: Callable[[], _S]) -
     if ranks not in per_world:
         per_world[ranks] = new()
     return per_world[ranks]  # type: ignore[no-any-return]
+
+
+def optimizer_check(optim: Any) -> Optional[tuple[int, tuple[Any, ...]]]:
+    """What the optimizer step pre-hook recorded for ``optim`` (None: not checked since it was reset)."""
+    return _REGISTRY.optimizers.get(optim)
+
+
+def set_optimizer_check(optim: Any, record: Optional[tuple[int, tuple[Any, ...]]]) -> None:
+    if record is None:
+        _REGISTRY.optimizers.pop(optim, None)
+    else:
+        _REGISTRY.optimizers[optim] = record
+
+
+def hide_attr(module: nn.Module, name: str) -> None:
+    """``module``'s state-dict keys leave out its attribute ``name`` (a wrapper's inner module)."""
+    _REGISTRY.hidden_attrs[module] = name
+
+
+def hidden_attr(module: nn.Module) -> Optional[str]:
+    return _REGISTRY.hidden_attrs.get(module)
 
 
 def group_records() -> list[Any]:

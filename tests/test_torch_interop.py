@@ -22,6 +22,7 @@ import fsdp_composable._flat._checkpoint_comm as comm
 import fsdp_composable._state._torch_clip as clip
 import fsdp_composable._state._torch_interop as interop
 from fsdp_composable import CPUOffload, StateDictType, fully_shard, optim_state_dict, state_dict_type
+from fsdp_composable._composable_state import optimizer_check
 
 
 def _model() -> nn.Module:
@@ -87,7 +88,8 @@ def stale_check_memo() -> dict[str, Any]:
     optim = torch.optim.SGD(model.parameters(), lr=0.1)
     model(torch.ones(2, 4)).sum().backward()
     optim.step()  # no fully_shard over its parameters yet
-    before = optim.__dict__.get(interop._CHECKED_ATTR)
+    checked = optimizer_check(optim)
+    before = None if checked is None else checked[0]
     fully_shard(model)
     model(torch.ones(2, 4)).sum().backward()
     return {"before": before, "error": error_of(optim.step)}

@@ -7,22 +7,19 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_composable._composable_state import hidden_attr, hide_attr
+
 __all__: list[str] = []
 
 
 # ---------------------------------------------------------------------------- wrapper prefixes
-# Set on a wrapper module by `_register_prefix_hooks`: the attribute name its prefix hooks hide, so
-# FQN helpers can hide it too. The module itself owns it (no process-wide table).
-HIDDEN_ATTR = "_fsdp_state_dict_hidden_attr"
-
-
 def _register_prefix_hooks(module: nn.Module, inner: str) -> None:
     """Hide the ``inner`` attribute name of a wrapper module from its state-dict keys.
 
     Saving strips ``<prefix><inner>.``; loading adds it back, so a wrapped module's state dict loads
     into the plain module and the reverse.
     """
-    module.__dict__[HIDDEN_ATTR] = inner
+    hide_attr(module, inner)  # so the FQN helpers hide it too
     module._register_state_dict_hook(functools.partial(_strip_prefix_hook, inner))
     module._register_load_state_dict_pre_hook(functools.partial(_add_prefix_hook, inner))
 
@@ -40,7 +37,7 @@ def _clean_module_fqns(root: nn.Module) -> dict[nn.Module, str]:
         if module in out:
             continue
         out[module] = fqn
-        hidden = module.__dict__.get(HIDDEN_ATTR)
+        hidden = hidden_attr(module)
         children = [(c, fqn if n == hidden else _join(fqn, n)) for n, c in module._modules.items() if c is not None]
         stack.extend(reversed(children))
     return out

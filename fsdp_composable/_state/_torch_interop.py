@@ -82,7 +82,12 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
-from fsdp_composable._composable_state import _module_to_states, count_registration
+from fsdp_composable._composable_state import (
+    _module_to_states,
+    count_registration,
+    optimizer_check,
+    set_optimizer_check,
+)
 from fsdp_composable._flat._faces import is_face
 from fsdp_composable._flat_param import FlatParameter, FlatParamHandle, HandleTrainingState
 from fsdp_composable._grads import _exposed_grads
@@ -122,12 +127,10 @@ __all__: list[str] = []
 # - optimizer state whose shape is not its parameter's (state created before sharding);
 # - the wrapper with use_orig_params=False: the optimizer must hold the flat parameters; original
 #   parameters never receive gradients there.
-# Each optimizer remembers (`_CHECKED_ATTR`, on the optimizer itself) how many of our parameters it
-# held when it was checked; a new `fully_shard` call over its parameters changes that number, so it
-# is checked again. Counting is one attribute read per parameter per step; an optimizer of a process
+# The registry remembers for each optimizer (weakly, `optimizer_check`) how many of our parameters it
+# held when it was checked, and their units; a new `fully_shard` call over its parameters changes that
+# number, so it is checked again. Counting is one attribute read per parameter per step; an optimizer of a process
 # with no `fully_shard` state at all returns before it.
-_CHECKED_ATTR = "_fsdp_checked_params"
-_HANDLES_ATTR = "_fsdp_handles"  # the units the optimizer's parameters belong to, found on its first step
 
 
 def _install_process_changes() -> None:
@@ -201,13 +204,14 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
     if not _module_to_states:  # nothing was ever sharded in this process
         return
     ours = _count_ours(optim)
-    if optim.__dict__.get(_CHECKED_ATTR) == ours:
+    checked = optimizer_check(optim)
+    if checked is not None and checked[0] == ours:
         # a later step on a unit left unsharded would update its full-shape views, which the next
         # reshard throws away: silently no step ([Note: a unit left unsharded] in _module_controls)
-        _refuse_unsharded(optim.__dict__.get(_HANDLES_ATTR, ()), first=False)
-        _exposed_grads.refuse_replaced_grad_data(optim.__dict__.get(_HANDLES_ATTR, ()))
+        _refuse_unsharded(checked[1], first=False)
+        _exposed_grads.refuse_replaced_grad_data(checked[1])
         return
-    optim.__dict__[_CHECKED_ATTR] = ours
+    set_optimizer_check(optim, (ours, ()))
     if ours:
         _install_optimizer_hooks(optim)
         _take_back_state_loaded_early(optim)
@@ -215,9 +219,9 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
         try:
             _refuse_unsharded(handles, first=True)  # its first step would create state of the full shapes
         except RuntimeError:
-            del optim.__dict__[_CHECKED_ATTR]
+            set_optimizer_check(optim, None)
             raise
-        optim.__dict__[_HANDLES_ATTR] = tuple(handles)
+        set_optimizer_check(optim, (ours, tuple(handles)))
         _exposed_grads.refuse_replaced_grad_data(handles)
     known = _managed_tensor_ids()
     for group in optim.param_groups:
