@@ -6,7 +6,8 @@ parameter, of which each rank keeps its shard ([Note: rank-major flat shards] in
 original ``nn.Parameter`` objects are never replaced: we only repoint their ``.data``.
 
 - sharded: each original parameter is a 1-D view of its chunk in the local shard (possibly empty),
-  so the optimizer steps original parameters in place and writes through to the shard.
+  and its modules register its face instead ([Note: parameter faces]), a ``DTensor`` viewing the same
+  chunk, which the optimizer steps in place, writing through to the shard.
 - unsharded: each original parameter is a view, with its original shape, into the front of its
   region of the param-major unsharded buffer, which the all-gather fills: directly where both orders
   are one tensor or gloo moves each chunk where it goes, else through one copy-out ([Note: moving

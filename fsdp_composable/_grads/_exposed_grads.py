@@ -129,7 +129,7 @@ def release_cleared_grads(handle: FlatParamHandle) -> None:
 
 
 def expose_sharded_grads(handle: FlatParamHandle) -> None:
-    """Show ``flat_param.grad`` as the original parameters' ``.grad`` (1-D views of their slices).
+    """Show ``flat_param.grad`` as the faces' ``.grad`` (``DTensor``s over their chunks of it).
 
     A parameter with no element on this rank gets an empty gradient (as FSDP2 gives it), not None:
     the optimizer then steps it on every rank alike (Adam's ``step`` agrees across ranks and in

@@ -1,7 +1,7 @@
 """Refuse `DistributedDataParallel` around a model that `fully_shard` manages, on every rank.
 
 [Note: DDP around a sharded model]
-A sharded model's parameters are 1-D views of this rank's shard, so DDP (also through accelerate's
+A sharded model's parameters are ``DTensor`` faces over this rank's shard, so DDP (also through accelerate's
 ``prepare(model)`` or Lightning's DDP strategy) would average shards of different parameters, and
 its constructor's collectives go wrong first: the cross-rank shape check fails on ranks whose shard
 is shorter while the others wait in it until the timeout, and with equal shards rank 0's shard is
