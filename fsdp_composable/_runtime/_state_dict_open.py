@@ -1,18 +1,16 @@
-"""A unit opened for one save (FULL; SHARDED of a tensor-parallel unit): its parameters given their
-saved form, and closed again afterwards (see [Note: a unit is unsharded around its subtree's save and load])."""
+"""A unit opened for one FULL save: its parameters given their full form, and closed again afterwards
+(see [Note: a unit is unsharded around its subtree's save and load])."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
-from torch import nn
 
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._runtime._state_dict_keys import _join
-from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 
@@ -28,18 +26,12 @@ __all__: list[str] = []
 # the faces again. Cost: a unit's full flat tensor lives while its subtree is saved, so nested units
 # hold their ancestors' too (the root unit plus one unit at a time for a root/blocks policy).
 # SHARDED saves and every load need no opening: the faces are the values and take the loaded ones
-# ([Note: sharded state dicts are the faces], [Note: loading into the faces]); only a tensor-parallel
-# unit is still opened for them (SHARDED: a `DTensor` parameter of the 2-D layout registered in
-# place of each parameter; FULL load: the full views, written back into the shard afterwards).
-# A save or load that raised midway leaves its units open; the next save, load or forward closes them
-# without writing anything back (`close_stale_units`).
-@dataclass
+# ([Note: sharded state dicts are the faces], [Note: loading into the faces]; a tensor-parallel
+# parameter's face is 2-D: [Note: 2-D faces]). A save that raised midway leaves its units open; the
+# next save, load or forward closes them (`close_stale_units`).
+@dataclass(frozen=True)
 class _OpenUnit:
-    kind: StateDictType
-    full: Optional[torch.Tensor] = None  # FULL: the flat tensor the parameters view
-    # tensor-parallel SHARDED: (module, attribute, original parameter, the DTensor parameter registered instead)
-    swaps: list[tuple[nn.Module, str, nn.Parameter, nn.Parameter]] = field(default_factory=list)
-    dparams: list[nn.Parameter] = field(default_factory=list)  # SHARDED: one per ParamInfo
+    full: torch.Tensor  # the all-gathered flat tensor the parameters view
 
 
 def close_stale_units(state: _FSDPState) -> None:
@@ -64,10 +56,7 @@ def _check_registered(handle: FlatParamHandle) -> None:
 
 def _close(handle: FlatParamHandle, opened: _OpenUnit) -> None:
     """Register what was registered before: the faces (or the unsharded parameters, if it is unsharded)."""
-    for module, attr, param, _ in opened.swaps:
-        module._parameters[attr] = param
-    if opened.full is not None:
-        handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
+    handle.use_unsharded_views() if handle.is_unsharded else handle.use_sharded_views()
 
 
 def _close_stale(state: _FSDPState, handle: FlatParamHandle) -> None:

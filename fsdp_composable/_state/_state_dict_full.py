@@ -22,7 +22,6 @@ from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_f
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._runtime._state_dict_open import _check_registered, _OpenUnit
 from fsdp_composable._state._state_dict_settings import _config, _copy, _drops_values, _rank0_only
-from fsdp_composable.api import StateDictType
 
 __all__: list[str] = []
 
@@ -39,7 +38,7 @@ def _open_full(handle: FlatParamHandle) -> _OpenUnit:
     for param, info in zip(handle.params, handle.layout.infos):
         _tensor_parallel.point_at(param, full[info.offset : info.offset + info.numel].view(info.shape))
     handle.register_params()
-    return _OpenUnit(StateDictType.FULL_STATE_DICT, full=full)
+    return _OpenUnit(full)
 
 
 def _take_over_views(

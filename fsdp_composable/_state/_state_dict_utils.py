@@ -180,8 +180,7 @@ def _post_state_dict_hook(
             _saved_faces(state, state_dict, prefix)
         return
     try:
-        if opened.full is not None:
-            _take_over_views(state, handle, opened.full, state_dict, prefix)
+        _take_over_views(state, handle, opened.full, state_dict, prefix)
     finally:
         _close(handle, opened)
 
