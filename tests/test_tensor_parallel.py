@@ -311,10 +311,14 @@ def test_2d_no_shard_matches_the_unsharded_model(dist_run) -> None:
         assert r["weights_diff"] < 1e-10
 
 
-def _faces_2d(strategy: ShardingStrategy) -> dict[str, Any]:
+def _faces_2d_both() -> dict[str, dict[str, Any]]:
+    mesh = _mesh()  # one process group setup for both strategies
+    return {s.name: _faces_2d(mesh, s) for s in (ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD)}
+
+
+def _faces_2d(mesh: DeviceMesh, strategy: ShardingStrategy) -> dict[str, Any]:
     """Between steps every tensor-parallel parameter, its gradient and its optimizer state are DTensors
     over the (dp, tp) mesh whose full values are the plain model's; writes through them reach the shard."""
-    mesh = _mesh()
     ref = _plain()
     model = _shard(_tp(copy.deepcopy(ref), mesh), mesh, strategy=strategy)
     opt_ref, opt = _adamw(ref), _adamw(model)
@@ -359,26 +363,23 @@ def _tp_faces(model: nn.Module, names: dict[str, Any]) -> dict[str, DTensor]:
     return {n: p for n, p in model.named_parameters() if n in names and (".up." in n or ".down." in n)}
 
 
-@pytest.mark.parametrize("strategy", [ShardingStrategy.FULL_SHARD, ShardingStrategy.NO_SHARD])
-def test_2d_parameters_gradients_and_optimizer_state_are_2d_dtensors(dist_run, strategy: ShardingStrategy) -> None:
-    """torch FSDP2's 2-D layout between steps: ``full_tensor()`` of each tensor-parallel parameter, its
-    gradient and its AdamW state is the plain model's (rows of 5 per TP rank split 3 + 2 over dp: uneven);
-    an in-place write through a parameter trains on as the plain model does."""
-    dp = "Replicate()" if strategy is ShardingStrategy.NO_SHARD else None
-    for r in dist_run(4, _faces_2d, strategy=strategy):
-        assert r["grads"] < 1e-12 and r["params"] < 1e-12 and r["exp_avg"] < 1e-12, r
-        assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12, abs=1e-12)
-        layout = r["layout"]
-        assert layout["blocks.0.up.weight"][:4] == (
-            2,
-            f"({dp or '_StridedShard(dim=0, sf=2)'}, Shard(dim=0))",
-            (10, 6),
-            60,
-        )
-        assert layout["blocks.0.down.weight"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Shard(dim=1))", (6, 10), 60)
-        assert layout["blocks.0.down.bias"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Replicate())", (6,), 6)
-        for _, placements, _, _, grad_placements in layout.values():
-            assert grad_placements == placements
+def test_2d_parameters_gradients_and_optimizer_state_are_2d_dtensors(dist_run) -> None:
+    """torch FSDP2's 2-D layout between steps (FULL_SHARD and NO_SHARD): ``full_tensor()`` of each
+    tensor-parallel parameter, its gradient and its AdamW state is the plain model's (rows of 5 per TP
+    rank split 3 + 2 over dp: uneven); an in-place write through a parameter trains on as the plain
+    model does."""
+    for by_strategy in dist_run(4, _faces_2d_both):
+        for strategy, r in by_strategy.items():
+            dp = "Replicate()" if strategy == "NO_SHARD" else None
+            assert r["grads"] < 1e-12 and r["params"] < 1e-12 and r["exp_avg"] < 1e-12, (strategy, r)
+            assert r["losses"] == pytest.approx(r["ref_losses"], rel=1e-12, abs=1e-12)
+            layout = r["layout"]
+            up = (2, f"({dp or '_StridedShard(dim=0, sf=2)'}, Shard(dim=0))", (10, 6), 60)
+            assert layout["blocks.0.up.weight"][:4] == up, strategy
+            assert layout["blocks.0.down.weight"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Shard(dim=1))", (6, 10), 60)
+            assert layout["blocks.0.down.bias"][:4] == (2, f"({dp or 'Shard(dim=0)'}, Replicate())", (6,), 6)
+            for _, placements, _, _, grad_placements in layout.values():
+                assert grad_placements == placements
 
 
 def _refused(case: str) -> str:
