@@ -5,7 +5,7 @@ context points at its states (`_common_utils`, the seeds' path for both, imports
 [Note: the root context]
 The root's lazy init (`_lazy_init`) builds one `RootContext` and gives it to every state under the
 root. It is the only owner of what those states share and of everything that lives for one step:
-the states themselves (each owns its handles; ``handles``, ``unit_of`` and
+the states themselves (each owns its handles; ``handles``, ``non_root_handles``, ``unit_of`` and
 ``units()`` are derived from them, once, when the context is built), the execution order, the
 all-gather limiter, the CUDA side streams (handles get them as arguments, e.g.
 ``handle.unshard(ctx.unshard_stream)``), the gradient reductions in
@@ -265,6 +265,11 @@ class RootContext:
     def handles(self) -> list["FlatParamHandle"]:
         """Every unit's handles, root first then pre-order (derived from the states, which own them)."""
         return self._handles
+
+    @property
+    def non_root_handles(self) -> list["FlatParamHandle"]:
+        """Every unit's handles but the root unit's."""
+        return [h for h in self._handles if h.module is not self.root.module]
 
     def unit_of(self, handle: "FlatParamHandle") -> tuple["FlatParamHandle", ...]:
         """Every handle of ``handle``'s unit (one per dtype/requires_grad group), itself included."""
