@@ -58,14 +58,19 @@ class Built:
     extra_tensors: Any = None
 
     def existing_tensors(self) -> Iterator[Optional[torch.Tensor]]:
-        for p in self.model.parameters():
-            yield p
-            yield p.grad
-        yield from self.model.buffers()
-        for st in self.optimizer.state.values():
-            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+        for _, tensors in self.labelled_tensors():
+            yield from tensors
+
+    def labelled_tensors(self) -> Iterator[tuple[str, Iterator[Optional[torch.Tensor]]]]:
+        """What lives between steps, by what it is (generators: a list would keep alive the gradients
+        that zero_grad frees)."""
+        yield "parameters", iter(list(self.model.parameters()))
+        yield "gradients", (p.grad for p in self.model.parameters())
+        yield "buffers", self.model.buffers()
+        state = self.optimizer.state.values()
+        yield "optimizer state", (v for st in state for v in st.values() if isinstance(v, torch.Tensor))
         if self.extra_tensors is not None:
-            yield from self.extra_tensors()
+            yield "flat parameters", self.extra_tensors()
 
     def train_step(self, cfg: ModelConfig, step: int, rank: int) -> None:
         """One training step on ``rank``'s batch of step ``step`` (CPU), as every benchmark times it."""

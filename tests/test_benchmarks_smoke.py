@@ -240,6 +240,38 @@ def test_live_bytes_tracker_phase_peaks() -> None:
     del d
 
 
+def test_live_bytes_tracker_peak_sources() -> None:
+    """What is alive at each phase's peak, by source, adds up to that peak ([Note: what is alive at a peak])."""
+    params, state = torch.empty(100), torch.empty(50)
+    unseen = torch.empty(25)  # alive before and after, first read by an op in phase "one"
+    unsharded = torch.empty(10).untyped_storage()
+    unsharded.resize_(0)  # freed before the step, as FSDP leaves an unsharded parameter
+    with LiveBytesTracker() as tr:
+        tr.add_existing([params], "params")
+        tr.add_existing([state, params], "state")  # params keeps its first label
+        act = torch.empty(200)  # made by aten.empty in "one"
+        grown = torch.empty(10)
+        grown.untyped_storage().resize_(0)
+        grown.untyped_storage().resize_(1000)  # keeps its source, now 1000 B
+        kept = unseen * 2  # found alive (100 B) + 100 B made by aten.mul
+        unsharded.resize_(500)
+        tr.mark("one")  # peak: 600 + 800 + 1000 + 100 + 100 + 500 = 3100
+        del act
+        unsharded.resize_(0)
+        hidden = torch.frombuffer(bytearray(2000), dtype=torch.uint8)
+        hidden.add_(1)  # found, dies in the step, counted from here: 3100 - 800 - 500 + 2000 = 3800
+        del hidden
+        tr.mark("two")
+    assert tr.phase_peaks == {"one": 3100, "two": 3800}
+    common = {"params": 400, "state": 200, "one: aten.mul.Tensor": 100, "found alive (aten.mul.Tensor)": 100}
+    assert tr.peak_sources == {
+        "one": {**common, "one: aten.empty.memory_format": 1800, "regrown by resize_": 500},
+        "two": {**common, "one: aten.empty.memory_format": 1000, "two: found (aten.add_.Tensor)": 2000},
+    }
+    assert all(sum(tr.peak_sources[p].values()) == tr.phase_peaks[p] for p in tr.phase_peaks)
+    del kept, grown
+
+
 # ---------------------------------------------------------------------------- theory, table, CLI
 def test_theory_bytes_halve_with_bf16() -> None:
     psi = 1000
