@@ -38,10 +38,12 @@ IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
 # HYBRID_SHARD: both sharded impls over a 2-D (replicate, shard) mesh whose shard groups have this many ranks
 HYBRID_SHARD_GROUP = 2
 # each strategy of ours -> the torch FSDP2 configuration that does the same thing (None: FSDP2 has none)
+# (reshard_after_forward left to FSDP2's default, None: True for every module but the root, which stays
+# unsharded from forward to backward as ours' root unit does; an explicit True would reshard the root too)
 FSDP2_EQUIVALENT: dict[str, Optional[str]] = {
-    "FULL_SHARD": "reshard_after_forward=True, 1-D mesh",
+    "FULL_SHARD": "reshard_after_forward default, 1-D mesh",
     "SHARD_GRAD_OP": "reshard_after_forward=False, 1-D mesh",
-    "HYBRID_SHARD": f"reshard_after_forward=True, 2-D mesh (replicate, shard={HYBRID_SHARD_GROUP})",
+    "HYBRID_SHARD": f"reshard_after_forward default, 2-D mesh (replicate, shard={HYBRID_SHARD_GROUP})",
     "NO_SHARD": None,  # FSDP2 has no NO_SHARD: compare ours' NO_SHARD with ddp
 }
 BEFORE = "ours-before"  # only paired against ours: `bench_before_after.py`
@@ -144,7 +146,7 @@ def _build_fsdp2(model: nn.Module, strategy: str, bf16: bool, device: torch.devi
     if FSDP2_EQUIVALENT.get(strategy) is None:
         raise ValueError(f"torch FSDP2 has no equivalent of {strategy}; compare ours' {strategy} with impl 'ddp'")
     mesh = _hybrid_mesh(device) if strategy == "HYBRID_SHARD" else init_device_mesh(device.type, (world_size,))
-    reshard = strategy != "SHARD_GRAD_OP"
+    reshard = False if strategy == "SHARD_GRAD_OP" else None
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
