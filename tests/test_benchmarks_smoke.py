@@ -36,6 +36,12 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_step.py", "--small", "--impls", "ours,local,local-ranks,floor", "--steps", "2", "--world-size", "2"],
         180,
     ),
+    "test_bench_step_strategy_against_fsdp2_equivalent": (
+        ["bench_step.py", "--small", "--impls", "torch-fsdp2,ours", "--strategy", "SHARD_GRAD_OP"]
+        + ["--steps", "1", "--warmup", "1", "--world-size", "2"],
+        180,
+    ),
+    "test_bench_memory_phases_small_runs": (["bench_memory_phases.py", "--small"], 180),
     "test_bench_collectives_small_runs": (
         ["bench_collectives.py", "--numel", "1001", "--reps", "2", "--warmup", "1"],
         120,
@@ -133,6 +139,57 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
     # floor moves a FULL_SHARD step's bytes by hand: ours' less the gradient flags
     for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
         assert floor[counter]["payload_bytes_by_kind"] == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
+
+
+def test_bench_step_strategy_against_fsdp2_equivalent(bench_runs: dict[str, Future]) -> None:
+    """--strategy SHARD_GRAD_OP runs FSDP2 with reshard_after_forward=False: no backward all-gather, so
+    FSDP2 sends exactly (N-1)/N * Psi * (4 + 4) bytes, and both train alike."""
+    proc, out = bench_runs["test_bench_step_strategy_against_fsdp2_equivalent"].result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        fsdp2, ours = json.load(f)["results"]
+    assert fsdp2["variant"] == "SHARD_GRAD_OP: reshard_after_forward=False, 1-D mesh"
+    assert ours["variant"] == "SHARD_GRAD_OP"
+    psi = count_params(BenchGPT(SMALL))
+    assert fsdp2["theory"]["bytes"] == 0.5 * psi * 8
+    # one all-gather and one reduce-scatter of every unit (payload: the whole tensor), half of each sent
+    counted = fsdp2["comm_dispatcher_tracked_step"]
+    assert counted["payload_bytes_by_kind"] == {"all_gather": psi * 4, "reduce_scatter": psi * 4}
+    assert counted["wire_bytes"] == fsdp2["theory"]["bytes"]
+    assert fsdp2["losses_rank0"] == pytest.approx(ours["losses_rank0"], rel=1e-5)
+    for r in (fsdp2, ours):  # every rank names what is alive at each phase's peak, adding up to it
+        for rank in r["per_rank"]:
+            for phase, peak in rank["peak_live_bytes_by_phase"].items():
+                assert sum(rank["peak_live_sources_by_phase"][phase].values()) == peak, (r["impl"], phase)
+
+
+def test_bench_memory_phases_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_memory_phases_small_runs")
+    fsdp2, ours, estimate = rows
+    assert [fsdp2["impl"], ours["impl"]] == ["torch-fsdp2", "ours"] and estimate["peak_bytes"] > 0
+    for r in (fsdp2, ours):
+        for terms, peaks in zip(r["terms_by_phase_by_rank"], r["peak_by_phase_by_rank"]):
+            assert {phase: sum(t.values()) for phase, t in terms.items()} == peaks
+        forward, backward = r["terms_by_phase_rank0"]["forward"], r["terms_by_phase_rank0"]["backward"]
+        # a FULL_SHARD step's peaks hold unsharded units and forward's activations; only backward has gradients
+        assert forward["unsharded parameters"] > 0 and forward["made in forward"] > 0
+        assert forward["made in backward"] == 0 < backward["made in backward"]
+    assert "| **peak of the phase** |" in proc.stdout
+
+
+def test_strategy_cli_says_what_fsdp2_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--impls", "torch-fsdp2,ours", "--strategy", "NO_SHARD"], ["--strategy", "HYBRID_SHARD"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    errors = "\n".join(line for line in capsys.readouterr().err.splitlines() if "error:" in line)
+    expecttest.TestCase().assertExpectedInline(
+        errors,
+        """\
+bench_step.py: error: torch FSDP2 has no NO_SHARD; compare ours' NO_SHARD with ddp (--impls ddp,ours)
+bench_step.py: error: --strategy HYBRID_SHARD shards over groups of 2 ranks and replicates across at least 2: --world-size must be a multiple of 2, at least 4""",  # noqa: E501
+    )
+    hybrid = parse_args(["--strategy", "HYBRID_SHARD", "--world-size", "4", "--impls", "torch-fsdp2,ours"])
+    assert hybrid.world_size == 4
 
 
 def test_floor_is_cpu_only() -> None:
