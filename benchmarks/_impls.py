@@ -1,7 +1,8 @@
 """Build the model and optimizer for one implementation under test.
 
-``ours`` is ``fsdp_composable.fully_shard(model, ModuleWrapPolicy({Block}))``; ``torch-fsdp2`` is
-torch's ``fully_shard`` on each block then the root over a 1-D DeviceMesh; ``ddp`` is
+``ours`` is ``fsdp_composable.fully_shard(model, ModuleWrapPolicy({Block}), strategy=...)``;
+``torch-fsdp2`` is torch's ``fully_shard`` on each block then the root, configured to do what the
+strategy does (`FSDP2_EQUIVALENT`); ``ddp`` is
 ``DistributedDataParallel``; ``local`` is the unsharded model alone with the per-rank batch;
 ``local-ranks`` is that unsharded model in every rank's process at once (no communication), so the
 ranks share the machine's cores and memory as the distributed impls' ranks do; ``floor`` is
@@ -34,6 +35,17 @@ from benchmarks._model import BenchGPT, Block, ModelConfig, gpt_loss, make_batch
 __all__ = ["IMPLS", "Built", "build"]
 
 IMPLS = ("ours", "torch-fsdp2", "ddp", "local", "local-ranks", "floor")
+# HYBRID_SHARD: both sharded impls over a 2-D (replicate, shard) mesh whose shard groups have this many ranks
+HYBRID_SHARD_GROUP = 2
+# each strategy of ours -> the torch FSDP2 configuration that does the same thing (None: FSDP2 has none)
+# (reshard_after_forward left to FSDP2's default, None: True for every module but the root, which stays
+# unsharded from forward to backward as ours' root unit does; an explicit True would reshard the root too)
+FSDP2_EQUIVALENT: dict[str, Optional[str]] = {
+    "FULL_SHARD": "reshard_after_forward default, 1-D mesh",
+    "SHARD_GRAD_OP": "reshard_after_forward=False, 1-D mesh",
+    "HYBRID_SHARD": f"reshard_after_forward default, 2-D mesh (replicate, shard={HYBRID_SHARD_GROUP})",
+    "NO_SHARD": None,  # FSDP2 has no NO_SHARD: compare ours' NO_SHARD with ddp
+}
 BEFORE = "ours-before"  # only paired against ours: `bench_before_after.py`
 # the package `bench_before_after.py` exported from an earlier commit under another name
 BEFORE_PACKAGE = "BENCH_BEFORE_PACKAGE"
@@ -48,14 +60,19 @@ class Built:
     extra_tensors: Any = None
 
     def existing_tensors(self) -> Iterator[Optional[torch.Tensor]]:
-        for p in self.model.parameters():
-            yield p
-            yield p.grad
-        yield from self.model.buffers()
-        for st in self.optimizer.state.values():
-            yield from (v for v in st.values() if isinstance(v, torch.Tensor))
+        for _, tensors in self.labelled_tensors():
+            yield from tensors
+
+    def labelled_tensors(self) -> Iterator[tuple[str, Iterator[Optional[torch.Tensor]]]]:
+        """What lives between steps, by what it is (generators: a list would keep alive the gradients
+        that zero_grad frees)."""
+        yield "parameters", iter(list(self.model.parameters()))
+        yield "gradients", (p.grad for p in self.model.parameters())
+        yield "buffers", self.model.buffers()
+        state = self.optimizer.state.values()
+        yield "optimizer state", (v for st in state for v in st.values() if isinstance(v, torch.Tensor))
         if self.extra_tensors is not None:
-            yield from self.extra_tensors()
+            yield "flat parameters", self.extra_tensors()
 
     def train_step(self, cfg: ModelConfig, step: int, rank: int) -> None:
         """One training step on ``rank``'s batch of step ``step`` (CPU), as every benchmark times it."""
@@ -84,6 +101,7 @@ def _build_ours(
     lib.fully_shard(
         model,
         lib.ModuleWrapPolicy({Block}),
+        process_group=_hybrid_mesh(device) if strategy == "HYBRID_SHARD" else None,
         strategy=lib.ShardingStrategy[strategy],
         mixed_precision=mp,
         device_id=device if device.type == "cuda" else None,
@@ -113,14 +131,28 @@ def _build_ours_before(
     return _build_ours(model, strategy, bf16, device, forward_prefetch, importlib.import_module(name))
 
 
-def _build_fsdp2(model: nn.Module, bf16: bool, device: torch.device, world_size: int) -> Built:
-    mesh = init_device_mesh(device.type, (world_size,))
+def _hybrid_mesh(device: torch.device) -> Any:
+    """The 2-D (replicate, shard) mesh of HYBRID_SHARD, for ours and FSDP2 alike."""
+    world_size = dist.get_world_size()
+    if world_size % HYBRID_SHARD_GROUP or world_size < 2 * HYBRID_SHARD_GROUP:
+        need = f"a multiple of {HYBRID_SHARD_GROUP} ranks, at least {2 * HYBRID_SHARD_GROUP}"
+        raise ValueError(f"HYBRID_SHARD needs {need}; got {world_size}")
+    shape = (world_size // HYBRID_SHARD_GROUP, HYBRID_SHARD_GROUP)
+    return init_device_mesh(device.type, shape, mesh_dim_names=("replicate", "shard"))
+
+
+def _build_fsdp2(model: nn.Module, strategy: str, bf16: bool, device: torch.device, world_size: int) -> Built:
+    """torch FSDP2 configured as `FSDP2_EQUIVALENT` says for ``strategy``."""
+    if FSDP2_EQUIVALENT.get(strategy) is None:
+        raise ValueError(f"torch FSDP2 has no equivalent of {strategy}; compare ours' {strategy} with impl 'ddp'")
+    mesh = _hybrid_mesh(device) if strategy == "HYBRID_SHARD" else init_device_mesh(device.type, (world_size,))
+    reshard = False if strategy == "SHARD_GRAD_OP" else None
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16) if bf16 else MixedPrecisionPolicy()
     blocks = [m for m in model.modules() if isinstance(m, Block)]
     for block in blocks:
-        torch_fully_shard(block, mesh=mesh, mp_policy=mp)
-    torch_fully_shard(model, mesh=mesh, mp_policy=mp)
-    notes = [f"torch fully_shard on {len(blocks)} blocks + root, reshard_after_forward=True"]
+        torch_fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    torch_fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=reshard)
+    notes = [f"torch fully_shard on {len(blocks)} blocks + root, {FSDP2_EQUIVALENT[strategy]}"]
     return Built(model, _optimizer(model.parameters()), notes)
 
 
@@ -164,5 +196,5 @@ def build(
         optimizer = build_floor(model, Block, _optimizer)
         return Built(model, optimizer, ["unsharded compute, a FULL_SHARD step's gloo messages, AdamW over shards"])
     if impl == "torch-fsdp2":
-        return _build_fsdp2(model, bf16, device, world_size)
+        return _build_fsdp2(model, strategy, bf16, device, world_size)
     return _build_ddp(model, device)

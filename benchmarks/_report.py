@@ -59,8 +59,12 @@ def wrote(out: str, png: str) -> str:
     return f"wrote {out} and {png}" if os.path.exists(png) else f"wrote {out} (no plot)"
 
 
-def theory_bytes(impl: str, strategy: str, world_size: int, psi: int, param_dtype: str) -> dict[str, Any]:
-    """Theoretical wire bytes per rank per step, and the formula it came from."""
+def theory_bytes(
+    impl: str, strategy: str, world_size: int, psi: int, param_dtype: str, shard_group: int = 2
+) -> dict[str, Any]:
+    """Theoretical wire bytes per rank per step, and the formula it came from. ``strategy`` is ours' and
+    that of the torch FSDP2 configuration equivalent to it; HYBRID_SHARD shards over groups of
+    ``shard_group`` ranks (S) and all-reduces each 1/S gradient shard across the R = N/S replicas."""
     n = world_size
     share = (n - 1) / n if n > 1 else 0.0
     ag = rs = 2 if param_dtype == "bf16" else 4
@@ -68,8 +72,14 @@ def theory_bytes(impl: str, strategy: str, world_size: int, psi: int, param_dtyp
         return {"bytes": 0.0, "formula": "0 (no communication)"}
     if impl == "ddp" or (impl == "ours" and strategy == "NO_SHARD"):
         return {"bytes": 2 * share * psi * rs, "formula": f"2(N-1)/N*Psi*{rs}"}
-    if impl == "ours" and strategy == "SHARD_GRAD_OP":
+    strategy = strategy if impl in ("ours", "torch-fsdp2") else "FULL_SHARD"  # floor: a FULL_SHARD step's bytes
+    if strategy == "SHARD_GRAD_OP":
         return {"bytes": share * psi * (ag + rs), "formula": f"(N-1)/N*Psi*({ag}+{rs})"}
+    if strategy == "HYBRID_SHARD":
+        s, r = shard_group, n // shard_group
+        in_group = (s - 1) / s * psi * (2 * ag + rs)
+        across = 2 * (r - 1) / r * psi / s * rs
+        return {"bytes": in_group + across, "formula": f"(S-1)/S*Psi*(2*{ag}+{rs}) + 2(R-1)/R*Psi/S*{rs}"}
     return {"bytes": share * psi * (2 * ag + rs), "formula": f"(N-1)/N*Psi*(2*{ag}+{rs})"}
 
 

@@ -142,7 +142,8 @@ def _measure(spec: dict[str, Any], rank: int, world: int, device: torch.device, 
     if distributed:
         dist.barrier()
     with LiveBytesTracker(on_op=dispatch.observe) as tracker:
-        tracker.add_existing(built.existing_tensors())
+        for label, tensors in built.labelled_tensors():
+            tracker.add_existing(tensors, label)
         baseline_at_start = tracker.baseline
         t0 = time.perf_counter()
         tracked_loss = _train_step(built, cfg, warmup + steps, rank, device, tracker)
@@ -175,6 +176,7 @@ def _measure(spec: dict[str, Any], rank: int, world: int, device: torch.device, 
         "live_bytes_before_step_incl_found_later": tracker.baseline,
         "peak_live_op": tracker.peak_op,
         "peak_live_bytes_by_phase": tracker.phase_peaks,
+        "peak_live_sources_by_phase": tracker.peak_sources,
         "found_alive_bytes_by_op": tracker.found_alive,
         "found_transient_bytes_by_op": tracker.found_transient,
         "cuda_max_memory_allocated": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,

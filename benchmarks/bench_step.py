@@ -27,7 +27,7 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if _ROOT not in sys.path:
     sys.path.insert(0, _ROOT)  # so `benchmarks` and `fsdp_composable` import from a checkout
 
-from benchmarks._impls import IMPLS  # noqa: E402
+from benchmarks._impls import FSDP2_EQUIVALENT, HYBRID_SHARD_GROUP, IMPLS  # noqa: E402
 from benchmarks._model import DEFAULT, SMALL  # noqa: E402
 from benchmarks._report import (  # noqa: E402
     command_line,
@@ -41,7 +41,7 @@ from benchmarks._report import (  # noqa: E402
 )
 from benchmarks._worker import run_impl  # noqa: E402
 
-STRATEGIES = ("FULL_SHARD", "SHARD_GRAD_OP", "NO_SHARD")
+STRATEGIES = tuple(FSDP2_EQUIVALENT)  # FULL_SHARD, SHARD_GRAD_OP, HYBRID_SHARD, NO_SHARD
 SHARDED = ("ours", "torch-fsdp2")
 
 
@@ -56,7 +56,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument(
         "--rounds", type=int, default=1, help="run every impl this many times, interleaved (order rotated per round)"
     )
-    p.add_argument("--strategy", choices=STRATEGIES, default="FULL_SHARD", help="sharding strategy of ours")
+    p.add_argument(
+        "--strategy",
+        choices=STRATEGIES,
+        default="FULL_SHARD",
+        help="sharding strategy of ours; torch-fsdp2 runs its equivalent (SHARD_GRAD_OP: reshard_after_forward="
+        f"False; HYBRID_SHARD: both over a 2-D (replicate, shard={HYBRID_SHARD_GROUP}) mesh; FSDP2 has no "
+        "NO_SHARD: compare it with ddp)",
+    )
     p.add_argument(
         "--forward-prefetch", action="store_true", help="ours with forward_prefetch=True (default None: on with gloo)"
     )
@@ -84,6 +91,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--rounds must be >= 1, got {args.rounds}")
     if args.steps < 1 or args.warmup < 0:
         p.error(f"--steps must be >= 1 and --warmup >= 0, got --steps {args.steps} --warmup {args.warmup}")
+    if args.strategy == "NO_SHARD" and "torch-fsdp2" in args.impl_list:
+        p.error("torch FSDP2 has no NO_SHARD; compare ours' NO_SHARD with ddp (--impls ddp,ours)")
+    hybrid_ranks = 2 * HYBRID_SHARD_GROUP
+    if args.strategy == "HYBRID_SHARD" and (args.world_size % HYBRID_SHARD_GROUP or args.world_size < hybrid_ranks):
+        p.error(
+            f"--strategy HYBRID_SHARD shards over groups of {HYBRID_SHARD_GROUP} ranks and replicates across "
+            f"at least 2: --world-size must be a multiple of {HYBRID_SHARD_GROUP}, at least {hybrid_ranks}"
+        )
     if args.param_dtype == "bf16":
         unsupported = [i for i in args.impl_list if i not in SHARDED]
         if unsupported:
@@ -103,6 +118,8 @@ def _impl_list(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[str
 
 def _variant(impl: str, args: argparse.Namespace) -> str:
     parts = [args.strategy] if impl == "ours" else []
+    if impl == "torch-fsdp2" and args.strategy != "FULL_SHARD":  # FULL_SHARD's equivalent: FSDP2's defaults
+        parts.append(f"{args.strategy}: {FSDP2_EQUIVALENT[args.strategy]}")
     if impl == "ours" and args.forward_prefetch:
         parts.append("forward_prefetch")
     if impl in SHARDED and args.param_dtype == "bf16":
@@ -189,7 +206,9 @@ def _run_one(impl: str, args: argparse.Namespace, cfg: Any) -> dict[str, Any]:
     r = run_impl(spec)
     r["variant"] = _variant(impl, args)
     r["wall_s"] = time.monotonic() - t0
-    r["theory"] = theory_bytes(impl, args.strategy, spec["procs"], r["param_count"], spec["param_dtype"])
+    r["theory"] = theory_bytes(
+        impl, args.strategy, spec["procs"], r["param_count"], spec["param_dtype"], HYBRID_SHARD_GROUP
+    )
     status = r["status"] if r["status"] == "ok" else f"FAILED ({r.get('error')})"
     print(f"[bench_step] {impl}: {status} in {r['wall_s']:.1f}s", file=sys.stderr, flush=True)
     return r

@@ -36,6 +36,12 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_step.py", "--small", "--impls", "ours,local,local-ranks,floor", "--steps", "2", "--world-size", "2"],
         180,
     ),
+    "test_bench_step_strategy_against_fsdp2_equivalent": (
+        ["bench_step.py", "--small", "--impls", "torch-fsdp2,ours", "--strategy", "SHARD_GRAD_OP"]
+        + ["--steps", "1", "--warmup", "1", "--world-size", "2"],
+        180,
+    ),
+    "test_bench_memory_phases_small_runs": (["bench_memory_phases.py", "--small"], 180),
     "test_bench_collectives_small_runs": (
         ["bench_collectives.py", "--numel", "1001", "--reps", "2", "--warmup", "1"],
         120,
@@ -133,6 +139,57 @@ def test_bench_step_small_runs_and_writes_fields(bench_runs: dict[str, Future]) 
     # floor moves a FULL_SHARD step's bytes by hand: ours' less the gradient flags
     for counter in ("comm_py_api_per_step", "comm_dispatcher_tracked_step"):
         assert floor[counter]["payload_bytes_by_kind"] == {"send": 0.5 * 4 * (psi + psi + block_numel)}, counter
+
+
+def test_bench_step_strategy_against_fsdp2_equivalent(bench_runs: dict[str, Future]) -> None:
+    """--strategy SHARD_GRAD_OP runs FSDP2 with reshard_after_forward=False: no backward all-gather, so
+    FSDP2 sends exactly (N-1)/N * Psi * (4 + 4) bytes, and both train alike."""
+    proc, out = bench_runs["test_bench_step_strategy_against_fsdp2_equivalent"].result()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    with open(out) as f:
+        fsdp2, ours = json.load(f)["results"]
+    assert fsdp2["variant"] == "SHARD_GRAD_OP: reshard_after_forward=False, 1-D mesh"
+    assert ours["variant"] == "SHARD_GRAD_OP"
+    psi = count_params(BenchGPT(SMALL))
+    assert fsdp2["theory"]["bytes"] == 0.5 * psi * 8
+    # one all-gather and one reduce-scatter of every unit (payload: the whole tensor), half of each sent
+    counted = fsdp2["comm_dispatcher_tracked_step"]
+    assert counted["payload_bytes_by_kind"] == {"all_gather": psi * 4, "reduce_scatter": psi * 4}
+    assert counted["wire_bytes"] == fsdp2["theory"]["bytes"]
+    assert fsdp2["losses_rank0"] == pytest.approx(ours["losses_rank0"], rel=1e-5)
+    for r in (fsdp2, ours):  # every rank names what is alive at each phase's peak, adding up to it
+        for rank in r["per_rank"]:
+            for phase, peak in rank["peak_live_bytes_by_phase"].items():
+                assert sum(rank["peak_live_sources_by_phase"][phase].values()) == peak, (r["impl"], phase)
+
+
+def test_bench_memory_phases_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_memory_phases_small_runs")
+    fsdp2, ours, estimate = rows
+    assert [fsdp2["impl"], ours["impl"]] == ["torch-fsdp2", "ours"] and estimate["peak_bytes"] > 0
+    for r in (fsdp2, ours):
+        for terms, peaks in zip(r["terms_by_phase_by_rank"], r["peak_by_phase_by_rank"]):
+            assert {phase: sum(t.values()) for phase, t in terms.items()} == peaks
+        forward, backward = r["terms_by_phase_rank0"]["forward"], r["terms_by_phase_rank0"]["backward"]
+        # a FULL_SHARD step's peaks hold unsharded units and forward's activations; only backward has gradients
+        assert forward["unsharded parameters"] > 0 and forward["made in forward"] > 0
+        assert forward["made in backward"] == 0 < backward["made in backward"]
+    assert "| **peak of the phase** |" in proc.stdout
+
+
+def test_strategy_cli_says_what_fsdp2_lacks(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--impls", "torch-fsdp2,ours", "--strategy", "NO_SHARD"], ["--strategy", "HYBRID_SHARD"]):
+        with pytest.raises(SystemExit):
+            parse_args(argv)
+    errors = "\n".join(line for line in capsys.readouterr().err.splitlines() if "error:" in line)
+    expecttest.TestCase().assertExpectedInline(
+        errors,
+        """\
+bench_step.py: error: torch FSDP2 has no NO_SHARD; compare ours' NO_SHARD with ddp (--impls ddp,ours)
+bench_step.py: error: --strategy HYBRID_SHARD shards over groups of 2 ranks and replicates across at least 2: --world-size must be a multiple of 2, at least 4""",  # noqa: E501
+    )
+    hybrid = parse_args(["--strategy", "HYBRID_SHARD", "--world-size", "4", "--impls", "torch-fsdp2,ours"])
+    assert hybrid.world_size == 4
 
 
 def test_floor_is_cpu_only() -> None:
@@ -238,6 +295,38 @@ def test_live_bytes_tracker_phase_peaks() -> None:
     assert tr.phase_peaks == {"one": 800, "two": 800, "three": 440}
     assert (tr.peak_bytes, tr.live_bytes, tr.peak_op) == (800, 80, "aten.empty.memory_format")
     del d
+
+
+def test_live_bytes_tracker_peak_sources() -> None:
+    """What is alive at each phase's peak, by source, adds up to that peak ([Note: what is alive at a peak])."""
+    params, state = torch.empty(100), torch.empty(50)
+    unseen = torch.empty(25)  # alive before and after, first read by an op in phase "one"
+    unsharded = torch.empty(10).untyped_storage()
+    unsharded.resize_(0)  # freed before the step, as FSDP leaves an unsharded parameter
+    with LiveBytesTracker() as tr:
+        tr.add_existing([params], "params")
+        tr.add_existing([state, params], "state")  # params keeps its first label
+        act = torch.empty(200)  # made by aten.empty in "one"
+        grown = torch.empty(10)
+        grown.untyped_storage().resize_(0)
+        grown.untyped_storage().resize_(1000)  # keeps its source, now 1000 B
+        kept = unseen * 2  # found alive (100 B) + 100 B made by aten.mul
+        unsharded.resize_(500)
+        tr.mark("one")  # peak: 600 + 800 + 1000 + 100 + 100 + 500 = 3100
+        del act
+        unsharded.resize_(0)
+        hidden = torch.frombuffer(bytearray(2000), dtype=torch.uint8)
+        hidden.add_(1)  # found, dies in the step, counted from here: 3100 - 800 - 500 + 2000 = 3800
+        del hidden
+        tr.mark("two")
+    assert tr.phase_peaks == {"one": 3100, "two": 3800}
+    common = {"params": 400, "state": 200, "one: aten.mul.Tensor": 100, "found alive (aten.mul.Tensor)": 100}
+    assert tr.peak_sources == {
+        "one": {**common, "one: aten.empty.memory_format": 1800, "regrown by resize_": 500},
+        "two": {**common, "one: aten.empty.memory_format": 1000, "two: found (aten.add_.Tensor)": 2000},
+    }
+    assert all(sum(tr.peak_sources[p].values()) == tr.phase_peaks[p] for p in tr.phase_peaks)
+    del kept, grown
 
 
 # ---------------------------------------------------------------------------- theory, table, CLI
