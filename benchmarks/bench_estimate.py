@@ -192,8 +192,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     sizes = QUICK_SIZES if args.quick else {s: SIZES[s] for s in args.sizes.split(",")}
+    source = source_info()  # before the run: the checkout may move while it runs
     rows = run(args, sizes)
-    config = {"sizes": list(sizes), "configs": args.config_list, "warmup": args.warmup, "source": source_info()}
+    config = {"sizes": list(sizes), "configs": args.config_list, "warmup": args.warmup, "source": source}
     png = save_run(__file__, config, rows, args.out)
     write_plot(rows, png)
     print(format_table(rows))

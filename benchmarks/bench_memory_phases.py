@@ -235,9 +235,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
+    source = source_info()  # before the run: the checkout may move while it runs
     results = run(args)
     config = {k: getattr(args, k) for k in ("world_size", "strategy", "param_dtype", "steps", "warmup", "small")}
-    config["source"] = source_info()
+    config["source"] = source
     png = save_run(__file__, config, results, args.out)
     png = args.png or png
     if os.path.dirname(png):
