@@ -2,7 +2,7 @@
 are 2-D ``DTensor`` faces over the (dp, tp) mesh between steps ([Note: 2-D faces] in
 fsdp_composable/_comm/_tensor_parallel.py): what a torch FSDP2 + TP (torchtitan-style) user does between
 steps, each compared with the unsharded model trained on the global batch (float64, 4 gloo ranks, 2 x 2
-unless said). Paths that are wrong today are ``xfail(strict=True)`` with the reason."""
+unless said)."""
 
 from __future__ import annotations
 
@@ -157,17 +157,11 @@ def test_2d_cast_to_the_same_dtype_is_a_no_op(dist_run) -> None:
         assert set(r["dtypes"].values()) == {"torch.float64"}
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="model.half() of a 2-D model: the tensor-parallel units' cast is refused at the next forward "
-    "('... The parameters were put back to torch.float64'), but the root unit (no TP parameters) keeps the "
-    "cast (adopt_casts runs before check_data_writes), so inp/out stay float16 and the next forward fails "
-    "inside torch: 'RuntimeError: mat1 and mat2 must have the same dtype, but got Double and Half'",
-)
 def test_2d_refused_cast_leaves_the_whole_model_in_its_dtype(dist_run) -> None:
     for r in dist_run(4, _cast, "half"):
-        assert "ModelEditedAfterShardingError: parameter 'blocks.0.ln.weight' was cast" in r["first"], r
+        # no unit adopts a cast of a model with tensor-parallel units: every one is put back
+        assert "ModelEditedAfterShardingError: parameter 'inp.weight' was cast from torch.float64" in r["first"], r
+        assert "tensor-parallel parameters" in r["first"] and "put back to torch.float64" in r["first"], r
         assert set(r["dtypes"].values()) == {"torch.float64"}, r["dtypes"]
         assert r["second"] == "", r["second"]
 
@@ -370,15 +364,6 @@ def _torch_clip() -> dict[str, Any]:
     return out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5) on a 2-D model (documented in docs/two_d.md "
-    "as routed to the global norm): _torch_clip._clip_grad_norm_ computes the norm, then torch's "
-    "clip_grads_with_norm_ runs one _foreach_mul_ over gradients of the 2-D and the 1-D meshes: "
-    "'RuntimeError: Cannot run aten.mul.Tensor on inputs with different meshes: got DeviceMesh((dp=2, tp=2), ...) "
-    "and DeviceMesh((2,), ...)' (ours, clip_grad_norm_(model, ...), works)",
-)
 def test_2d_torch_clip_grad_norm_over_model_parameters(dist_run) -> None:
     for r in dist_run(4, _torch_clip):
         assert r["error"] == "", r["error"]

@@ -39,10 +39,13 @@ __all__ = ["adopt_cast", "adopt_casts", "face_locals", "mark_faces", "storage_of
 
 
 def adopt_casts(states: list[_FSDPState]) -> None:
-    """`adopt_cast` for every handle of ``states``."""
-    for state in states:
-        for handle in state.handles:
-            adopt_cast(handle)
+    """`adopt_cast` for every handle of ``states``; none when a tensor-parallel unit was cast, which no
+    unit adopts, so that the edit check puts every unit back (the model stays in one dtype)."""
+    handles = [h for state in states for h in state.handles]
+    if any(h.tensor_parallel and h.faces and h.faces[0].dtype != h.dtype for h in handles):
+        return
+    for handle in handles:
+        adopt_cast(handle)
 
 
 def adopt_cast(handle: FlatParamHandle) -> None:

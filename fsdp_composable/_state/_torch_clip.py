@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 import torch.nn.utils
 import torch.nn.utils.clip_grad as clip_grad
+from torch.distributed.tensor import DTensor
 
 from fsdp_composable._common_utils import FSDP_FLATTENED
 from fsdp_composable._flat_param import FlatParameter
@@ -90,7 +91,14 @@ def _clip_grad_norm_(
                 "cannot be clipped. To disable this error and scale the gradients by the non-finite norm anyway, "
                 "set `error_if_nonfinite=False`"
             )
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, total, foreach)
+        # torch scales a list of DTensors with one foreach op, which needs one mesh: a group per mesh
+        # (2-D faces of tensor-parallel units beside the other units' 1-D ones)
+        groups: dict[Any, list[torch.Tensor]] = {}
+        for p in params:
+            grad = p.grad
+            groups.setdefault(grad.device_mesh if isinstance(grad, DTensor) else None, []).append(p)
+        for group in groups.values():
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, total, foreach)
     return total
 
 
