@@ -372,15 +372,21 @@ def test_2d_torch_clip_grad_norm_over_model_parameters(dist_run) -> None:
 
 
 # ---------------------------------------------------------------------------- state dicts and checkpoints
-def _optimizer_state_dict_into_fresh_optimizer() -> dict[str, Any]:
-    """torch's own ``optim.state_dict()`` / ``load_state_dict`` into a fresh model and optimizer that has no
-    state yet (no init_optim_state), then training on."""
-    mesh = _mesh()
+def _trained_two_steps(mesh: DeviceMesh) -> tuple[nn.Module, Any, Net, Any]:
+    """A 2-D model and its optimizer, and the plain model and its optimizer, each trained two steps."""
     model, optim = _built_2d(mesh)
     ref = _plain()
     ref_optim = _adamw(ref)
     _train_steps(model, optim, mesh, range(2))
     _ref_run(range(2), ref, ref_optim)
+    return model, optim, ref, ref_optim
+
+
+def _optimizer_state_dict_into_fresh_optimizer() -> dict[str, Any]:
+    """torch's own ``optim.state_dict()`` / ``load_state_dict`` into a fresh model and optimizer that has no
+    state yet (no init_optim_state), then training on."""
+    mesh = _mesh()
+    model, optim, ref, ref_optim = _trained_two_steps(mesh)
     saved_optim, saved_model = copy.deepcopy(optim.state_dict()), copy.deepcopy(model.state_dict())
     fresh, fresh_optim = _built_2d(mesh, seed=1, lr=1.0)
     out: dict[str, Any] = {"model": _err(lambda: fresh.load_state_dict(saved_model))}
@@ -400,11 +406,7 @@ def _fsdp1_sharded_dcp(path: str) -> dict[str, Any]:
     """FSDP1-style SHARDED ``model.state_dict()`` + ``optim_state_dict`` saved with ``dcp.save`` at (2, 2),
     loaded with ``dcp.load`` + ``optim_state_dict_to_load`` at (2, 2) and (4, 1)."""
     mesh = _mesh()
-    model, optim = _built_2d(mesh)
-    ref = _plain()
-    ref_optim = _adamw(ref)
-    _train_steps(model, optim, mesh, range(2))
-    _ref_run(range(2), ref, ref_optim)
+    model, optim, ref, ref_optim = _trained_two_steps(mesh)
     with state_dict_type(model, StateDictType.SHARDED_STATE_DICT):
         dcp.save({"model": model.state_dict(), "optim": optim_state_dict(model, optim)}, checkpoint_id=path)
     out: dict[str, Any] = {}
