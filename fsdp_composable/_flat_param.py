@@ -41,6 +41,7 @@ from fsdp_composable._base._unit_switches import UnitSwitches
 from fsdp_composable._comm import _collectives, _trace
 from fsdp_composable._comm._tensor_parallel import face_spec_2d, local_of, mesh_2d, point_at
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat._extensions import ExtensionParams, is_extension
 from fsdp_composable._flat._faces import face_mesh, face_spec, face_value, grad_face, make_face, repoint_face
 from fsdp_composable._flat._rank_major import FlatLayout, ParamInfo
 from fsdp_composable._flat._rank_major import build_layout as _build_layout
@@ -112,6 +113,13 @@ class FlatParamHandle:
         name: str = "_flat_param",
     ) -> None:
         self.module = module
+        # tensor-subclass parameters that define their own all-gather stay beside the flat parameter:
+        # [Note: extension parameters]
+        extension = [is_extension(p) for p in params]
+        ext_params = [p for p, e in zip(params, extension) if e]
+        ext_holders = [h for h, e in zip(holders, extension) if e]
+        params = [p for p, e in zip(params, extension) if not e]
+        holders = [h for h, e in zip(holders, extension) if not e]
         # every module of the unit: ``(module,)``, or the list given to fully_shard([m1, m2]) (see
         # [Note: several modules as one unit] in `_group_units`)
         self.members: tuple[nn.Module, ...] = (module,)
@@ -146,7 +154,7 @@ class FlatParamHandle:
         self.compute_dtype = config.compute_dtype(self.dtype)
         self.reduce_dtype = config.reduce_dtype(self.dtype)
         self.flat_param = self._flatten_and_shard()
-        self.requires_grad = any(p.requires_grad for p in params)
+        self.requires_grad = any(p.requires_grad for p in params + ext_params)
         self.tensor_parallel = any(info.tp is not None for info in self.layout.infos)
         # the model's tensor-parallel group (set by init; None: no tensor parallelism), across which
         # every value that is not a tensor-parallel piece must agree
@@ -189,6 +197,9 @@ class FlatParamHandle:
         self.post_forward_group: Optional[dist.ProcessGroup] = None
         self._post_forward_shard: Optional[torch.Tensor] = None
         self._post_forward_event: Optional[torch.cuda.Event] = None  # CUDA: recorded right after it was made
+        self.extensions: Optional[ExtensionParams] = None
+        if ext_params:
+            self._init_extensions(ext_params, ext_holders)
         self._init_views()
         self.use_sharded_views()
 
@@ -198,6 +209,23 @@ class FlatParamHandle:
 
     def __reduce_ex__(self, protocol: object) -> NoReturn:
         raise refusal(f"unit '{self.unit_fqn or '<root>'}'")
+
+    def _init_extensions(self, params: list[nn.Parameter], holders: list[list[tuple[nn.Module, str, str]]]) -> None:
+        fqns = [f"{self.unit_fqn}.{h[0][2]}" if self.unit_fqn else h[0][2] for h in holders]
+        if self.config.offload_params:
+            raise ValueError(
+                f"fully_shard: parameter '{fqns[0]}' ({type(params[0]).__name__}) defines its own all-gather, "
+                "which CPU offload does not support: shard it without offload_policy/cpu_offload"
+            )
+        if self._mesh is None:
+            self._mesh = face_mesh(self.process_group, self.device)
+        group = self.process_group if self.config.sharded else None
+        self.extensions = ExtensionParams(params, holders, fqns, group, self._mesh, self.device, self.config)
+        for param, fqn in zip(params, fqns):
+            setattr(param, FSDP_FLATTENED, True)
+            param._fsdp_fqn = fqn  # type: ignore[attr-defined]
+        for face in self.extensions.faces:
+            setattr(face, FSDP_FLATTENED, True)
 
     def _flatten_and_shard(self) -> FlatParameter:
         layout = self.layout
@@ -378,10 +406,14 @@ class FlatParamHandle:
     def use_sharded_views(self) -> None:
         self._point_params_at(self._sharded_views)
         self._register(self.faces)
+        if self.extensions is not None:
+            self.extensions.show_faces()
 
     def use_unsharded_views(self) -> None:
         self._point_params_at(self._unsharded_views)
         self._register(self.params)
+        if self.extensions is not None and self.extensions.is_unsharded:
+            self.extensions.show_unsharded()
 
     # ---------------------------------------------------------------- unshard / reshard
     @property
@@ -393,6 +425,8 @@ class FlatParamHandle:
         """Start gathering (and casting) the full flat parameter on ``stream`` (the root context's
         unshard stream on CUDA; None: the compute stream, or async on the CPU); `wait_unshard`
         finishes it."""
+        if self.extensions is not None:
+            self.extensions.unshard()
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
             return
         assert self._unsharded is not None
@@ -451,6 +485,8 @@ class FlatParamHandle:
             self.unshard()
             self.wait_unshard()
             return
+        if self.extensions is not None:
+            self.extensions.wait(f"unit '{self.root_fqn}'")
         self.use_unsharded_views()
 
     @_trace.method("reshard", "_unsharded")
@@ -458,6 +494,8 @@ class FlatParamHandle:
         """Point the original parameters back at the shard and free the unsharded storage."""
         if self._unshard_work is not None:  # never free memory a collective is still writing
             self._finish_unshard()
+        if self.extensions is not None:
+            self.extensions.reshard(f"unit '{self.root_fqn}'")
         self.use_sharded_views()
         if self._needs_buffer:
             self._free_unsharded()

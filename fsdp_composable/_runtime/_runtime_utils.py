@@ -50,6 +50,7 @@ from fsdp_composable._common_utils import TrainingState, _FSDPState, _get_fsdp_s
 from fsdp_composable._flat_param import FlatParamHandle, HandleTrainingState
 from fsdp_composable._grads import _exposed_grads
 from fsdp_composable._grads import _reduce_utils as grads
+from fsdp_composable._grads._extension_grads import reduce_extension_grads
 from fsdp_composable._guards._ddp_guard import refuse_inside_ddp
 from fsdp_composable._guards._model_edit_checks import check_model_unchanged
 from fsdp_composable._runtime._cast_inputs import cast_floating, to_device
@@ -406,6 +407,8 @@ def _post_backward(state: _FSDPState, handle: FlatParamHandle) -> None:
             ctx.start_reduce(handle)
         else:
             grads.stage_for_no_sync(handle)  # `no_sync`: added to the kept sum when backward ends
+    if handle.extensions is not None and _syncs(ctx, handle):
+        reduce_extension_grads(handle)  # [Note: extension parameters]; under `no_sync` they stay unsharded
     if handle.switches.reshard_after_backward or not handle.is_unsharded:  # not gathered: views of nothing
         handle.reshard()
     _exposed_grads.expose_sharded_grads(handle)
