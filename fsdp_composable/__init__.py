@@ -24,6 +24,7 @@ _RUN_AS_MAIN = _run_as_main(getattr(_sys, "orig_argv", []))
 
 if not _RUN_AS_MAIN:
     from fsdp_composable._compat.fsdp1._register_comm_hook import register_comm_hook
+    from fsdp_composable._compat.fsdp2._custom_comm_controls import set_custom_all_gather, set_custom_reduce_scatter
     from fsdp_composable._compat.fsdp2._module_switches import (
         set_is_last_backward,
         set_modules_to_backward_prefetch,
@@ -127,6 +128,8 @@ __all__ = [
     "register_fsdp_forward_method",
     "reshard",
     "set_all_reduce_hook",
+    "set_custom_all_gather",
+    "set_custom_reduce_scatter",
     "set_force_sum_reduction_for_comms",
     "set_gradient_divide_factor",
     "set_is_last_backward",

@@ -38,7 +38,7 @@ from fsdp_composable._base._grad_records import UnitGrads
 from fsdp_composable._base._state_machine import Transitions, check_transition
 from fsdp_composable._base._strides import contiguous_strides
 from fsdp_composable._base._unit_switches import UnitSwitches
-from fsdp_composable._comm import _collectives, _trace
+from fsdp_composable._comm import _collectives, _custom_comms, _trace
 from fsdp_composable._comm._tensor_parallel import face_spec_2d, local_of, mesh_2d, point_at
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._flat._extensions import ExtensionParams, is_extension
@@ -212,20 +212,11 @@ class FlatParamHandle:
 
     def _init_extensions(self, params: list[nn.Parameter], holders: list[list[tuple[nn.Module, str, str]]]) -> None:
         fqns = [f"{self.unit_fqn}.{h[0][2]}" if self.unit_fqn else h[0][2] for h in holders]
-        if self.config.offload_params:
-            raise ValueError(
-                f"fully_shard: parameter '{fqns[0]}' ({type(params[0]).__name__}) defines its own all-gather, "
-                "which CPU offload does not support: shard it without offload_policy/cpu_offload"
-            )
-        if self._mesh is None:
-            self._mesh = face_mesh(self.process_group, self.device)
+        self._mesh = self._mesh or face_mesh(self.process_group, self.device)
         group = self.process_group if self.config.sharded else None
         self.extensions = ExtensionParams(params, holders, fqns, group, self._mesh, self.device, self.config)
-        for param, fqn in zip(params, fqns):
-            setattr(param, FSDP_FLATTENED, True)
-            param._fsdp_fqn = fqn  # type: ignore[attr-defined]
-        for face in self.extensions.faces:
-            setattr(face, FSDP_FLATTENED, True)
+        for tensor in params + self.extensions.faces:
+            setattr(tensor, FSDP_FLATTENED, True)
 
     def _flatten_and_shard(self) -> FlatParameter:
         layout = self.layout
@@ -426,7 +417,7 @@ class FlatParamHandle:
         unshard stream on CUDA; None: the compute stream, or async on the CPU); `wait_unshard`
         finishes it."""
         if self.extensions is not None:
-            self.extensions.unshard()
+            self.extensions.unshard(self.switches.all_gather_comm)
         if self.is_unsharded or self._unshard_work is not None or not self._needs_buffer:
             return
         assert self._unsharded is not None
@@ -465,10 +456,18 @@ class FlatParamHandle:
         assert group is not None
         # laid out by parameter as it lands ([Note: rank-major flat shards]): unless both orders are one
         # tensor, gloo receives each chunk where it goes and a native all-gather is copied out once
-        regions, direct = (None if self.layout.same_order else self._unsharded_regions), self.layout.direct
+        comm = self.switches.all_gather_comm  # the user's: [Note: custom collectives]
+        same, direct = self.layout.same_order and comm is None, self.layout.direct
+        regions = None if same else self._unsharded_regions
+
+        def gather(async_op: bool) -> Optional[_collectives.Waitable]:
+            if comm is not None:
+                return _custom_comms.all_gather(comm, unsharded, src, group, async_op, origin, regions)
+            return _collectives.all_gather(unsharded, src, group, async_op, origin, regions, direct)
+
         self._unshard_work = _collectives.issue(
             stream,
-            lambda async_op: _collectives.all_gather(unsharded, src, group, async_op, origin, regions, direct),
+            gather,
             wait_first=kept is not None and kept_event is None,
             unit=self.root_fqn,
         )

@@ -40,11 +40,13 @@ class ReduceControls:
     ``divide_factor``: the reduced gradient is the sum divided by it (None: the number of ranks it
     averages over). ``force_sum``: FSDP2's flag; our collectives always sum and divide apart, so it
     changes nothing. ``all_reduce_hook``: run in place on the final reduced shard gradient (after the
-    replica all-reduce under HYBRID_SHARD), before it reaches ``.grad``."""
+    replica all-reduce under HYBRID_SHARD), before it reaches ``.grad``. ``reduce_scatter_comm``: the
+    user's reduce-scatter (FSDP2's ``ReduceScatter``: ``allocate`` and a call), used in place of ours."""
 
     divide_factor: Optional[float] = None
     force_sum: bool = False
     all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+    reduce_scatter_comm: Optional[Any] = None
 
 
 @dataclass(eq=False)

@@ -16,7 +16,7 @@ all-reduce across replicas). Defaults reproduce the behaviour without any contro
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Generic, Optional, TypeVar
+from typing import Any, Generic, Optional, TypeVar
 
 __all__ = ["UnitSwitches"]
 
@@ -39,6 +39,8 @@ class UnitSwitches(Generic[H]):
     reshard_after_backward: bool = True
     # False: backward does not all-gather the unit (its parameters are not needed for gradients)
     unshard_in_backward: bool = True
+    # the user's all-gather (FSDP2's ``AllGather``: ``allocate`` and a call), used in place of ours
+    all_gather_comm: Optional[Any] = None
     # explicit prefetch targets (None: the recorded execution order decides)
     forward_prefetch: Optional[tuple[H, ...]] = None
     backward_prefetch: Optional[tuple[H, ...]] = None

@@ -36,7 +36,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
-from fsdp_composable._comm import _collectives
+from fsdp_composable._comm import _collectives, _custom_comms
 from fsdp_composable._config import UnitConfig
 
 __all__ = ["ExtensionParam", "ExtensionParams", "is_extension"]
@@ -106,6 +106,12 @@ class ExtensionParams:
         self.is_unsharded = False
         for param, where, fqn in zip(params, holders, fqns):
             check_protocol(param, fqn)
+            if config.offload_params:
+                raise ValueError(
+                    f"fully_shard: parameter '{fqn}' ({type(param).__name__}) defines its own all-gather, "
+                    "which CPU offload does not support: shard it without offload_policy/cpu_offload"
+                )
+            param._fsdp_fqn = fqn  # type: ignore[attr-defined]
             if param.dim() == 0 or param.shape[0] % self.world:
                 raise ValueError(
                     f"fully_shard: parameter '{fqn}' ({type(param).__name__}, shape {tuple(param.shape)}) "
@@ -144,7 +150,7 @@ class ExtensionParams:
         return self.config.compute_dtype(p.face.dtype)
 
     @torch.no_grad()
-    def unshard(self) -> None:
+    def unshard(self, comm: Optional[Any] = None) -> None:
         """Ask each parameter what to send and start the one all-gather of all of it (as bytes)."""
         if self.is_unsharded or self._gather is not None:
             return
@@ -161,7 +167,10 @@ class ExtensionParams:
             self._gather = _Gather(None, send, sizes)
             return
         gathered = torch.empty(self.world * send.numel(), dtype=torch.uint8, device=self.device)
-        work = _collectives.all_gather(gathered, send, self.group, async_op=True)
+        if comm is not None:  # the user's all-gather: [Note: custom collectives]
+            work = _custom_comms.all_gather(comm, gathered, send, self.group, async_op=True)
+        else:
+            work = _collectives.all_gather(gathered, send, self.group, async_op=True)
         self._gather = _Gather(work, gathered, sizes)
 
     def _pre_all_gather(self, p: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:

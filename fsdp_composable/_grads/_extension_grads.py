@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch.distributed.tensor import DTensor
 
-from fsdp_composable._comm import _collectives
+from fsdp_composable._comm import _collectives, _custom_comms
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._grads._reduce_utils import divide_factors
 
@@ -45,7 +45,12 @@ def reduce_extension_grads(handle: FlatParamHandle) -> None:
                 _collectives.wait(_collectives.all_reduce(mine, handle.process_group), what)
         elif ext.world > 1:
             mine = torch.empty(full.numel() // ext.world, dtype=dtype, device=full.device)
-            _collectives.wait(_collectives.reduce_scatter(mine, full.view(-1), ext.group, async_op=True), what)
+            comm = handle.grads.controls.reduce_scatter_comm  # the user's: [Note: custom collectives]
+            if comm is not None:
+                work = _custom_comms.reduce_scatter(comm, mine, full.view(-1), ext.group)
+            else:
+                work = _collectives.reduce_scatter(mine, full.view(-1), ext.group)
+            _collectives.wait(work, what)
         else:
             mine = full.view(-1)
         if handle.replicate_group is not None and handle.replicas > 1:

@@ -55,7 +55,7 @@ import torch.distributed as dist
 from fsdp_composable._base._grad_mode import NoGrad
 from fsdp_composable._base._grad_records import GradState, ReduceControls, UnitGrads
 from fsdp_composable._base._state_machine import Transitions, check_transition
-from fsdp_composable._comm import _collectives, _trace
+from fsdp_composable._comm import _collectives, _custom_comms, _trace
 from fsdp_composable._comm._header_fields import for_unit
 from fsdp_composable._comm._tensor_parallel import as_local_grad
 from fsdp_composable._flat_param import FlatParamHandle
@@ -259,6 +259,8 @@ def start_reduce(
     world = handle.group_size * handle.replicas
     pre, post = divide_factors(world, handle.reduce_dtype, grads.controls.divide_factor)
     hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
+    # the user's reduce-scatter ([Note: custom collectives]): it takes one rank-major tensor
+    custom = grads.controls.reduce_scatter_comm if handle.layout.world_size > 1 else None
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
@@ -267,7 +269,8 @@ def start_reduce(
         parts, mine = _take_backward_grads(handle)
         got = _grad_presence.union(mine, grads.kept_got)
         flat = None
-        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or hook is not None:
+        one_tensor = hook is not None or custom is not None
+        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or one_tensor:
             flat = _flat_of(handle, parts)
             if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
                 flat = _plus_kept(handle, flat, grads.kept)
@@ -283,7 +286,8 @@ def start_reduce(
     with NoGrad():
         layout = handle.layout
         # gloo sends each parameter's rows from where they are ([Note: moving chunks]), kept sum or not alike
-        pieces = layout.world_size > 1 and layout.direct and _collectives.point_to_point(group, handle.device)
+        p2p = custom is None and _collectives.point_to_point(group, handle.device)
+        pieces = layout.world_size > 1 and layout.direct and p2p
         if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
             send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
             send = send if layout.direct else [torch.cat(send)]
@@ -322,7 +326,7 @@ def start_reduce(
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.all_reduce(whole, group, dist.ReduceOp.SUM, async_op) if shard_world > 1 else None
 
-        elif _collectives.point_to_point(group, handle.device):  # gloo: the flags end every chunk's pieces
+        elif p2p:  # gloo: the flags end every chunk's pieces
             flag = _grad_presence.flags(got, rdtype, handle.device)
             out = torch.empty(numel + flag.numel(), dtype=rdtype, device=handle.device)
             full = _grad_presence.with_presence(send, handle.layout.world_size, flag)
@@ -339,8 +343,12 @@ def start_reduce(
             grad = send[0]
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
+                if custom is not None:
+                    scatter = lambda: _custom_comms.reduce_scatter(custom, reduced, grad, group, async_op)  # noqa: E731
+                else:
+                    scatter = lambda: _collectives.reduce_scatter(reduced, grad, group, async_op)  # noqa: E731
                 return _collectives.in_order(
-                    lambda: _collectives.reduce_scatter(reduced, grad, group, async_op),
+                    scatter,
                     lambda: _collectives.all_reduce(flags, group, dist.ReduceOp.SUM, async_op),
                 )
 
