@@ -125,6 +125,16 @@ def qlora_parity() -> dict[str, Any]:
     lora = [(n, p) for n, p in model.named_parameters() if "lora" in n]
     adapters = {n: (p.full_tensor() - ref.get_parameter(n)).abs().max().item() for n, p in lora}
     after = [model.get_parameter(n)._local_tensor.quantized_data for n in nf4]
+    # FULL state dict: the NF4 weights whole (the same codes as the unsharded model's), loaded into a
+    # sharded model built from another seed
+    saved = model.state_dict()
+    torch.manual_seed(1)
+    other = fully_shard(nn.Sequential(QLoRABlock(), QLoRABlock(), nn.Linear(256, 8)), ModuleWrapPolicy({QLoRABlock}))
+    other.load_state_dict(saved)
+    loaded = all(
+        torch.equal(other.get_parameter(n).full_tensor().quantized_data, p.quantized_data) for n, p in nf4.items()
+    )
+    loaded &= all(torch.equal(other.get_parameter(n).full_tensor(), p.full_tensor()) for n, p in lora)
     return {
         "losses": losses,
         "adapters": adapters,
@@ -132,6 +142,9 @@ def qlora_parity() -> dict[str, Any]:
         "placements": str(weight.placements),
         "local_rows": weight._local_tensor.shape[0],
         "frozen_unchanged": all(torch.equal(a, b) for a, b in zip(before, after)),
+        "saved": sorted({type(saved[n]).__name__ for n in nf4}),
+        "saved_same": all(torch.equal(saved[n].quantized_data, p.quantized_data) for n, p in nf4.items()),
+        "loaded": loaded,
         "sent_bytes": sends.bytes,
         "nf4_numel": sum(p.numel() for p in nf4.values()),
         "world": dist.get_world_size(),
@@ -148,6 +161,7 @@ def test_qlora_nf4_trains_like_the_unsharded_model(dist_run, world: int) -> None
         assert max(r["adapters"].values()) < 1e-5, r["adapters"]
         assert r["face"] == ("DTensor", "NF4Tensor", (512, 256)) and r["placements"] == "(Shard(dim=0),)", r
         assert r["local_rows"] == 512 // world and r["frozen_unchanged"]
+        assert r["saved"] == ["NF4Tensor"] and r["saved_same"] and r["loaded"], r
         # the 4-bit codes (half a byte per weight), one int8 scale per 64 weights and one float32
         # factor per 64 x 256: this rank's share, gathered twice per step (forward, backward), 3 steps
         n = r["nf4_numel"]

@@ -65,6 +65,8 @@ class ExtensionParam:
     """One extension parameter of a unit: where it is registered, its face and its unsharded tensor."""
 
     fqn: str
+    holders: list[tuple[nn.Module, str]]  # (module, attribute): where it is registered
+    names: list[str]  # its names relative to the unit's module, one per holder
     owner: nn.Module  # the module that registers it (the first, if tied): ``fsdp_pre_all_gather``'s ``module``
     slots: list[tuple[dict[str, Any], str]]  # (a holder's ``_parameters``, attribute) pairs
     face: nn.Parameter
@@ -99,7 +101,8 @@ class ExtensionParams:
         """``group``: the shard group (None: every rank holds each parameter whole, NO_SHARD); ``mesh``
         names the unit's process group, which ``fsdp_pre_all_gather`` is given."""
         self.group, self.mesh, self.device, self.config = group, mesh, device, config
-        self.world, rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+        self.world, self.rank = (dist.get_world_size(group), dist.get_rank(group)) if group is not None else (1, 0)
+        rank = self.rank
         placement: Placement = Shard(0) if self.world > 1 else Replicate()
         self.params: list[ExtensionParam] = []
         self._gather: Optional[_Gather] = None
@@ -135,7 +138,8 @@ class ExtensionParams:
             face._fsdp_face = True  # type: ignore[attr-defined]
             face._fsdp_fqn = fqn  # type: ignore[attr-defined]
             slots = [(m._parameters, attr) for m, attr, _ in where]
-            self.params.append(ExtensionParam(fqn, where[0][0], slots, face))
+            held = [(m, attr) for m, attr, _ in where]
+            self.params.append(ExtensionParam(fqn, held, [name for _, _, name in where], where[0][0], slots, face))
 
     def __bool__(self) -> bool:
         return bool(self.params)

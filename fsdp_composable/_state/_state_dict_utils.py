@@ -31,6 +31,7 @@ from fsdp_composable._runtime._state_dict_open import (
     _take_open,
 )
 from fsdp_composable._runtime._state_dict_open import close_stale_units as close_stale_units
+from fsdp_composable._state._extension_state import register_extension_load_hooks, save_full_extensions
 from fsdp_composable._state._state_dict_atomic import decide_after_load, keep_before_load
 from fsdp_composable._state._state_dict_full import _open_full, _take_over_views
 from fsdp_composable._state._state_dict_local import _local_post_state_dict_hook, _local_pre_load_hook
@@ -140,6 +141,7 @@ def _register_state_dict_hooks(state: _FSDPState) -> None:
             post_load = functools.partial(_post_load_state_dict_hook, state, handle)
             state.hook_handles.append(unit_module.register_load_state_dict_post_hook(post_load))
         _register_placement_hooks(state, handle)
+        register_extension_load_hooks(state, handle)
     # Registered after the unit hooks, so on the root unit it runs after them.
     state.hook_handles.append(
         state.module._register_state_dict_hook(functools.partial(_root_post_state_dict_hook, state))
@@ -181,6 +183,7 @@ def _post_state_dict_hook(
         return
     try:
         _take_over_views(state, handle, opened.full, state_dict, prefix)
+        save_full_extensions(state, handle, state_dict, prefix)
     finally:
         _close(handle, opened)
 

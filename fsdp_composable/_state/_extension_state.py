@@ -1,0 +1,83 @@
+"""Extension parameters in state dicts ([Note: extension parameters] in `_extensions`).
+
+[Note: extension parameters in state dicts]
+- FULL saves: each extension parameter's face is gathered whole with ``full_tensor()``, which runs the
+  subclass's own all-gather of its sharded value (NF4's codes and scales; float8 training weights'
+  high-precision data), on every rank in the unit's order: the checkpoint holds the parameter the user
+  sharded, not what ``fsdp_post_all_gather`` makes for compute (float8's cast weight). ``rank0_only``
+  keeps it on rank 0 only; ``offload_to_cpu`` moves it with the subclass's own ``cpu()``.
+- SHARDED saves: the faces as they are (``DTensor``s of the subclass), as FSDP2's.
+- Loads: a value that is not a ``DTensor`` (a FULL checkpoint, the unsharded model's state dict) is cut
+  to this rank's dim-0 chunk and given the face's layout, so the module's own ``copy_`` copies subclass
+  into subclass chunk by chunk (never through ``to`` or ``clone``, which NF4 answers by quantizing anew).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from fsdp_composable._common_utils import _FSDPState
+from fsdp_composable._flat._extensions import ExtensionParam, ExtensionParams
+from fsdp_composable._flat_param import FlatParamHandle
+from fsdp_composable._state._state_dict_settings import _config, _drops_values
+
+__all__ = ["register_extension_load_hooks", "save_full_extensions"]
+
+
+@torch.no_grad()
+def save_full_extensions(state: _FSDPState, handle: FlatParamHandle, state_dict: dict[str, Any], prefix: str) -> None:
+    ext = handle.extensions
+    if ext is None:
+        return
+    drop, offload = _drops_values(state), _config(state).offload_to_cpu
+    for p in ext.params:
+        for name in p.names:
+            key = prefix + name
+            if key not in state_dict:
+                continue
+            whole = p.face.full_tensor()  # type: ignore[attr-defined]  # a collective, in the same order on every rank
+            if drop:
+                del state_dict[key]
+            else:
+                state_dict[key] = whole.cpu() if offload and whole.device.type != "cpu" else whole
+
+
+def register_extension_load_hooks(state: _FSDPState, handle: FlatParamHandle) -> None:
+    """One load pre-hook per module holding an extension parameter, after the module's own hooks."""
+    ext = handle.extensions
+    if ext is None:
+        return
+    entries: dict[nn.Module, list[tuple[str, ExtensionParam]]] = {}
+    for p in ext.params:
+        for module, attr in p.holders:
+            entries.setdefault(module, []).append((attr, p))
+    for module, attrs in entries.items():
+        hook = functools.partial(_to_face_layout, ext, attrs)
+        state.hook_handles.append(module._register_load_state_dict_pre_hook(hook))
+
+
+def _to_face_layout(
+    ext: ExtensionParams, attrs: list[tuple[str, ExtensionParam]], state_dict: dict[str, Any], prefix: str, *args: Any
+) -> None:
+    if ext.is_unsharded:  # in a step the module holds the unsharded tensors: nothing to match
+        return
+    for attr, p in attrs:
+        key = prefix + attr
+        value = state_dict.get(key)
+        if not isinstance(value, torch.Tensor) or isinstance(value, DTensor):
+            continue
+        if tuple(value.shape) != tuple(p.face.shape):
+            continue  # the module's own load reports the size mismatch, naming the key
+        face = p.face
+        chunk = torch.chunk(value, ext.world, dim=0)[ext.rank] if ext.world > 1 else value
+        if chunk.device != face.device:
+            chunk = chunk.to(face.device)
+        mesh, placements = face.device_mesh, face.placements  # type: ignore[attr-defined]
+        state_dict[key] = DTensor.from_local(
+            chunk, mesh, placements, run_check=False, shape=face.shape, stride=face.stride()
+        )
