@@ -35,7 +35,7 @@ FENCE = re.compile(r"^```([^\n`]*)\n(.*?)^```[ \t]*$", re.S | re.M)
 LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 INLINE_CODE = re.compile(r"`+[^`\n]*`+")
 # Blocks for an optional framework import it: they skip when the extra is not installed.
-OPTIONAL = re.compile(r"^\s*(?:from|import)\s+(?:fsdp_composable\.)?(lightning|accelerate)\b", re.M)
+OPTIONAL = re.compile(r"^\s*(?:from|import)\s+(?:fsdp_composable\.)?(lightning|accelerate|torchao)\b", re.M)
 
 
 def _blocks_of(text: str) -> list[tuple[str, str]]:
