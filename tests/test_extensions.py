@@ -22,7 +22,7 @@ from parity import global_mean
 from torch import nn
 from torch.utils._pytree import tree_map_only
 
-from fsdp_composable import CPUOffload, ModuleWrapPolicy, ShardingStrategy, fully_shard
+from fsdp_composable import CPUOffload, ModuleWrapPolicy, ShardingStrategy, clip_grad_norm_, fully_shard
 from fsdp_composable._comm import _collectives
 
 needs_torchao = pytest.mark.skipif(
@@ -54,9 +54,10 @@ class _Sends:
 
 
 def _train(
-    model: nn.Module, ref: nn.Module, steps: int, make_batch: Any, per_rank_ref: bool = False
+    model: nn.Module, ref: nn.Module, steps: int, make_batch: Any, per_rank_ref: bool = False, clip: Any = None
 ) -> list[tuple[float, float]]:
-    """(reference loss, sharded loss) per step; AdamW on both; each rank takes its slice of the batch."""
+    """(reference loss, sharded loss) per step; AdamW on both; each rank takes its slice of the batch.
+    ``clip(model)``: clips the sharded model's gradients to norm 0.05, checked against torch's on the reference."""
     rank, world = dist.get_rank(), dist.get_world_size()
     opt_ref = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
@@ -69,10 +70,16 @@ def _train(
         else:
             loss_ref = F.mse_loss(ref(x), y)
         loss_ref.backward()
+        if clip is not None:
+            norm_ref = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.05)
         opt_ref.step()
         opt_ref.zero_grad()
         loss = F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank])
         loss.backward()
+        if clip is not None:
+            norm = clip(model)
+            assert float(norm_ref) > 0.05, norm_ref  # it clips
+            assert abs(float(norm) - float(norm_ref)) < 1e-5 * float(norm_ref), (norm, norm_ref)
         opt.step()
         opt.zero_grad()
         losses.append((float(loss_ref), global_mean(loss.detach())))
@@ -311,8 +318,13 @@ def own_subclass_parity(strategy: ShardingStrategy) -> dict[str, Any]:
             lin.weight = nn.Parameter(Int8Gathered(lin.weight.detach().clone()))
     fully_shard(model, ModuleWrapPolicy({Int8Block}), strategy=strategy)
     Int8Gathered.calls.clear()
+    # the norm counts the subclass parameters' gradient shards once: ours, and torch's over parameters()
+    if strategy is ShardingStrategy.FULL_SHARD:
+        clip = lambda m: clip_grad_norm_(m, 0.05)  # noqa: E731
+    else:
+        clip = lambda m: torch.nn.utils.clip_grad_norm_(m.parameters(), 0.05)  # noqa: E731
     with _Sends() as sends:
-        losses = _train(model, ref, 3, _batch(32, 4))
+        losses = _train(model, ref, 3, _batch(32, 4), clip=clip)
     diffs = {n: (p.full_tensor() - ref.get_parameter(n)).abs().max().item() for n, p in model.named_parameters()}
     return {"losses": losses, "diffs": diffs, "calls": sorted(set(Int8Gathered.calls)), "sent_bytes": sends.bytes}
 

@@ -269,6 +269,17 @@ def _grads_by_placement(module: nn.Module, states: list[_FSDPState]) -> tuple[li
             pieces.add_unit(handle, grad)
             if grad is not None:
                 grads.append(grad)
+            extensions = handle.extensions
+            for ext in extensions.params if extensions is not None else ():
+                # a tensor-subclass parameter's gradient shard ([Note: extension parameters]): a dim-0
+                # chunk of it, summed over the shard group (whole, and the same everywhere, under NO_SHARD)
+                assert extensions is not None
+                managed.add(id(ext.face))
+                target = pieces.expect(handle.process_group if extensions.world > 1 else None, None)
+                if ext.face.grad is not None:
+                    local = ext.face.grad._local_tensor  # type: ignore[attr-defined]
+                    target.append(local)
+                    grads.append(local)
     root = states[0]
     replicated_over = tuple(g for g in (root.process_group, root.replicate_group) if g is not None)
     for p in module.parameters():
