@@ -21,6 +21,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from fsdp_composable._comm import _tensor_parallel
 from fsdp_composable._common_utils import _FSDPState
 from fsdp_composable._flat._extensions import ExtensionParam, ExtensionParams
 from fsdp_composable._flat_param import FlatParamHandle
@@ -40,7 +41,8 @@ def save_full_extensions(state: _FSDPState, handle: FlatParamHandle, state_dict:
             key = prefix + name
             if key not in state_dict:
                 continue
-            whole = p.face.full_tensor()  # type: ignore[attr-defined]  # a collective, in the same order on every rank
+            # a collective, in the same order on every rank
+            whole = _tensor_parallel.full_tensor(p.face, handle.device)  # type: ignore[arg-type]
             if drop:
                 del state_dict[key]
             else:
