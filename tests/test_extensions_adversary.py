@@ -11,11 +11,11 @@ world size 1, an NF4 weight in the root unit, and the state-dict round trips tha
 sharded (``load_state_dict(model.state_dict())``, torch.distributed.checkpoint, ``get/set_model_state_dict``,
 SHARDED_STATE_DICT, the optimizer's state dict).
 
-Faults (strict xfails): the FULL state dict keeps extension parameters as sharded DTensors that alias
-the live parameters, so neither the unsharded model can load it nor can full tensors be loaded back;
-``summon_full_params`` leaves them sharded; the FULL optimizer state dict keeps their states sharded;
-``model.to(torch.bfloat16)`` of an NF4 model and an NF4 weight whose scales do not split over the
-ranks fail with raw errors that name no parameter.
+Faults found here, fixed since (each test failed before its fix): the FULL state dict kept extension
+parameters as sharded DTensors aliasing the live parameters, so the unsharded model could not load it
+and full tensors could not be loaded back; ``summon_full_params`` left them sharded; the FULL optimizer
+state dict kept their states sharded; ``model.to(torch.bfloat16)`` of an NF4 model and an NF4 weight
+whose scales do not split over the ranks failed with raw errors naming no parameter.
 """
 
 from __future__ import annotations
@@ -339,11 +339,15 @@ def sharded_round_trips() -> dict[str, Any]:
         _, fresh, *_ = _sharded(kind, seed=5)
         keys = fresh.load_state_dict(model.state_dict())
         out[f"load_state_dict_{kind}"] = (list(keys.missing_keys), list(keys.unexpected_keys), _diff(fresh, model))
-        dcp.save(model.state_dict(), checkpoint_id=f"{path[0]}/{kind}")
+        # DCP through SHARDED, as documented: a FULL dict holds the whole NF4Tensor, which DCP pickles and
+        # torch's weights_only load refuses (torchao does not allowlist it)
+        with fc.state_dict_type(model, fc.StateDictType.SHARDED_STATE_DICT):
+            dcp.save(model.state_dict(), checkpoint_id=f"{path[0]}/{kind}")
         _, fresh, *_ = _sharded(kind, seed=5)
-        loaded = fresh.state_dict()
-        dcp.load(loaded, checkpoint_id=f"{path[0]}/{kind}")
-        fresh.load_state_dict(loaded)
+        with fc.state_dict_type(fresh, fc.StateDictType.SHARDED_STATE_DICT):
+            loaded = fresh.state_dict()
+            dcp.load(loaded, checkpoint_id=f"{path[0]}/{kind}")
+            fresh.load_state_dict(loaded)
         out[f"dcp_{kind}"] = _diff(fresh, model)
         _, fresh, *_ = _sharded(kind, seed=5)
         set_model_state_dict(fresh, get_model_state_dict(model))
@@ -436,11 +440,6 @@ def full_state_dict() -> dict[str, Any]:
 
 
 @needs_torchao
-@pytest.mark.xfail(
-    strict=True,
-    reason="FULL model.state_dict() keeps extension parameters as sharded DTensor faces that alias the live "
-    "parameters: a later optimizer step changes the saved state dict, and the unsharded model cannot load it",
-)
 def test_full_state_dict_holds_full_copies_of_extension_parameters(dist_run) -> None:
     for r in dist_run(2, full_state_dict):
         assert r["types"]["2.weight"] == "Tensor"  # the plain parameters are full tensors
@@ -465,11 +464,6 @@ def load_full_tensors() -> dict[str, str]:
 
 
 @needs_torchao
-@pytest.mark.xfail(
-    strict=True,
-    reason="load_state_dict of full (unsharded) tensors into extension parameters fails: copy_ of a plain "
-    "tensor into the DTensor face ('got mixed torch.Tensor and DTensor'); the load is refused on every rank",
-)
 def test_full_tensors_load_into_extension_parameters(dist_run) -> None:
     for r in dist_run(2, load_full_tensors):
         assert r == {"fp8": "", "nf4": ""}, r
@@ -482,35 +476,43 @@ def summon_and_optim_state() -> dict[str, Any]:
     x, y = batch(0, world)
     F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     opt.step()
+    before = model.get_parameter("0.up.weight").full_tensor()
     with fc.summon_full_params(model):
         inside = {n: type(p).__name__ for n, p in model.named_parameters()}
+        whole = model.get_parameter("0.up.weight")
+        same = torch.equal(whole.detach(), before)
+        with torch.no_grad():
+            whole.mul_(0.5)  # written back on exit
+    halved = torch.equal(model.get_parameter("0.up.weight").full_tensor(), before * 0.5)
     osd = fc.optim_state_dict(model, opt)
     states = {k: type(s["exp_avg"]).__name__ for k, s in osd["state"].items()}
-    return {"summon": inside, "optim": states}
+    # the FULL optimizer state loads back into a fresh optimizer in the faces' layout
+    fresh = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    fresh.load_state_dict(fc.optim_state_dict_to_load(model, fresh, osd))
+    faces = [p for p in model.parameters() if p in opt.state]
+    loaded = all(
+        isinstance(fresh.state[p]["exp_avg"], DTensor)
+        and fresh.state[p]["exp_avg"].placements == p.placements
+        and torch.equal(fresh.state[p]["exp_avg"].full_tensor(), opt.state[p]["exp_avg"].full_tensor())
+        for p in faces
+    )
+    return {"summon": inside, "same": same, "halved": halved, "optim": states, "loaded": loaded}
 
 
 @needs_torchao
-@pytest.mark.xfail(
-    strict=True,
-    reason="inside summon_full_params extension parameters stay sharded DTensor faces (global shape, this "
-    "rank's chunk) while every other parameter is a full tensor",
-)
 def test_summon_full_params_gives_full_extension_parameters(dist_run) -> None:
     for r in dist_run(2, summon_and_optim_state):
         assert r["summon"]["2.weight"] != "DTensor", r
         assert r["summon"]["0.up.weight"] != "DTensor", r["summon"]
+        assert r["same"] and r["halved"], r
 
 
 @needs_torchao
-@pytest.mark.xfail(
-    strict=True,
-    reason="the FULL optim_state_dict keeps extension parameters' states (exp_avg, exp_avg_sq) as sharded "
-    "DTensors while every other parameter's are full tensors",
-)
 def test_full_optim_state_dict_gives_full_states_of_extension_parameters(dist_run) -> None:
     for r in dist_run(2, summon_and_optim_state):
         assert r["optim"]["2.weight"] == "Tensor", r
         assert r["optim"]["0.up.weight"] != "DTensor", r["optim"]
+        assert r["loaded"], r
 
 
 def raw_errors() -> dict[str, str]:
@@ -531,12 +533,6 @@ def raw_errors() -> dict[str, str]:
 
 
 @needs_torchao
-@pytest.mark.xfail(
-    strict=True,
-    reason="model.to(torch.bfloat16) after sharding an NF4 model fails in the next forward with a raw "
-    "AttributeError ('Tensor' has no fsdp_pre_all_gather), and an NF4 weight whose scales do not split over "
-    "the ranks with torchao's raw AssertionError; neither names the parameter or says what to do",
-)
 def test_nf4_cast_and_uneven_scales_name_the_parameter(dist_run) -> None:
     results = dist_run(2, raw_errors)
     assert results[0] == results[1], results

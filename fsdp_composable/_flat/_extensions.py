@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from fsdp_composable._comm import _collectives, _custom_comms
+from fsdp_composable._comm._tensor_parallel import full_tensor
 from fsdp_composable._config import UnitConfig
 
 __all__ = ["ExtensionParam", "ExtensionParams", "is_extension"]
@@ -76,6 +77,7 @@ class ExtensionParam:
     inputs: list[tuple[torch.dtype, torch.Size]] = field(default_factory=list)
     outputs: list[torch.Tensor] = field(default_factory=list)  # kept: refilled by every unshard
     inner: tuple[torch.Tensor, ...] = ()  # what ``fsdp_post_all_gather`` said to free at reshard
+    summoned: Optional[nn.Parameter] = None  # its whole value inside `unshard_params`
 
 
 @dataclass
@@ -126,9 +128,17 @@ class ExtensionParams:
                 # a copy of this rank's chunk (not a view, which would keep the whole alive) made with
                 # ``new_zeros`` and ``copy_``, as FSDP2 does: a subclass's ``clone`` or ``to`` may rebuild it
                 # (NF4's quantizes again, with other scales)
-                chunk = torch.chunk(param.detach(), self.world, dim=0)[rank]
-                local = chunk.new_zeros(chunk.shape)
-                local.copy_(chunk)
+                try:
+                    chunk = torch.chunk(param.detach(), self.world, dim=0)[rank]
+                    local = chunk.new_zeros(chunk.shape)
+                    local.copy_(chunk)
+                except (AssertionError, NotImplementedError, RuntimeError) as e:  # the subclass's own refusal
+                    raise ValueError(
+                        f"fully_shard: parameter '{fqn}' ({type(param).__name__}, shape {tuple(param.shape)}) "
+                        f"cannot be split by dim 0 into {self.world} chunks: {type(param).__name__} refused it "
+                        f"({type(e).__name__}: {e}). Give it a shape its type can split, or leave its module out "
+                        "of fully_shard with ignored_modules"
+                    ) from e
                 if local.device != device:
                     local = local.to(device)
                 value = DTensor.from_local(
@@ -179,6 +189,12 @@ class ExtensionParams:
 
     def _pre_all_gather(self, p: ExtensionParam) -> tuple[tuple[torch.Tensor, ...], Any]:
         local = p.face._local_tensor  # type: ignore[attr-defined]
+        if not is_extension(local):  # a cast (model.to(dtype)) rebuilt it as a plain tensor
+            raise TypeError(
+                f"fully_shard: parameter '{p.fqn}' was a tensor subclass with its own all-gather, but is now a "
+                f"{type(local).__name__} (a cast of the model after fully_shard, such as model.to(torch.bfloat16), "
+                "converts it): cast the model before fully_shard, or use mixed_precision=MixedPrecision(...)"
+            )
         pre: Callable[..., Any] = getattr(local, PRE)
         try:  # torch FSDP2's two forms: (mesh) and (mesh, outer_size, outer_stride, module, mp_policy)
             inspect.signature(pre).bind(self.mesh)
@@ -249,6 +265,38 @@ class ExtensionParams:
             for t in p.outputs + list(p.inner):
                 t.untyped_storage().resize_(0)
         self.is_unsharded = False
+
+    # ---------------------------------------------------------------- unshard_params
+    def summon(self, device: torch.device, register: bool, offload: bool, with_grads: bool) -> None:
+        """Register each parameter whole, as `unshard_params` shows parameters: the sharded subclass
+        gathered (``full_tensor``, a collective on every rank), not the compute form that
+        ``fsdp_post_all_gather`` builds. ``register``: this rank shows them (False: rank0_only elsewhere)."""
+        for p in self.params:
+            whole = full_tensor(p.face, device)  # type: ignore[arg-type]
+            grad = p.face.grad
+            whole_grad = full_tensor(grad, device) if with_grads and grad is not None else None  # type: ignore[arg-type]
+            if not register:
+                continue
+            if offload:
+                whole = whole.cpu()
+                whole_grad = whole_grad.cpu() if whole_grad is not None else None
+            p.summoned = nn.Parameter(whole, requires_grad=p.face.requires_grad)
+            p.summoned.grad = whole_grad
+            for registered, attr in p.slots:
+                registered[attr] = p.summoned
+
+    @torch.no_grad()
+    def end_summon(self, writeback: bool) -> None:
+        """Leave `unshard_params`: with ``writeback``, this rank's chunk of each (possibly edited) whole
+        value goes back into the face; gradients are not written back. The faces are registered again."""
+        for p in self.params:
+            if p.summoned is not None and writeback:
+                whole = p.summoned.detach()
+                mine = torch.chunk(whole, self.world, dim=0)[self.rank] if self.world > 1 else whole
+                local = p.face._local_tensor  # type: ignore[attr-defined]
+                local.copy_(mine if mine.device == local.device else mine.to(local.device))
+            p.summoned = None
+        self.show_faces()
 
     # ---------------------------------------------------------------- what the modules register
     def show_faces(self) -> None:

@@ -189,7 +189,10 @@ def _summon_handle(handle: FlatParamHandle, rank0_only: bool, offload_to_cpu: bo
         handle.reshard()
     full = gather_full_flat(handle)
     grad_full = _gather_full_grad(handle) if with_grads else None
-    if rank0_only and dist.get_rank(handle.process_group) != 0:
+    shows = not rank0_only or dist.get_rank(handle.process_group) == 0
+    if handle.extensions is not None:  # tensor-subclass parameters: [Note: extension parameters]
+        handle.extensions.summon(handle.device, shows, offload_to_cpu, with_grads)
+    if not shows:
         _exposed_grads.expose_sharded_grads(handle)
         return _Summoned(handle)
     if offload_to_cpu:
@@ -233,6 +236,8 @@ def _restore_handle(entry: _Summoned, writeback: bool) -> list[str]:
     the shard again. Returns what could not be written back, naming each parameter."""
     handle = entry.handle
     problems: list[str] = []
+    if handle.extensions is not None:
+        handle.extensions.end_summon(writeback and entry.full is not None)
     if entry.full is not None and writeback:
         problems = _collect_edits(entry)
         layout = handle.layout

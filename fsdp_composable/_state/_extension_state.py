@@ -7,6 +7,8 @@
   sharded, not what ``fsdp_post_all_gather`` makes for compute (float8's cast weight). ``rank0_only``
   keeps it on rank 0 only; ``offload_to_cpu`` moves it with the subclass's own ``cpu()``.
 - SHARDED saves: the faces as they are (``DTensor``s of the subclass), as FSDP2's.
+- Optimizer state (`optim_state_dict`): FULL gathers each state tensor of the face's layout whole;
+  `optim_state_dict_to_load` gives a whole (or any ``DTensor``) value the face's layout again.
 - Loads: a value that is not a ``DTensor`` (a FULL checkpoint, the unsharded model's state dict) is cut
   to this rank's dim-0 chunk and given the face's layout, so the module's own ``copy_`` copies subclass
   into subclass chunk by chunk (never through ``to`` or ``clone``, which NF4 answers by quantizing anew).
@@ -27,7 +29,31 @@ from fsdp_composable._flat._extensions import ExtensionParam, ExtensionParams
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._state._state_dict_settings import _config, _drops_values
 
-__all__ = ["register_extension_load_hooks", "save_full_extensions"]
+__all__ = ["extension_faces", "register_extension_load_hooks", "save_full_extensions", "state_in_face_layout"]
+
+
+def extension_faces(states: list[_FSDPState]) -> dict[int, tuple[ExtensionParams, ExtensionParam]]:
+    """id(face) -> (its unit's extension parameters, itself), for every unit of ``states``."""
+    units = [h.extensions for s in states for h in s.handles if h.extensions is not None]
+    return {id(p.face): (ext, p) for ext in units for p in ext.params}
+
+
+def state_in_face_layout(ext: ExtensionParams, p: ExtensionParam, value: Any, device: torch.device) -> Any:
+    """An optimizer state value of ``p`` (whole, or a ``DTensor`` of any layout) in its face's layout;
+    anything else (``step``, a 0-dim tensor) as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() == 0:
+        return value
+    face = p.face
+    if isinstance(value, DTensor):
+        if value.placements == face.placements and value.device_mesh == face.device_mesh:  # type: ignore[attr-defined]
+            return value
+        value = _tensor_parallel.full_tensor(value, device)  # a collective over the value's mesh
+    if tuple(value.shape) != tuple(face.shape):
+        return value  # the optimizer's own load reports the mismatch
+    chunk = torch.chunk(value, ext.world, dim=0)[ext.rank] if ext.world > 1 else value
+    mesh, placements = face.device_mesh, face.placements  # type: ignore[attr-defined]
+    chunk = chunk if chunk.device == device else chunk.to(device)  # a subclass's `to` may rebuild it
+    return DTensor.from_local(chunk, mesh, placements, run_check=False, shape=face.shape, stride=face.stride())
 
 
 @torch.no_grad()

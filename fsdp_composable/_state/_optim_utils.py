@@ -11,12 +11,14 @@ from typing import Any, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-from fsdp_composable._comm import _rank_agreement
+from fsdp_composable._comm import _rank_agreement, _tensor_parallel
 from fsdp_composable._comm._header_fields import Op
 from fsdp_composable._common_utils import _get_fsdp_states
 from fsdp_composable._flat._checkpoint_comm import all_gather_object
 from fsdp_composable._runtime._state_dict_keys import _clean_module_fqns, _join
+from fsdp_composable._state._extension_state import extension_faces, state_in_face_layout
 from fsdp_composable._state._optim_convert import (
     _check_same_on_all_ranks,
     _collect,
@@ -151,9 +153,14 @@ def optim_state_dict(module: nn.Module, optim: torch.optim.Optimizer) -> dict[st
     state: dict[str, dict[str, Any]] = {}
     for unit, c in zip(units, collected):
         state.update(_export(unit, c, sharded, config))
+    extension = extension_faces(_get_fsdp_states(module))
     for p in params:
         if id(p) in index.plain and optim.state.get(p):
-            state[index.plain[id(p)]] = {k: _copy(v, config) for k, v in optim.state[p].items()}
+            values = optim.state[p].items()
+            if id(p) in extension and not sharded:  # [Note: extension parameters in state dicts]: whole
+                whole = _tensor_parallel.full_tensor
+                values = [(k, whole(v, p.device) if isinstance(v, DTensor) else v) for k, v in values]
+            state[index.plain[id(p)]] = {k: _copy(v, config) for k, v in values}
     if drop:
         return {}
     groups = []
@@ -286,10 +293,14 @@ def optim_state_dict_to_load(
             saved = [saved_state.get(fqn) for fqn in unit.fqns]
             if any(isinstance(v, Mapping) for v in saved):
                 out[ids[id(unit.handle.flat_param)]] = _flat_state(unit, saved)
+    extension = extension_faces(_get_fsdp_states(module))
     for p in params:
         fqn = index.plain.get(id(p))
         state = saved_state.get(fqn) if fqn is not None else None
-        if isinstance(state, Mapping):
+        if isinstance(state, Mapping) and id(p) in extension:  # a tensor-subclass parameter: its face's layout
+            ext, param = extension[id(p)]
+            out[ids[id(p)]] = {k: state_in_face_layout(ext, param, v, p.device) for k, v in state.items()}
+        elif isinstance(state, Mapping):
             out[ids[id(p)]] = {
                 k: _full_value(v, p.device) if isinstance(v, torch.Tensor) else v for k, v in state.items()
             }
