@@ -41,6 +41,7 @@ def _no_shard_offloaded_handle() -> Any:
     host) and whose compute device is ``meta``, its unsharded buffer allocated."""
     return SimpleNamespace(
         is_unsharded=False,
+        extensions=None,
         _unshard_work=None,
         _needs_buffer=True,
         _unsharded=torch.empty(6, device=META),
