@@ -27,9 +27,10 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks._impls import FSDP2_EQUIVALENT, HYBRID_SHARD_GROUP  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, BenchGPT, Block, ModelConfig, make_batch  # noqa: E402
+from benchmarks._model import SMALL, BenchGPT, Block, ModelConfig, make_batch  # noqa: E402
 from benchmarks._report import MIB, pyplot, save_run, wrote  # noqa: E402
 from benchmarks._worker import run_impl  # noqa: E402
+from benchmarks.bench_scaling import SIZES  # noqa: E402
 from benchmarks.bench_step import source_info  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
@@ -101,7 +102,7 @@ def peak_terms(breakdown: dict[str, int]) -> dict[str, int]:
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = SMALL if args.small else DEFAULT
+    cfg = SMALL if args.small else SIZES[args.size]
     results = []
     for impl in args.impl_list:
         spec = {
@@ -218,6 +219,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--size", choices=tuple(SIZES), default="34M", help="model size (bench_scaling's; 34M: the default)")
     p.add_argument("--small", action="store_true", help="a tiny model, for smoke tests")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "memory_phases.json"))
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
@@ -237,13 +239,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     source = source_info()  # before the run: the checkout may move while it runs
     results = run(args)
-    config = {k: getattr(args, k) for k in ("world_size", "strategy", "param_dtype", "steps", "warmup", "small")}
+    keys = ("world_size", "strategy", "param_dtype", "steps", "warmup", "small", "size")
+    config = {k: getattr(args, k) for k in keys}
     config["source"] = source
     png = save_run(__file__, config, results, args.out)
     png = args.png or png
     if os.path.dirname(png):
         os.makedirs(os.path.dirname(png), exist_ok=True)
-    model = "small model" if args.small else "33.6M-parameter GPT"
+    model = "small model" if args.small else f"{args.size}-parameter GPT"
     title = f"{model}, {args.strategy}, {args.param_dtype}, {args.world_size} gloo ranks, AdamW: alive at each peak"
     write_plot(results, png, title)
     print(format_table(results))
