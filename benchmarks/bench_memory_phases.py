@@ -27,7 +27,7 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks._impls import FSDP2_EQUIVALENT, HYBRID_SHARD_GROUP  # noqa: E402
-from benchmarks._model import SMALL, BenchGPT, Block, ModelConfig, make_batch  # noqa: E402
+from benchmarks._model import SMALL, BenchGPT, Block, ModelConfig, loss_of_logits, make_batch  # noqa: E402
 from benchmarks._report import MIB, pyplot, save_run, wrote  # noqa: E402
 from benchmarks._worker import run_impl  # noqa: E402
 from benchmarks.bench_scaling import SIZES  # noqa: E402
@@ -79,6 +79,7 @@ def estimate(cfg: ModelConfig, world_size: int, strategy: str, bf16: bool) -> di
     with torch.device("meta"):
         model = BenchGPT(cfg)
     mp = fsdp_composable.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    idx, target = make_batch(cfg, 0, 0)
     est = fsdp_composable.estimate_memory(
         model,
         policy=fsdp_composable.ModuleWrapPolicy({Block}),
@@ -86,19 +87,49 @@ def estimate(cfg: ModelConfig, world_size: int, strategy: str, bf16: bool) -> di
         strategy=fsdp_composable.ShardingStrategy[strategy],
         mixed_precision=mp,
         optimizer="adamw",
-        batch_example=make_batch(cfg, 0, 0)[0],
+        batch_example=idx,
+        loss_fn=loss_of_logits(target),
     )
-    return {"peak_bytes": est.peak_bytes, "breakdown": dict(est.breakdown)}
+    return {
+        "peak_bytes": est.peak_bytes,
+        "peak_moment": est.peak_moment,
+        "moments": est.moments,
+        "unsharded_at_backward_start": est.unsharded_at_backward_start,
+        "breakdown": dict(est.breakdown),
+    }
 
 
-def peak_terms(breakdown: dict[str, int]) -> dict[str, int]:
-    """The terms of `estimate_memory`'s breakdown that make up its peak_bytes ([Note: the memory model]:
-    the larger of activations + post-forward slices, alive where backward starts, and the sharded
-    gradients, alive where it ends)."""
-    forward = breakdown.get("activations", 0) + breakdown.get("post_forward_shards", 0)
-    backward_end = breakdown.get("sharded_grads", 0)
-    drop = ("sharded_grads",) if forward >= backward_end else ("activations", "post_forward_shards")
-    return {k: v for k, v in breakdown.items() if k not in drop}
+# moment of `MemoryEstimate.moments` -> the terms that make it up ([Note: the memory model])
+MOMENT_TERMS: dict[str, tuple[str, ...]] = {
+    "loss": (
+        "sharded_params",
+        "optimizer_state",
+        "unsharded_params",
+        "activations",
+        "post_forward_shards",
+        "output_and_loss",
+    ),
+    "backward": (
+        "sharded_params",
+        "optimizer_state",
+        "unsharded_params",
+        "unsharded_grads",
+        "activations",
+        "post_forward_shards",
+    ),
+    "backward_end": ("sharded_params", "optimizer_state", "unsharded_params", "unsharded_grads", "sharded_grads"),
+    "optimizer_step": ("sharded_params", "optimizer_state", "sharded_grads", "optimizer_step"),
+}
+
+
+def peak_terms(result: dict[str, Any]) -> dict[str, int]:
+    """The terms of `estimate_memory`'s breakdown that make up its peak_bytes: those of its peak moment
+    (at ``loss`` only the units kept unsharded after their forward count as unsharded_params)."""
+    breakdown = result["breakdown"]
+    terms = {k: breakdown[k] for k in MOMENT_TERMS[result["peak_moment"]] if k in breakdown}
+    if result["peak_moment"] == "loss":
+        terms["unsharded_params"] = result["unsharded_at_backward_start"]
+    return terms
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -157,7 +188,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         if "breakdown" in r:
             terms = ", ".join(f"{k} {v / MIB:.1f}" for k, v in r["breakdown"].items())
-            lines.append(f"\n{r['impl']}: peak {r['peak_bytes'] / MIB:.1f} MiB = {terms}")
+            moments = ", ".join(f"{k} {v / MIB:.1f}" for k, v in r["moments"].items())
+            lines.append(
+                f"\n{r['impl']}: peak {r['peak_bytes'] / MIB:.1f} MiB at {r['peak_moment']} ({moments}); {terms}"
+            )
     return "\n".join(lines)
 
 
@@ -173,6 +207,8 @@ def write_plot(results: list[dict[str, Any]], path: str, title: str) -> None:
         "unsharded_grads": colors["made in backward"],
         "sharded_grads": colors["made in backward"],
         "activations": colors["made in forward"],
+        "output_and_loss": colors["made in forward"],
+        "optimizer_step": colors["made in the optimizer step"],
         "post_forward_shards": "#64b5cd",
     }
     fig, ax = plt.subplots(figsize=(11, 5.5))
@@ -191,14 +227,14 @@ def write_plot(results: list[dict[str, Any]], path: str, title: str) -> None:
                 x += 1
         else:
             bottom = 0.0
-            for term, nbytes in peak_terms(r["breakdown"]).items():
+            for term, nbytes in peak_terms(r).items():
                 mib = nbytes / MIB
                 ax.bar(x, mib, bottom=bottom, color=est_colors.get(term, "#bbbbbb"), hatch="//", edgecolor="white")
                 if mib > 12:
                     ax.text(x, bottom + mib / 2, term, ha="center", va="center", fontsize=6, color="white")
                 bottom += mib
             ax.text(x, bottom + 3, f"{bottom:.0f}", ha="center", fontsize=8)
-            labels.append("estimate_memory\n(ours, its peak)")
+            labels.append(f"estimate_memory\n(ours, its peak:\n{r['peak_moment']})")
             x += 1
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("live tensor bytes at the phase's peak, rank 0 (MiB)")
