@@ -144,6 +144,28 @@ def test_output_and_loss_by_hand() -> None:
     # the square's gradient and the output's
     squares = _linear_estimate(loss_fn=lambda out: (out * out).sum()).breakdown["output_and_loss"]
     assert 2 * logits_bytes <= squares <= 3 * logits_bytes + 64
+    # an output in a dict subclass pytree does not flatten (a ModelOutput) is looked into by its values
+    wrapped = estimate_memory(
+        _DictOut(),
+        policy=None,
+        world_size=1,
+        batch_example=torch.zeros(4, 3),
+        loss_fn=lambda out: F.cross_entropy(out["logits"], target),
+    )
+    assert wrapped.breakdown["output_and_loss"] == loss
+
+
+class _Output(dict):
+    pass
+
+
+class _DictOut(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(3, 10)
+
+    def forward(self, x: torch.Tensor) -> _Output:
+        return _Output(logits=self.linear(x))
 
 
 def test_optimizer_step_by_hand() -> None:

@@ -5,12 +5,13 @@ the loss])."""
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from typing import Any, Callable, Iterable, Optional
 
 import torch
 from torch.autograd.graph import get_gradient_edge
 from torch.utils import _pytree as pytree
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 __all__: list[str] = []
 
@@ -44,6 +45,8 @@ class _LiveBytes(TorchDispatchMode):
 
     def hold(self, t: torch.Tensor) -> None:
         """Count ``t``'s storage as alive from now until it dies."""
+        if is_traceable_wrapper_subclass(t):  # a DTensor: its local tensor's ops are seen on their own
+            return
         storage = t.untyped_storage()
         key = _storage_key(t)
         if key in self._sizes:
@@ -69,7 +72,15 @@ def _storage_key(t: torch.Tensor) -> int:
 
 
 def _output_tensors(output: Any) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(output) if isinstance(t, torch.Tensor) and not t.is_sparse]
+    """The tensors of a forward's output; a mapping pytree does not flatten (a dict subclass such as
+    Hugging Face's ``ModelOutput`` where it is not registered) is looked into by its values."""
+    out: list[torch.Tensor] = []
+    for leaf in pytree.tree_leaves(output):
+        if isinstance(leaf, torch.Tensor) and not leaf.is_sparse:
+            out.append(leaf)
+        elif isinstance(leaf, Mapping):
+            out += _output_tensors(list(leaf.values()))
+    return out
 
 
 def _output_grad_bytes(output: Any) -> int:
