@@ -118,13 +118,11 @@ def _rank(rank: int, world: int, sizes: dict[str, dict[str, int]], names: list[s
 def run(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[str, Any]]:
     spec = {name: cfg.as_dict() for name, cfg in sizes.items()}
     measured: dict[str, int] = {}
-    phases: dict[str, dict[str, int]] = {}  # the phase peaks of the rank with the largest peak
     for world in sorted({CONFIGS[n][0] for n in args.config_list}):
         names = [n for n in args.config_list if CONFIGS[n][0] == world]
         ranks = run_ranks(world, _rank, (spec, names, args.warmup), args.threads)
         for key in (f"{size}/{name}" for size in sizes for name in names):
-            top = max(ranks, key=lambda r: r[key]["peak_live_bytes"])
-            measured[key], phases[key] = top[key]["peak_live_bytes"], top[key]["phases"]
+            measured[key] = max(r[key]["peak_live_bytes"] for r in ranks)
     rows = []
     for size, cfg in sizes.items():
         with torch.device("meta"):
@@ -145,7 +143,6 @@ def run(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[st
                     "estimated_peak_moment": est.peak_moment,
                     "estimated_moments": est.moments,
                     "estimated_breakdown": est.breakdown,
-                    "measured_phase_peaks": phases[f"{size}/{name}"],
                 }
             )
     return rows
