@@ -8,12 +8,23 @@ embedding and head over an 8136-token vocabulary, 33,600,512 parameters in all.
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Block", "BenchGPT", "ModelConfig", "DEFAULT", "SMALL", "make_batch", "gpt_loss", "count_params"]
+__all__ = [
+    "Block",
+    "BenchGPT",
+    "ModelConfig",
+    "DEFAULT",
+    "SMALL",
+    "make_batch",
+    "gpt_loss",
+    "loss_of_logits",
+    "count_params",
+]
 
 
 @dataclass(frozen=True)
@@ -81,5 +92,13 @@ def make_batch(cfg: ModelConfig, step: int, rank: int) -> tuple[torch.Tensor, to
 
 def gpt_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
     idx, target = batch
-    logits = model(idx)
-    return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+    return loss_of_logits(target)(model(idx))
+
+
+def loss_of_logits(target: torch.Tensor) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The loss `gpt_loss` takes of the logits (fp32 cross-entropy): `estimate_memory`'s ``loss_fn``."""
+
+    def loss(logits: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), target.reshape(-1))
+
+    return loss

@@ -8,7 +8,7 @@ strategy, bf16 mixed precision, ``reshard_after_forward=2``), on gloo ranks (2, 
 a 2 x 2 (replicate, shard) mesh, and for the int): the model is built and sharded, AdamW
 (``foreach=True``) runs ``--warmup`` steps, and one more step runs under `LiveBytesTracker`; its
 peak (the largest over ranks) is set beside `estimate_memory` of the same configuration (the model on
-the meta device, one rank's batch, ``optimizer="adamw"``). The goal: estimate / measured within
+the meta device, one rank's batch and its loss, ``optimizer="adamw"``). The goal: estimate / measured within
 0.9-1.1 everywhere. Writes a JSON file, a chart and a markdown table.
 """
 
@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
 import fsdp_composable  # noqa: E402
 from benchmarks._impls import Built, _optimizer  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
-from benchmarks._model import BenchGPT, Block, ModelConfig, count_params, make_batch  # noqa: E402
+from benchmarks._model import BenchGPT, Block, ModelConfig, count_params, loss_of_logits, make_batch  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import MIB, pyplot, save_run, wrote  # noqa: E402
 from benchmarks.bench_scaling import QUICK_SIZES, SIZES  # noqa: E402
@@ -62,19 +62,22 @@ def _keywords(config: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def estimated_peak(cfg: ModelConfig, world_size: int, config: dict[str, Any]) -> int:
+def estimate(cfg: ModelConfig, world_size: int, config: dict[str, Any]) -> fsdp_composable.MemoryEstimate:
+    """`estimate_memory` of the configuration: the model on the meta device, one rank's batch, its loss."""
     with torch.device("meta"):
         model = BenchGPT(cfg)
     hybrid = config.get("strategy") == "HYBRID_SHARD"
+    idx, target = make_batch(cfg, 0, 0)
     est = fsdp_composable.estimate_memory(
         model,
         policy=fsdp_composable.ModuleWrapPolicy({Block}),
         world_size=2 if hybrid else world_size,  # HYBRID_SHARD: the shard group's size
         optimizer="adamw",
-        batch_example=make_batch(cfg, 0, 0)[0],
+        batch_example=idx,
+        loss_fn=loss_of_logits(target),
         **_keywords(config),
     )
-    return int(est.peak_bytes)
+    return est
 
 
 def _rank(rank: int, world: int, sizes: dict[str, dict[str, int]], names: list[str], warmup: int) -> dict[str, Any]:
@@ -126,7 +129,7 @@ def run(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[st
             params = count_params(BenchGPT(cfg))
         for name in args.config_list:
             world, config = CONFIGS[name]
-            est = estimated_peak(cfg, world, config)
+            est = estimate(cfg, world, config)
             got = measured[f"{size}/{name}"]
             rows.append(
                 {
@@ -134,9 +137,12 @@ def run(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[st
                     "params": params,
                     "config": name,
                     "world_size": world,
-                    "estimated_peak_bytes": est,
+                    "estimated_peak_bytes": est.peak_bytes,
                     "measured_peak_bytes": got,
-                    "ratio": est / got,
+                    "ratio": est.peak_bytes / got,
+                    "estimated_peak_moment": est.peak_moment,
+                    "estimated_moments": est.moments,
+                    "estimated_breakdown": est.breakdown,
                 }
             )
     return rows
@@ -144,14 +150,16 @@ def run(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[st
 
 def format_table(rows: list[dict[str, Any]]) -> str:
     lines = [
-        "| model | params | configuration | ranks | estimate (MiB) | measured peak/rank (MiB) | estimate / measured |",
-        "|---|---|---|---|---|---|---|",
+        "| model | params | configuration | ranks | estimate (MiB) | its moment | measured peak/rank (MiB) "
+        "| estimate / measured |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         flag = "" if 0.9 <= r["ratio"] <= 1.1 else " **outside 10 %**"
         lines.append(
             f"| {r['size']} | {r['params']:,} | {r['config']} | {r['world_size']} | "
-            f"{r['estimated_peak_bytes'] / MIB:.1f} | {r['measured_peak_bytes'] / MIB:.1f} | {r['ratio']:.3f}{flag} |"
+            f"{r['estimated_peak_bytes'] / MIB:.1f} | {r.get('estimated_peak_moment', '-')} | "
+            f"{r['measured_peak_bytes'] / MIB:.1f} | {r['ratio']:.3f}{flag} |"
         )
     return "\n".join(lines)
 

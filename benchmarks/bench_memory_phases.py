@@ -27,9 +27,10 @@ if _ROOT not in sys.path:
 import torch  # noqa: E402
 
 from benchmarks._impls import FSDP2_EQUIVALENT, HYBRID_SHARD_GROUP  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, BenchGPT, Block, ModelConfig, make_batch  # noqa: E402
+from benchmarks._model import SMALL, BenchGPT, Block, ModelConfig, loss_of_logits, make_batch  # noqa: E402
 from benchmarks._report import MIB, pyplot, save_run, wrote  # noqa: E402
 from benchmarks._worker import run_impl  # noqa: E402
+from benchmarks.bench_scaling import SIZES  # noqa: E402
 from benchmarks.bench_step import source_info  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
@@ -78,6 +79,7 @@ def estimate(cfg: ModelConfig, world_size: int, strategy: str, bf16: bool) -> di
     with torch.device("meta"):
         model = BenchGPT(cfg)
     mp = fsdp_composable.MixedPrecision(param_dtype=torch.bfloat16) if bf16 else None
+    idx, target = make_batch(cfg, 0, 0)
     est = fsdp_composable.estimate_memory(
         model,
         policy=fsdp_composable.ModuleWrapPolicy({Block}),
@@ -85,23 +87,53 @@ def estimate(cfg: ModelConfig, world_size: int, strategy: str, bf16: bool) -> di
         strategy=fsdp_composable.ShardingStrategy[strategy],
         mixed_precision=mp,
         optimizer="adamw",
-        batch_example=make_batch(cfg, 0, 0)[0],
+        batch_example=idx,
+        loss_fn=loss_of_logits(target),
     )
-    return {"peak_bytes": est.peak_bytes, "breakdown": dict(est.breakdown)}
+    return {
+        "peak_bytes": est.peak_bytes,
+        "peak_moment": est.peak_moment,
+        "moments": est.moments,
+        "unsharded_at_backward_start": est.unsharded_at_backward_start,
+        "breakdown": dict(est.breakdown),
+    }
 
 
-def peak_terms(breakdown: dict[str, int]) -> dict[str, int]:
-    """The terms of `estimate_memory`'s breakdown that make up its peak_bytes ([Note: the memory model]:
-    the larger of activations + post-forward slices, alive where backward starts, and the sharded
-    gradients, alive where it ends)."""
-    forward = breakdown.get("activations", 0) + breakdown.get("post_forward_shards", 0)
-    backward_end = breakdown.get("sharded_grads", 0)
-    drop = ("sharded_grads",) if forward >= backward_end else ("activations", "post_forward_shards")
-    return {k: v for k, v in breakdown.items() if k not in drop}
+# moment of `MemoryEstimate.moments` -> the terms that make it up ([Note: the memory model])
+MOMENT_TERMS: dict[str, tuple[str, ...]] = {
+    "loss": (
+        "sharded_params",
+        "optimizer_state",
+        "unsharded_params",
+        "activations",
+        "post_forward_shards",
+        "output_and_loss",
+    ),
+    "backward": (
+        "sharded_params",
+        "optimizer_state",
+        "unsharded_params",
+        "unsharded_grads",
+        "activations",
+        "post_forward_shards",
+    ),
+    "backward_end": ("sharded_params", "optimizer_state", "unsharded_params", "unsharded_grads", "sharded_grads"),
+    "optimizer_step": ("sharded_params", "optimizer_state", "sharded_grads", "optimizer_step"),
+}
+
+
+def peak_terms(result: dict[str, Any]) -> dict[str, int]:
+    """The terms of `estimate_memory`'s breakdown that make up its peak_bytes: those of its peak moment
+    (at ``loss`` only the units kept unsharded after their forward count as unsharded_params)."""
+    breakdown = result["breakdown"]
+    terms = {k: breakdown[k] for k in MOMENT_TERMS[result["peak_moment"]] if k in breakdown}
+    if result["peak_moment"] == "loss":
+        terms["unsharded_params"] = result["unsharded_at_backward_start"]
+    return terms
 
 
 def run(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = SMALL if args.small else DEFAULT
+    cfg = SMALL if args.small else SIZES[args.size]
     results = []
     for impl in args.impl_list:
         spec = {
@@ -156,7 +188,10 @@ def format_table(results: list[dict[str, Any]]) -> str:
     for r in results:
         if "breakdown" in r:
             terms = ", ".join(f"{k} {v / MIB:.1f}" for k, v in r["breakdown"].items())
-            lines.append(f"\n{r['impl']}: peak {r['peak_bytes'] / MIB:.1f} MiB = {terms}")
+            moments = ", ".join(f"{k} {v / MIB:.1f}" for k, v in r["moments"].items())
+            lines.append(
+                f"\n{r['impl']}: peak {r['peak_bytes'] / MIB:.1f} MiB at {r['peak_moment']} ({moments}); {terms}"
+            )
     return "\n".join(lines)
 
 
@@ -172,6 +207,8 @@ def write_plot(results: list[dict[str, Any]], path: str, title: str) -> None:
         "unsharded_grads": colors["made in backward"],
         "sharded_grads": colors["made in backward"],
         "activations": colors["made in forward"],
+        "output_and_loss": colors["made in forward"],
+        "optimizer_step": colors["made in the optimizer step"],
         "post_forward_shards": "#64b5cd",
     }
     fig, ax = plt.subplots(figsize=(11, 5.5))
@@ -190,14 +227,14 @@ def write_plot(results: list[dict[str, Any]], path: str, title: str) -> None:
                 x += 1
         else:
             bottom = 0.0
-            for term, nbytes in peak_terms(r["breakdown"]).items():
+            for term, nbytes in peak_terms(r).items():
                 mib = nbytes / MIB
                 ax.bar(x, mib, bottom=bottom, color=est_colors.get(term, "#bbbbbb"), hatch="//", edgecolor="white")
                 if mib > 12:
                     ax.text(x, bottom + mib / 2, term, ha="center", va="center", fontsize=6, color="white")
                 bottom += mib
             ax.text(x, bottom + 3, f"{bottom:.0f}", ha="center", fontsize=8)
-            labels.append("estimate_memory\n(ours, its peak)")
+            labels.append(f"estimate_memory\n(ours, its peak:\n{r['peak_moment']})")
             x += 1
     ax.set_xticks(range(len(labels)), labels, fontsize=7)
     ax.set_ylabel("live tensor bytes at the phase's peak, rank 0 (MiB)")
@@ -218,6 +255,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--size", choices=tuple(SIZES), default="34M", help="model size (bench_scaling's; 34M: the default)")
     p.add_argument("--small", action="store_true", help="a tiny model, for smoke tests")
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "memory_phases.json"))
     p.add_argument("--png", default=None, help="chart path (default: --out with .png)")
@@ -237,13 +275,14 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     source = source_info()  # before the run: the checkout may move while it runs
     results = run(args)
-    config = {k: getattr(args, k) for k in ("world_size", "strategy", "param_dtype", "steps", "warmup", "small")}
+    keys = ("world_size", "strategy", "param_dtype", "steps", "warmup", "small", "size")
+    config = {k: getattr(args, k) for k in keys}
     config["source"] = source
     png = save_run(__file__, config, results, args.out)
     png = args.png or png
     if os.path.dirname(png):
         os.makedirs(os.path.dirname(png), exist_ok=True)
-    model = "small model" if args.small else "33.6M-parameter GPT"
+    model = "small model" if args.small else f"{args.size}-parameter GPT"
     title = f"{model}, {args.strategy}, {args.param_dtype}, {args.world_size} gloo ranks, AdamW: alive at each peak"
     write_plot(results, png, title)
     print(format_table(results))

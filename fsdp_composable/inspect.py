@@ -19,7 +19,7 @@ therefore what `describe` returns on rank 0 after sharding, and every byte count
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Callable, Optional, Union
 
 import torch.distributed as dist
 from torch import nn
@@ -28,12 +28,13 @@ from fsdp_composable._common_utils import _get_fsdp_state, _get_fsdp_states
 from fsdp_composable._config import ShardConfig, UnitConfig
 from fsdp_composable._init._memory_model import (
     OPTIMIZER_STATE_FACTORS,
-    _activation_bytes,
     _call_args,
+    _forward_bytes,
     _forward_device,
     _memory_terms,
     _unit_cost,
     _UnitCost,
+    _unsharded_at_backward_start,
 )
 from fsdp_composable._init._post_forward_group import resolve_post_forward_ranks
 from fsdp_composable._init._sharding_plan import ROOT_NAME, MemoryEstimate, ShardingPlan, UnitPlan, _join, _unit_plan
@@ -102,6 +103,7 @@ def estimate_memory(
     backward_prefetch: Optional[BackwardPrefetch] = BackwardPrefetch.BACKWARD_PRE,
     forward_prefetch: Optional[bool] = None,
     reshard_after_forward: Union[bool, int, None] = None,
+    loss_fn: Optional[Callable[[Any], Any]] = None,
 ) -> MemoryEstimate:
     """Predict per-rank bytes of training ``module`` under ``fully_shard(module, policy, ...)``.
 
@@ -112,8 +114,12 @@ def estimate_memory(
     measured with fake tensors (see [Note: measuring activations]). ``world_size`` is the number of
     ranks each unit is sharded over: for HYBRID_SHARD, the shard group's size. The remaining
     arguments mean what they mean to `fully_shard` (``reshard_after_forward``: FSDP2's name, True,
-    False or an int k that divides ``world_size``; an int adds the ``post_forward_shards`` term). See
-    [Note: the memory model] for what each term counts.
+    False or an int k that divides ``world_size``; an int adds the ``post_forward_shards`` term).
+    ``loss_fn`` (with ``batch_example``): called on the forward's output, returns the loss (a closure
+    over the targets, e.g. ``lambda logits: F.cross_entropy(logits.flatten(0, 1), targets.flatten())``);
+    the ``output_and_loss`` term then measures the loss's tensors and its backward down to the output's
+    gradient (see [Note: measuring the loss]); without it, that term is the output's gradient alone.
+    See [Note: the memory model] for what each term counts.
     """
     _check_estimate_args(
         module,
@@ -126,6 +132,7 @@ def estimate_memory(
         forward_prefetch,
         batch_example,
         reshard_after_forward,
+        loss_fn,
     )
     args = ShardConfig(
         policy=policy,
@@ -150,11 +157,17 @@ def estimate_memory(
             units.append(_unit_cost(group, base, world_size, fqns, device, args.reshard_after_forward_ranks))
     plan = ShardingPlan(tuple(u.plan for u in units), world_size, 0)
     in_flight = args.units_in_flight
-    breakdown, explanations = _memory_terms(units, OPTIMIZER_STATE_FACTORS[optimizer], optimizer, in_flight)
+    breakdown, explanations = _memory_terms(units, optimizer, in_flight)
     if batch_example is not None:
-        breakdown["activations"] = _activation_bytes(module, batch_example, base)
+        breakdown["activations"], breakdown["output_and_loss"] = _forward_bytes(module, batch_example, base, loss_fn)
         explanations["activations"] = "saved for backward by forward(batch_example), once per storage"
-    return MemoryEstimate(plan, strategy, optimizer, breakdown, explanations)
+        explanations["output_and_loss"] = (
+            "loss_fn(output) and its backward down to the output's gradient, at their peak"
+            if loss_fn is not None
+            else "the output's gradient (pass loss_fn= to measure the loss's tensors too)"
+        )
+    kept = _unsharded_at_backward_start(units)
+    return MemoryEstimate(plan, strategy, optimizer, breakdown, explanations, unsharded_at_backward_start=kept)
 
 
 def _batchnorm_gets_own_unit(module: nn.Module, config: UnitConfig) -> bool:
@@ -175,6 +188,7 @@ def _check_estimate_args(
     forward_prefetch: Any,
     batch_example: Any,
     reshard_after_forward: Any,
+    loss_fn: Any,
 ) -> None:
     if not isinstance(module, nn.Module):
         raise TypeError(f"estimate_memory argument 'module' must be an nn.Module, got {type(module).__name__}")
@@ -219,3 +233,7 @@ def _check_estimate_args(
         )
     if batch_example is not None:
         _call_args(batch_example)
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"estimate_memory argument 'loss_fn' must be callable or None, got {type(loss_fn).__name__}")
+    if loss_fn is not None and batch_example is None:
+        raise ValueError("estimate_memory argument 'loss_fn' needs batch_example= (the forward whose output it takes)")

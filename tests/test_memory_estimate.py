@@ -242,8 +242,17 @@ def test_estimate_terms_full_shard_by_hand() -> None:
     assert est.breakdown["activations"] == (4 * 3 + 4 * 3 + 4 * 5 + 4 * 7) * 4
     assert est.upper_bound_bytes == sum(est.breakdown.values())
     b = est.breakdown
-    held = b["sharded_params"] + b["optimizer_state"] + b["unsharded_params"] + b["unsharded_grads"]
-    assert est.peak_bytes == held + max(b["activations"], b["sharded_grads"])
+    assert b["optimizer_step"] == shards * 4  # adam's foreach sqrt(exp_avg_sq)
+    assert b["output_and_loss"] == 4 * 1 * 4  # no loss_fn: the output's gradient, (4, 1) fp32
+    assert est.unsharded_at_backward_start == 4 * 4  # the root unit, kept unsharded after forward
+    held = b["sharded_params"] + b["optimizer_state"]
+    assert est.moments == {
+        "loss": held + 4 * 4 + b["activations"] + b["output_and_loss"],
+        "backward": held + b["unsharded_params"] + b["unsharded_grads"] + b["activations"],
+        "backward_end": held + b["unsharded_params"] + b["unsharded_grads"] + b["sharded_grads"],
+        "optimizer_step": held + b["sharded_grads"] + b["optimizer_step"],
+    }
+    assert est.peak_bytes == est.moments["backward"] and est.peak_moment == "backward"
     expecttest.TestCase().assertExpectedInline(
         str(est),
         """\
@@ -253,11 +262,13 @@ term              bytes      size  what
 sharded_params      184     184 B  this rank's shard of every flat parameter
 sharded_grads       184     184 B  sharded gradient of every unit with a trainable parameter
 optimizer_state     368     368 B  adam: 2 x the trainable sharded parameters
+optimizer_step      184     184 B  adam step's foreach temporaries: 1 x the trainable sharded parameters
 unsharded_params    496     496 B  root unit + 2 largest FULL_SHARD unit(s) in flight + 1 gathered before its copy-out
 unsharded_grads     192     192 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
 activations         288     288 B  saved for backward by forward(batch_example), once per storage
+output_and_loss      16      16 B  the output's gradient (pass loss_fn= to measure the loss's tensors too)
 ----------------  -----  --------  -----------------------------------------------------------------------------------
-peak              1,528  1.49 KiB  params + optimizer + unsharded + max(activations, sharded grads)""",
+peak              1,528  1.49 KiB  in backward: params + optimizer + unsharded + activations""",
     )
 
     # world size 4: root 3 -> 4 (1); a 8x3 + 8 = 32 (8); b 8x5 + 8 = 48 (12); c 4x7 + 4 = 32 (8)
@@ -267,6 +278,7 @@ peak              1,528  1.49 KiB  params + optimizer + unsharded + max(activati
         "sharded_params": (1 + 8 + 12 + 8) * 4,
         "sharded_grads": (1 + 8 + 12 + 8) * 4,
         "optimizer_state": 2 * (1 + 8 + 12 + 8) * 4,  # rank 0's chunks are all parameter rows
+        "optimizer_step": (1 + 8 + 12 + 8) * 4,
         "unsharded_params": (4 + 48 + 32 + 48) * 4,
         "unsharded_grads": 48 * 4,
     }

@@ -60,16 +60,18 @@ def test_post_forward_shards_by_hand() -> None:
         """\
 MemoryEstimate per rank: world size 4, 4 units, FULL_SHARD, optimizer adam
 term                 bytes      size  what
--------------------  -----  --------  --------------------------------------------------------------------------------------
+-------------------  -----  --------  -----------------------------------------------------------------------------------
 sharded_params         116     116 B  this rank's shard of every flat parameter
 sharded_grads          116     116 B  sharded gradient of every unit with a trainable parameter
 optimizer_state        232     232 B  adam: 2 x the trainable sharded parameters
+optimizer_step         116     116 B  adam step's foreach temporaries: 1 x the trainable sharded parameters
 unsharded_params       528     528 B  root unit + 2 largest FULL_SHARD unit(s) in flight + 1 gathered before its copy-out
 unsharded_grads        192     192 B  largest unit's unsharded gradient buffer (compute + reduce dtype)
 activations            288     288 B  saved for backward by forward(batch_example), once per storage
+output_and_loss         16      16 B  the output's gradient (pass loss_fn= to measure the loss's tensors too)
 post_forward_shards    224     224 B  1/2 of every non-root FULL_SHARD unit, kept from forward to backward
--------------------  -----  --------  --------------------------------------------------------------------------------------
-peak                 1,580  1.54 KiB  params + optimizer + unsharded + max(activations + post-forward shards, sharded grads)""",  # noqa: E501
+-------------------  -----  --------  -----------------------------------------------------------------------------------
+peak                 1,580  1.54 KiB  in backward: params + optimizer + unsharded + activations + post-forward shards""",  # noqa: E501
     )
     # kept in the compute dtype: the slice is cut from the gathered (cast) parameters
     low = _estimate(reshard_after_forward=2, mixed_precision=MixedPrecision(param_dtype=BF16))

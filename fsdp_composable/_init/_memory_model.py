@@ -15,6 +15,7 @@ from torch.utils import _pytree as pytree
 
 from fsdp_composable._config import UnitConfig
 from fsdp_composable._flat_param import _build_layout
+from fsdp_composable._init._loss_memory import LossFn, _loss_bytes
 from fsdp_composable._init._sharding_plan import UnitPlan, _itemsize, _unit_plan
 from fsdp_composable._init._wrap_utils import SubmoduleState
 
@@ -22,6 +23,10 @@ __all__: list[str] = []
 
 # optimizer name -> how many tensors of a parameter's shape and dtype it keeps per trainable parameter
 OPTIMIZER_STATE_FACTORS: dict[str, int] = {"adam": 2, "adamw": 2, "sgd": 0, "sgd-momentum": 1}
+# optimizer name -> how many temporaries of the trainable parameters' size its step (foreach) allocates
+# at once: Adam's sqrt(exp_avg_sq) (torch._foreach_sqrt, divided and shifted by eps in place); SGD's
+# updates are in place
+OPTIMIZER_STEP_FACTORS: dict[str, int] = {"adam": 1, "adamw": 1, "sgd": 0, "sgd-momentum": 0}
 
 
 @dataclass(frozen=True)
@@ -105,6 +110,13 @@ def _unit_cost(
 #   is no flat buffer: autograd's per-parameter gradients reach this size only at the end of the
 #   unit's backward, while the previous unit's are still being sent; the two roughly cancel.
 # - activations: see [Note: measuring activations]; only with a batch_example.
+# - output_and_loss: the forward's output, the loss and the loss's backward down to the output's
+#   gradient, at their peak ([Note: measuring the loss]); only with a batch_example. Without loss_fn,
+#   the output's gradient alone.
+# - optimizer_step: the optimizer step's temporaries, factor * (trainable elements in the shard) * b:
+#   1 for adam/adamw, whose foreach step (torch's default on GPUs) takes sqrt(exp_avg_sq) of every
+#   parameter at once into new tensors; 0 for sgd and sgd-momentum (in place). A per-parameter loop
+#   holds two temporaries of one parameter, fused none: for those the term is an upper bound.
 # - post_forward_shards: only with reshard_after_forward=<int> (k ranks): P/k*c for every non-root unit
 #   it applies to (`UnitConfig.reshards_to_post_forward_group`), the slice of the unsharded flat
 #   parameter each keeps from its post-forward to its backward's all-gather ([Note: resharding to a
@@ -112,22 +124,35 @@ def _unit_cost(
 #   backward starts. The root unit's is left out: its backward comes first, so at the peak it is
 #   unsharded again (counted in unsharded_params) and its slice gone. The one or two units in flight
 #   at that moment have consumed theirs too; counting them keeps the term an upper bound.
-# peak_bytes: the step peaks either where backward starts (activations all saved) or where it ends
-# (every sharded gradient back). The runtime drops a unit's sharded gradient as soon as the user
-# clears its `.grad` (`zero_grad()`, set_to_none by default), so at the start of backward there are
-# none, and by its end the activations and post-forward slices are freed: peak = sharded_params +
-# optimizer_state + unsharded_params + unsharded_grads + max(activations + post_forward_shards,
-# sharded_grads). Measured against the benchmark model this is within a few percent
-# (benchmarks/README.md), and against every strategy, bf16 and reshard_after_forward=2 within 10%
-# (tests/test_memory_estimate_peak.py). upper_bound_bytes is the plain sum. Neither counts
+# peak_bytes (`MemoryEstimate.moments`): the step peaks at one of four moments. The runtime drops a
+# unit's sharded gradient as soon as the user clears its `.grad` (`zero_grad()`, set_to_none by
+# default), so until backward returns them there are none. With params = sharded_params +
+# optimizer_state and saved = activations + post_forward_shards:
+# - loss: the loss's backward, before any unit's: params + the units kept unsharded after their forward
+#   (`unsharded_at_backward_start`: the root, SHARD_GRAD_OP units, cast NO_SHARD units; a root that
+#   reshards to its post-forward group holds its 1/k slice) + saved + output_and_loss. No unit's
+#   gradient buffer exists yet and no FULL_SHARD unit is gathered: the root's pre-backward hook, which
+#   prefetches, fires when the output's gradient arrives. Where the vocabulary is large against the
+#   width, this is the peak (the benchmark's 10M model).
+# - backward: units in flight, every activation still saved: params + unsharded_params +
+#   unsharded_grads + saved (an upper bound: the activations shrink as backward goes).
+# - backward_end: activations and post-forward slices freed, every sharded gradient back: params +
+#   unsharded_params + unsharded_grads + sharded_grads.
+# - optimizer_step: params + sharded_grads + optimizer_step (no unsharded buffer is left). NO_SHARD,
+#   whose gradients are the whole model's, peaks here, and so does a large sharded model in bf16.
+# Measured against the benchmark model at 10M-97M parameters, every strategy, bf16 and
+# reshard_after_forward=2, the largest is within a few percent of the measured step peak
+# (benchmarks/README.md), and on small models within 10% (tests/test_memory_estimate_peak.py,
+# tests/test_memory_estimate_step_loss.py). upper_bound_bytes is the plain sum. Neither counts
 # fragmentation, communication buffers or CPU-offload accounting.
-def _memory_terms(
-    units: Sequence[_UnitCost], factor: int, optimizer: str, in_flight: int
-) -> tuple[dict[str, int], dict[str, str]]:
+def _memory_terms(units: Sequence[_UnitCost], optimizer: str, in_flight: int) -> tuple[dict[str, int], dict[str, str]]:
+    factor, step_factor = OPTIMIZER_STATE_FACTORS[optimizer], OPTIMIZER_STEP_FACTORS[optimizer]
+    trainable_bytes = sum(u.trainable_shard_numel * _itemsize(u.plan.dtype) for u in units)
     breakdown = {
         "sharded_params": sum(u.plan.shard_bytes for u in units),
         "sharded_grads": sum(u.plan.shard_numel * _itemsize(u.grad_dtype) for u in units if u.requires_grad),
-        "optimizer_state": factor * sum(u.trainable_shard_numel * _itemsize(u.plan.dtype) for u in units),
+        "optimizer_state": factor * trainable_bytes,
+        "optimizer_step": step_factor * trainable_bytes,
         "unsharded_params": _unsharded_param_bytes(units, in_flight),
         "unsharded_grads": max((_grad_buffer_bytes(u) for u in units if u.requires_grad), default=0),
     }
@@ -135,6 +160,7 @@ def _memory_terms(
         "sharded_params": "this rank's shard of every flat parameter",
         "sharded_grads": "sharded gradient of every unit with a trainable parameter",
         "optimizer_state": f"{optimizer}: {factor} x the trainable sharded parameters",
+        "optimizer_step": f"{optimizer} step's foreach temporaries: {step_factor} x the trainable sharded parameters",
         "unsharded_params": _unsharded_param_explanation(units, in_flight),
         "unsharded_grads": "largest unit's unsharded gradient buffer (compute + reduce dtype)",
     }
@@ -150,6 +176,14 @@ def _post_forward_bytes(unit: _UnitCost) -> int:
     if unit.post_forward_ranks is None:
         return 0
     return unit.plan.padded_numel // unit.post_forward_ranks * _itemsize(unit.compute_dtype)
+
+
+def _unsharded_at_backward_start(units: Sequence[_UnitCost]) -> int:
+    """The part of unsharded_params alive where backward starts (the loss's backward, before any unit's):
+    the units kept unsharded after their forward (the root, SHARD_GRAD_OP and cast NO_SHARD units), a
+    root that reshards to its post-forward group holding only its 1/k slice."""
+    kept, _ = _in_flight_units(units, 0)
+    return sum(_post_forward_bytes(u) if u.post_forward_ranks is not None else _unsharded_bytes(u) for u in kept)
 
 
 def _unsharded_bytes(unit: _UnitCost) -> int:
@@ -208,7 +242,11 @@ def _grad_buffer_bytes(unit: _UnitCost) -> int:
 # run on fake tensors: we raise and say so. The copy is a `copy.deepcopy` whose memo maps each
 # parameter and buffer to its fake replacement, so only plain (unregistered) tensor attributes are
 # copied as they are.
-def _activation_bytes(module: nn.Module, batch_example: Any, config: UnitConfig) -> int:
+def _forward_bytes(
+    module: nn.Module, batch_example: Any, config: UnitConfig, loss_fn: Optional[LossFn] = None
+) -> tuple[int, int]:
+    """(activations, output_and_loss): what forward saves for backward, and the output and the loss
+    ([Note: measuring the loss])."""
     mp = config.mixed_precision
     param_dtype = mp.param_dtype if mp is not None else None
     buffer_dtype = mp.buffer_dtype if mp is not None else None
@@ -235,14 +273,15 @@ def _activation_bytes(module: nn.Module, batch_example: Any, config: UnitConfig)
 
     try:
         with fake_mode, torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            fake_module(*args, **kwargs)
+            holder = [fake_module(*args, **kwargs)]
     except Exception as e:
         raise RuntimeError(
             f"estimate_memory could not run {type(module).__name__}.forward(batch_example) on fake tensors "
             f"({type(e).__name__}: {e}); make the forward value-independent (no .item(), no data-dependent "
             "shapes), or leave batch_example=None and add activations yourself"
         ) from e
-    return total
+    # `kept` holds the saved storages until the loss is measured, so no storage address is reused
+    return total, _loss_bytes(holder, loss_fn, fake_mode, model_storages | counted)
 
 
 def _forward_device(module: nn.Module) -> torch.device:

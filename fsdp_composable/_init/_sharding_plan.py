@@ -18,7 +18,18 @@ __all__ = ["MemoryEstimate", "ShardingPlan", "UnitPlan"]
 
 ROOT_NAME = "<root>"
 
-TERMS = ("sharded_params", "sharded_grads", "optimizer_state", "unsharded_params", "unsharded_grads", "activations")
+TERMS = (
+    "sharded_params",
+    "sharded_grads",
+    "optimizer_state",
+    "optimizer_step",
+    "unsharded_params",
+    "unsharded_grads",
+    "activations",
+    "output_and_loss",
+)
+# terms measured from a batch_example (shown as "not estimated" without one)
+BATCH_TERMS = ("activations", "output_and_loss")
 # terms that only apply to some calls: shown only when estimated (post_forward_shards: reshard_after_forward=<int>)
 OPTIONAL_TERMS = ("post_forward_shards",)
 
@@ -104,9 +115,11 @@ class MemoryEstimate:
     """Per-rank bytes of one training step, by term (see [Note: the memory model]).
 
     ``plan`` is the predicted `describe` result on rank 0; ``breakdown`` maps each term in `TERMS`
-    to bytes (``activations`` only when a ``batch_example`` was given), and ``post_forward_shards``
-    with ``reshard_after_forward=<int>``; ``explanations`` says what each term counted. ``str()`` is
-    a breakdown table.
+    to bytes (``activations`` and ``output_and_loss`` only when a ``batch_example`` was given), and
+    ``post_forward_shards`` with ``reshard_after_forward=<int>``; ``explanations`` says what each term
+    counted. ``unsharded_at_backward_start`` is the part of ``unsharded_params`` still unsharded
+    where backward starts (the units kept unsharded after their forward). ``str()`` is a breakdown
+    table.
     """
 
     plan: ShardingPlan
@@ -114,17 +127,39 @@ class MemoryEstimate:
     optimizer: str
     breakdown: dict[str, int]
     explanations: dict[str, str]
+    unsharded_at_backward_start: int = 0
 
     @property
     def sharded_param_bytes(self) -> int:
         return self.breakdown["sharded_params"]
 
     @property
-    def peak_bytes(self) -> int:
-        """The larger of the two candidate peaks of a step (see [Note: the memory model])."""
+    def moments(self) -> dict[str, int]:
+        """The bytes alive at each moment of a step where it can peak (see [Note: the memory model]):
+        ``loss`` (the loss and its backward, before any unit's), ``backward`` (units in flight, every
+        activation still saved), ``backward_end`` (every sharded gradient back) and
+        ``optimizer_step``."""
         b = self.breakdown
-        held = b["sharded_params"] + b["optimizer_state"] + b["unsharded_params"] + b["unsharded_grads"]
-        return held + max(b.get("activations", 0) + b.get("post_forward_shards", 0), b["sharded_grads"])
+        held = b["sharded_params"] + b["optimizer_state"]
+        saved = b.get("activations", 0) + b.get("post_forward_shards", 0)
+        in_flight = b["unsharded_params"] + b["unsharded_grads"]
+        return {
+            "loss": held + self.unsharded_at_backward_start + saved + b.get("output_and_loss", 0),
+            "backward": held + in_flight + saved,
+            "backward_end": held + in_flight + b["sharded_grads"],
+            "optimizer_step": held + b["sharded_grads"] + b.get("optimizer_step", 0),
+        }
+
+    @property
+    def peak_moment(self) -> str:
+        """The moment of `moments` with the most bytes (the first of equal ones)."""
+        moments = self.moments
+        return max(moments, key=lambda m: moments[m])
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest of `moments`: the step's predicted peak (see [Note: the memory model])."""
+        return max(self.moments.values())
 
     @property
     def upper_bound_bytes(self) -> int:
@@ -278,15 +313,17 @@ def _format_estimate(est: MemoryEstimate) -> str:
     rows = [
         _term_row(est, term) if term in est.breakdown else (term, "-", "-", "not estimated: pass batch_example=")
         for term in TERMS
+        if term in est.breakdown or term in BATCH_TERMS
     ]
     rows += [_term_row(est, term) for term in OPTIONAL_TERMS if term in est.breakdown]
     slices = " + post-forward shards" if "post_forward_shards" in est.breakdown else ""
-    footer = (
-        "peak",
-        f"{est.peak_bytes:,}",
-        _human_bytes(est.peak_bytes),
-        f"params + optimizer + unsharded + max(activations{slices}, sharded grads)",
-    )
+    what = {
+        "loss": f"where backward starts: params + optimizer + units kept unsharded + activations{slices} + loss",
+        "backward": f"in backward: params + optimizer + unsharded + activations{slices}",
+        "backward_end": "where backward ends: params + optimizer + unsharded + sharded grads",
+        "optimizer_step": "in the optimizer step: params + optimizer + sharded grads + its temporaries",
+    }
+    footer = ("peak", f"{est.peak_bytes:,}", _human_bytes(est.peak_bytes), what[est.peak_moment])
     plan = est.plan
     header = (
         f"MemoryEstimate per rank: world size {plan.world_size}, {len(plan.units)} units, "
