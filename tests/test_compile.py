@@ -8,7 +8,8 @@ aot_eager on the 2-core test machine, and code generation tests nothing about sh
 What compiles, each with the unsharded model's losses and final weights:
 - each block's ``forward`` (``block.forward = torch.compile(block.forward)``): one graph, no break;
 - a block compiled before ``fully_shard`` (``block.compile()``, or ``torch.compile(block)`` put back into
-  the model, sharded by the policy or by ``fully_shard`` of the compiled module itself) and after it;
+  the model, sharded by the policy or by ``fully_shard`` of the compiled module itself) and after it,
+  also under ``checkpoint(block)``;
 - the whole model (``model.compile()``, ``torch.compile(model)``) after ``fully_shard``: no graph break is
   counted, nothing compiles after the first step, and every call of a unit runs one graph (the floor:
   [Note: fully_shard under torch.compile] in fsdp_composable/_runtime/_runtime_utils.py).
@@ -122,6 +123,7 @@ BLOCK_WAYS = [
     "torch.compile(block) before",  # the OptimizedModule put back into the model, the policy shards the block
     "fully_shard(torch.compile(block))",  # FSDP2's way: fully_shard each compiled block, then the root
     "block.compile() after",
+    "checkpoint(block), block.compile()",  # recomputed in backward by the same compiled call
 ]
 MODEL_WAYS = ["model.compile()", "torch.compile(model)"]
 
@@ -154,6 +156,10 @@ def compiled_parity(where: str) -> dict[str, Any]:
         run: nn.Module = model
         if where == "block.compile() after":
             for block in model.blocks:
+                block.compile(backend=backend)
+        elif where == "checkpoint(block), block.compile()":
+            for block in model.blocks:
+                checkpoint(block)
                 block.compile(backend=backend)
         elif where == "model.compile()":
             model.compile(backend=backend)
@@ -211,9 +217,10 @@ def _check_parity(r: dict[str, Any]) -> None:
 def test_block_compiled_before_or_after_fully_shard(dist_run, where: str) -> None:
     for r in dist_run(2, compiled_parity, where):
         _check_parity(r)
-        # one graph, a whole block's forward, shared by both blocks; it runs once per block per step
+        # one graph, a whole block's forward, shared by both blocks; it runs once per block per step (and
+        # again in backward under checkpoint: the recomputation)
         assert len(r["graphs"]) == 1 and r["graphs"][0] >= 10, r
-        assert all(s["runs"] == 2 for s in r["steps"]), r
+        assert all(s["runs"] == 2 * (2 if "checkpoint" in where else 1) for s in r["steps"]), r
 
 
 @pytest.mark.parametrize("where", MODEL_WAYS)
