@@ -1,4 +1,4 @@
-"""torch.compile on blocks under `fully_shard`: the same losses as eager for 3 steps, one graph per block.
+"""torch.compile of blocks and of the whole model under `fully_shard`: the same losses for 3 steps, counted graphs.
 
 Backend: "aot_eager". It runs dynamo *and* AOTAutograd (the joint forward/backward graph, which is
 where compiled code meets fully_shard's autograd hooks and resharded parameters), but skips inductor's
