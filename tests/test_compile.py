@@ -192,9 +192,13 @@ def compiled_parity(where: str) -> dict[str, Any]:
         full, expected = model.state_dict(), ref.state_dict()
         # torch.compile(block) puts the block under `_orig_mod`, in the unsharded model as here
         keys = {k: k.replace("._orig_mod", "") for k in full}
+        # torch.compile(model)'s OptimizedModule: torch's prefix before every key, the same full values
+        outer = run.state_dict() if run is not model else {f"_orig_mod.{k}": v for k, v in full.items()}
         return {
             "steps": steps,
             "graphs": graphs,
+            "outer_keys": list(outer) == [f"_orig_mod.{k}" for k in full]
+            and all(torch.equal(outer[f"_orig_mod.{k}"], v) for k, v in full.items()),
             "same_keys": sorted(keys.values()) == sorted(expected),
             "weight_diff": max(float((full[k] - expected[keys[k]]).abs().max()) for k in full),
         }
@@ -204,7 +208,7 @@ def compiled_parity(where: str) -> dict[str, Any]:
 
 def _check_parity(r: dict[str, Any]) -> None:
     steps = r["steps"]
-    assert r["same_keys"] and r["weight_diff"] < 1e-5, r
+    assert r["same_keys"] and r["outer_keys"] and r["weight_diff"] < 1e-5, r
     for s in steps:
         assert abs(s["loss"] - s["ref"]) < 1e-5, r
     assert steps[-1]["loss"] < steps[0]["loss"], r  # it trained
