@@ -329,6 +329,10 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
     return module
 
 
+# Both hooks open or close torch's checkpoint region (saved-tensor hooks, RNG state): eager under torch.compile,
+# as fully_shard's are ([Note: fully_shard under torch.compile] in _runtime/_runtime_utils.py). Disabled as whole
+# calls, so dynamo compiles no frame of their own around them.
+@torch._dynamo.disable
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not state.enabled:  # this is the recomputation: run the forward plain
         return
@@ -337,6 +341,7 @@ def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ..
     state.regions.append(region)
 
 
+@torch._dynamo.disable
 def _post_forward(state: _CheckpointState, module: nn.Module, args: Any, output: Any) -> None:
     if not state.enabled or not state.regions:
         return

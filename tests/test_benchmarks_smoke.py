@@ -484,11 +484,12 @@ def test_command_line_carries_the_allocator_environment(monkeypatch: pytest.Monk
 
 
 def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import bench_collectives, bench_overhead, bench_paired, bench_safety, bench_scaling
+    from benchmarks import bench_collectives, bench_compile, bench_overhead, bench_paired, bench_safety, bench_scaling
 
     for parse, argv in (
         (bench_collectives.parse_args, ["--world-size", "1"]),
         (bench_collectives.parse_args, ["--reps", "0"]),
+        (bench_compile.parse_args, ["--warmup", "0"]),
         (bench_overhead.parse_args, ["--world-size", "1"]),
         (bench_overhead.parse_args, ["--units", "0"]),
         (bench_safety.parse_args, ["--world-size", "1"]),
@@ -503,6 +504,7 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
     expecttest.TestCase().assertExpectedInline(errors, """\
 bench_collectives.py: error: --world-size must be at least 2, got 1
 bench_collectives.py: error: --numel and --reps must be positive and --warmup not negative
+bench_compile.py: error: --world-size, --rounds, --threads and --warmup must be positive (the first step compiles)
 bench_overhead.py: error: --world-size must be at least 2, got 1
 bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be positive and --warmup not negative
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
