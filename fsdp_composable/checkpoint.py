@@ -329,10 +329,11 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
     return module
 
 
-# Both hooks open or close torch's checkpoint region (saved-tensor hooks, RNG state): eager under torch.compile,
+# Both hooks open or close torch's checkpoint region (saved-tensor hooks, RNG state): eager under torch.compile
+# (dynamo imported at their first call, not at import),
 # as fully_shard's are ([Note: fully_shard under torch.compile] in _runtime/_runtime_utils.py). Disabled as whole
 # calls, so dynamo compiles no frame of their own around them.
-@torch._dynamo.disable
+@torch._disable_dynamo
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not state.enabled:  # this is the recomputation: run the forward plain
         return
@@ -341,7 +342,7 @@ def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ..
     state.regions.append(region)
 
 
-@torch._dynamo.disable
+@torch._disable_dynamo
 def _post_forward(state: _CheckpointState, module: nn.Module, args: Any, output: Any) -> None:
     if not state.enabled or not state.regions:
         return

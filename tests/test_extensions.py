@@ -94,7 +94,7 @@ def _batch(width: int, out: int):  # type: ignore[no-untyped-def]
     return make
 
 
-# ---------------------------------------------------------------- QLoRA: NF4 base weights, LoRA adapters
+# ---------------------------------------------------------------- QLoRA: NF4 base weights, LoRA adapters (Llama-style)
 class LoRALinear(nn.Module):
     def __init__(self, d_in: int, d_out: int, rank: int = 4) -> None:
         from torchao.quantization import to_nf4
@@ -119,11 +119,31 @@ class QLoRABlock(nn.Module):
         return x + self.down(F.gelu(self.up(self.norm(x))))
 
 
+class LlamaQLoRABlock(nn.Module):
+    """A Llama-style block: RMSNorm, causal attention (q, k, v, o) and a gated MLP (gate, up, down), every
+    linear an NF4 base weight with a LoRA adapter."""
+
+    def __init__(self, d: int = 256, heads: int = 4) -> None:
+        super().__init__()
+        self.heads = heads
+        self.attn_norm, self.mlp_norm = nn.RMSNorm(d), nn.RMSNorm(d)
+        self.q, self.k, self.v, self.o = (LoRALinear(d, d) for _ in range(4))
+        self.gate, self.up, self.down = LoRALinear(d, 2 * d), LoRALinear(d, 2 * d), LoRALinear(2 * d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, d = x.shape
+        h = self.attn_norm(x)
+        q, k, v = (m(h).view(b, s, self.heads, d // self.heads).transpose(1, 2) for m in (self.q, self.k, self.v))
+        x = x + self.o(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, s, d))
+        h = self.mlp_norm(x)
+        return x + self.down(F.silu(self.gate(h)) * self.up(h))
+
+
 def qlora_parity() -> dict[str, Any]:
     torch.manual_seed(0)
-    ref = nn.Sequential(QLoRABlock(), QLoRABlock(), nn.Linear(256, 8))
+    ref = nn.Sequential(LlamaQLoRABlock(), LlamaQLoRABlock(), nn.Linear(256, 8))
     model = copy.deepcopy(ref)
-    fully_shard(model, ModuleWrapPolicy({QLoRABlock}))
+    fully_shard(model, ModuleWrapPolicy({LlamaQLoRABlock}))
     weight = model[0].up.weight
     nf4 = {n: p for n, p in ref.named_parameters() if type(p).__name__ == "NF4Tensor"}
     before = [model.get_parameter(n)._local_tensor.quantized_data.clone() for n in nf4]
@@ -136,7 +156,8 @@ def qlora_parity() -> dict[str, Any]:
     # sharded model built from another seed
     saved = model.state_dict()
     torch.manual_seed(1)
-    other = fully_shard(nn.Sequential(QLoRABlock(), QLoRABlock(), nn.Linear(256, 8)), ModuleWrapPolicy({QLoRABlock}))
+    blocks = [LlamaQLoRABlock(), LlamaQLoRABlock()]
+    other = fully_shard(nn.Sequential(*blocks, nn.Linear(256, 8)), ModuleWrapPolicy({LlamaQLoRABlock}))
     other.load_state_dict(saved)
     loaded = all(
         torch.equal(other.get_parameter(n).full_tensor().quantized_data, p.quantized_data) for n, p in nf4.items()

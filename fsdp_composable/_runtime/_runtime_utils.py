@@ -30,7 +30,9 @@ start of this backward's unsharded gradient, reduced with the rest, as in FSDP2.
 
 [Note: fully_shard under torch.compile]
 The hooks issue collectives, wait on their work and change Python state, which dynamo cannot put in a
-graph, so each hook object's ``__call__`` is ``torch._dynamo.disable``d: a compiled region stops at
+graph, so each hook object's ``__call__`` is dynamo-disabled (``torch._disable_dynamo``, the form of
+``torch._dynamo.disable`` that imports dynamo at the first call, not when this package is imported: that
+import costs about a second in every process, a rank that never runs a forward included): a compiled region stops at
 every unit boundary and the hooks run eagerly there (torch's FSDP2 disables its hooks alike on 2.13).
 The call itself is disabled, not only the function it wraps: otherwise dynamo compiles the
 ``__call__`` frame on its own, finds a disabled call at its first line and counts a graph break for
@@ -95,7 +97,7 @@ class _EagerHook:
         self._fn = fn
         self._what = f"the state of '{type(state.module).__name__}'"
 
-    @torch._dynamo.disable  # the call itself, not only `fn`: see [Note: fully_shard under torch.compile]
+    @torch._disable_dynamo  # the call itself, not only `fn`: see [Note: fully_shard under torch.compile]
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._fn(*args, **kwargs)
 
