@@ -50,9 +50,15 @@ def state_in_face_layout(ext: ExtensionParams, p: ExtensionParam, value: Any, de
         value = _tensor_parallel.full_tensor(value, device)  # a collective over the value's mesh
     if tuple(value.shape) != tuple(face.shape):
         return value  # the optimizer's own load reports the mismatch
-    chunk = torch.chunk(value, ext.world, dim=0)[ext.rank] if ext.world > 1 else value
-    mesh, placements = face.device_mesh, face.placements  # type: ignore[attr-defined]
+    return _as_face(ext, p, value, device)
+
+
+def _as_face(ext: ExtensionParams, p: ExtensionParam, whole: torch.Tensor, device: torch.device) -> DTensor:
+    """This rank's dim-0 chunk of ``whole`` (of the face's shape) as a ``DTensor`` of the face's layout."""
+    face = p.face
+    chunk = torch.chunk(whole, ext.world, dim=0)[ext.rank] if ext.world > 1 else whole
     chunk = chunk if chunk.device == device else chunk.to(device)  # a subclass's `to` may rebuild it
+    mesh, placements = face.device_mesh, face.placements  # type: ignore[attr-defined]
     return DTensor.from_local(chunk, mesh, placements, run_check=False, shape=face.shape, stride=face.stride())
 
 
@@ -101,11 +107,4 @@ def _to_face_layout(
             continue
         if tuple(value.shape) != tuple(p.face.shape):
             continue  # the module's own load reports the size mismatch, naming the key
-        face = p.face
-        chunk = torch.chunk(value, ext.world, dim=0)[ext.rank] if ext.world > 1 else value
-        if chunk.device != face.device:
-            chunk = chunk.to(face.device)
-        mesh, placements = face.device_mesh, face.placements  # type: ignore[attr-defined]
-        state_dict[key] = DTensor.from_local(
-            chunk, mesh, placements, run_check=False, shape=face.shape, stride=face.stride()
-        )
+        state_dict[key] = _as_face(ext, p, value, p.face.device)
