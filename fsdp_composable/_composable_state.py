@@ -3,8 +3,12 @@
 [Note: why a registry and not a wrapper]
 A composable API attaches to the user's module instead of wrapping it, so the module's type and
 every FQN stay as they were and several APIs (``fully_shard``, ``checkpoint``) can be applied to the
-same module in either order. The registry is a pair of weak maps so that attaching state never keeps
-a module alive and never appears in ``named_modules()``/``state_dict()``.
+same module in either order. Each module holds its own ``{api: state}`` as a plain attribute (``_STATES``,
+as torch's composable APIs keep theirs), which never appears in ``named_modules()``/``state_dict()``;
+the registry only lists those modules, weakly. A weak map from module to state cannot be used: every
+state refers to its module (and a unit's handles to its members), so a value would keep its own key
+alive and no sharded model would ever be freed; from the module's side the cycle is an ordinary one,
+which the garbage collector frees with the model.
 """
 
 from __future__ import annotations
@@ -33,8 +37,10 @@ class _Registry:
     None: every check on)."""
 
     def __init__(self) -> None:
-        # module -> {api name: state}
-        self.states: "weakref.WeakKeyDictionary[nn.Module, dict[str, Any]]" = weakref.WeakKeyDictionary()
+        # every module an API was applied to, by registration number (so in that order; each holds its
+        # own states: [Note: why a registry and not a wrapper])
+        self.modules: "weakref.WeakValueDictionary[int, nn.Module]" = weakref.WeakValueDictionary()
+        self.applied = 0
         # process group -> its record (weak: a destroyed group's record goes with it)
         self.groups: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         # process group -> {k: this rank's group of k of its ranks}: made once, shared by every call
@@ -54,7 +60,7 @@ class _Registry:
 
 
 _REGISTRY = _Registry()
-_module_to_states = _REGISTRY.states
+_STATES = "_fsdp_composable_states"  # the attribute in which a module holds its {api: state}
 
 
 def count_registration(*args: object) -> None:
@@ -131,8 +137,19 @@ def registrations() -> int:
     return _REGISTRY.registrations
 
 
+def _states_of(module: nn.Module) -> dict[str, Any]:
+    """``module``'s {api: state} (empty: nothing applied); read from its ``__dict__``, so that a module's
+    own ``__getattr__`` (nn.Module's looks through parameters, buffers and children) is never asked."""
+    return module.__dict__.get(_STATES, {})  # type: ignore[no-any-return]
+
+
 def _insert_module_state(module: nn.Module, api: str, state: Any) -> None:
-    states = _module_to_states.setdefault(module, {})
+    states = module.__dict__.get(_STATES)
+    if states is None:
+        states = {}
+        setattr(module, _STATES, states)
+        _REGISTRY.modules[_REGISTRY.applied] = module
+        _REGISTRY.applied += 1
     if api in states:
         raise RuntimeError(
             f"{api} was already applied to this {type(module).__name__}; apply it once per module "
@@ -142,16 +159,26 @@ def _insert_module_state(module: nn.Module, api: str, state: Any) -> None:
 
 
 def _get_module_state(module: nn.Module, api: str) -> Optional[Any]:
-    return _module_to_states.get(module, {}).get(api)
+    return _states_of(module).get(api)
 
 
 def _modules_with(api: str) -> list[tuple[nn.Module, Any]]:
     """Every live module ``api`` was applied to, with its state."""
-    return [(m, states[api]) for m, states in list(_module_to_states.items()) if api in states]
+    return [(m, states[api]) for m in list(_REGISTRY.modules.values()) if api in (states := _states_of(m))]
+
+
+def _all_states() -> list[dict[str, Any]]:
+    """Every live module's {api: state} (empty: nothing was applied in this process, or all is freed)."""
+    return [_states_of(m) for m in list(_REGISTRY.modules.values())]
+
+
+def _any_applied() -> bool:
+    """Whether a module this process applied an API to is alive (cheap: every optimizer step asks)."""
+    return len(_REGISTRY.modules) > 0
 
 
 def _applied_apis(module: nn.Module) -> tuple[str, ...]:
-    return tuple(_module_to_states.get(module, {}))
+    return tuple(_states_of(module))
 
 
 def _structure_of(module: nn.Module) -> tuple[type, list[str], list[str], list[str]]:

@@ -110,19 +110,22 @@ LAYERS: Layers = [
         "comm",
         "collectives and their communication device, streams and events, rank-agreement headers, tracing "
         "labels, tensor-parallel meshes and placements",
-        {"_comm": "_header_fields _trace _rank_agreement _collectives _tensor_parallel"},
+        {"_comm": "_header_fields _trace _rank_agreement _collectives _tensor_parallel _custom_comms"},
     ),
     (
         "flat",
         "the flat buffers: FlatParameter and FlatParamHandle, their rank-major layout and copies, their layout "
         "as per-parameter pieces, their checkpoint collectives",
-        {"": "_flat_param", "_flat": "_rank_major _faces _flat_layout _checkpoint_comm"},
+        {"": "_flat_param", "_flat": "_rank_major _faces _flat_layout _checkpoint_comm _extensions"},
     ),
     (
         "grads",
         "a unit's gradients: exposure as .grad, presence flags (agreed on the host off the CPU), reductions, CPU "
         "offload copies, communication hooks' call-out, the gradient scaler",
-        {"_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_utils _grad_scaler"},
+        {
+            "_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_utils "
+            "_grad_scaler _extension_grads"
+        },
     ),
     (
         "runtime",
@@ -147,7 +150,7 @@ LAYERS: Layers = [
         "memory model",
         {
             "_init": "_wrap_utils _group_units _init_utils _applied_checks _ignored_checks _post_forward_group "
-            "_reset_params _to_empty _sharding_plan _memory_model _default_device"
+            "_reset_params _to_empty _sharding_plan _memory_model _loss_memory _default_device"
         },
     ),
     (
@@ -155,7 +158,8 @@ LAYERS: Layers = [
         "state dicts and optimizer state, and the routing of torch's state-dict, optimizer and clip APIs",
         {
             "_state": "_state_dict_settings _state_dict_local _state_dict_sharded _state_dict_full "
-            "_state_dict_atomic _state_dict_utils _optim_convert _optim_utils _state_digest _torch_interop"
+            "_state_dict_atomic _state_dict_utils _optim_convert _optim_utils _state_digest _torch_interop "
+            "_torch_clip _extension_state"
         },
     ),
     (
@@ -169,7 +173,7 @@ LAYERS: Layers = [
         {
             "_compat": "",
             "_compat/fsdp1": "_fsdp1_static _register_comm_hook",
-            "_compat/fsdp2": "_module_switches _reduce_controls",
+            "_compat/fsdp2": "_module_switches _reduce_controls _custom_comm_controls",
         },
     ),
     ("surface", "the wrapper class and the package's public names", {"": "wrapper __init__"}),

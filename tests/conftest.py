@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from typing import Iterator
@@ -8,7 +9,14 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import torch.distributed.tensor  # noqa: E402,F401
 from harness import close_shared_pools, shared_pool  # noqa: E402
+
+import fsdp_composable  # noqa: E402,F401
+
+# torch (with sympy, which DTensor imports) lives as long as the session: Python's full collections,
+# automatic or a test's gc.collect(), then walk only what the tests make
+gc.freeze()
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -24,6 +24,7 @@ the last line.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import sys
@@ -484,6 +485,9 @@ CHECKS: list[Callable[[], Any]] = [
 
 def main() -> None:
     setup()
+    # what the imports made lives as long as the process: the recorder's gc.collect() at every
+    # gradient commit then walks only what the checks make (a tenth of a second less each)
+    gc.freeze()
     wanted = set(sys.argv[1:])
     results: dict[str, str] = {}
     for check in CHECKS:

@@ -30,7 +30,9 @@ from typing import Any, Optional, Sequence
 
 _SERVER = r"""
 import json, os, sys
+import gc
 import torch, torch._dynamo, torch.distributed.checkpoint, fsdp_composable  # what every example pays
+gc.freeze()  # and lives as long as every child: their full collections walk only what the script makes
 
 def _child(request):
     os.setpgrp()
@@ -55,8 +57,7 @@ def _child(request):
         if not isinstance(e.code, (int, type(None))):
             print(e.code, file=sys.stderr)
     except BaseException:
-        import traceback
-        traceback.print_exc()
+        sys.excepthook(*sys.exc_info())  # as the interpreter reports it (torch's hook prefixes "[rank0]:")
         code = 1
     import logging
     logging.shutdown()

@@ -43,6 +43,13 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s))
+    import torch.distributed.tensor  # noqa: F401  (with sympy: most of what a worker ever imports)
+
+    import fsdp_composable  # noqa: F401
+
+    # what the imports made lives as long as the worker: Python's full collections, which tests run
+    # often (gc.collect() to count live bytes, and automatically), then walk only what the tests make
+    gc.freeze()
     while True:
         task = tasks.get()
         if task is None:
@@ -90,13 +97,16 @@ class DistPool:
         deadline = datetime.datetime.now() + datetime.timedelta(seconds=timeout)
         while len(out) + len(errors) < self.world_size:
             remaining = (deadline - datetime.datetime.now()).total_seconds()
-            try:
-                rank, ok, value = self._results.get(timeout=max(remaining, 0.01))
+            try:  # polled, so that a rank that died (a crash in C++) fails the test now, not at its timeout
+                rank, ok, value = self._results.get(timeout=min(max(remaining, 0.01), 1.0))
             except queue.Empty:
-                self.restart()
-                raise TimeoutError(
-                    f"{fn.__name__} did not finish on all {self.world_size} ranks within {timeout}s"
-                ) from None
+                dead = [(r, p.exitcode) for r, p in enumerate(self._procs) if not p.is_alive()]
+                if dead or remaining <= 1.0:
+                    self.restart()
+                    what = f"rank(s) died (rank, exit code): {dead}" if dead else f"did not finish within {timeout}s"
+                    done = f"; ranks that finished: {sorted(out)}, that raised: {[(e.rank, e.text) for e in errors]}"
+                    raise TimeoutError(f"{fn.__name__} on {self.world_size} ranks: {what}{done}") from None
+                continue
             if ok:
                 out[rank] = value
             else:

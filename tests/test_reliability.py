@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
+import tempfile
 import time
 import warnings
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Iterator
 
 import expecttest
+import pytest
 import torch
 import torch.distributed as dist
+from forked_scripts import Finished, PreloadedPool
 from harness import free_port
 from models import Block, Branchy, TinyGPT, gpt_batch, gpt_loss
 from torch import nn
@@ -77,28 +81,31 @@ def test_order_change_after_first_iteration_warns_once(dist_run) -> None:
     )
 
 
-def _run_dead_rank_job(*args: str) -> tuple[list[subprocess.Popen], list[tuple[str, str]], float]:
+@pytest.fixture(scope="module")
+def servers() -> Iterator[PreloadedPool]:
+    """Two interpreters that imported torch and the package already: each job's two ranks are forked
+    from them (see [Note: docs examples in forked interpreters])."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(TESTS), os.environ.get("PYTHONPATH", "")]))
+    with PreloadedPool(env, 2) as pool:
+        yield pool
+
+
+def _run_dead_rank_job(servers: PreloadedPool, *args: str) -> tuple[list[Finished], list[tuple[str, str]], float]:
     port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        env["PYTHONPATH"] = os.pathsep.join([os.path.dirname(TESTS), env.get("PYTHONPATH", "")])
-        procs.append(
-            subprocess.Popen(
-                [sys.executable, os.path.join(TESTS, "dead_rank_job.py"), *args],
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+    envs = [
+        dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        for rank in range(2)
+    ]
+    script = Path(TESTS) / "dead_rank_job.py"
     start = time.monotonic()
-    outputs = [p.communicate(timeout=120) for p in procs]
-    return procs, outputs, time.monotonic() - start
+    with ThreadPoolExecutor(max_workers=2) as ranks:
+        runs = [ranks.submit(servers.run, script, env, 120, args, out=Path(tempfile.mkdtemp())) for env in envs]
+        procs = [run.result() for run in runs]
+    return procs, [(p.stdout, p.stderr) for p in procs], time.monotonic() - start
 
 
-def test_dead_rank_is_reported_by_the_survivor() -> None:
-    procs, outputs, elapsed = _run_dead_rank_job()
+def test_dead_rank_is_reported_by_the_survivor(servers: PreloadedPool) -> None:
+    procs, outputs, elapsed = _run_dead_rank_job(servers)
     assert procs[1].returncode == 3
     assert procs[0].returncode not in (0, None), outputs[0]
     assert "finished without noticing" not in outputs[0][0]
@@ -106,10 +113,10 @@ def test_dead_rank_is_reported_by_the_survivor() -> None:
     assert elapsed < 90
 
 
-def test_rank_killed_during_state_dict_is_named_by_the_survivor() -> None:
+def test_rank_killed_during_state_dict_is_named_by_the_survivor(servers: PreloadedPool) -> None:
     """A rank SIGKILLed inside state_dict(): the survivor's error names state_dict() and the unit, within
     the process group timeout (15 s in the job)."""
-    procs, outputs, elapsed = _run_dead_rank_job("state_dict")
+    procs, outputs, elapsed = _run_dead_rank_job(servers, "state_dict")
     assert procs[1].returncode == -9
     assert procs[0].returncode not in (0, None), outputs[0]
     assert "finished without noticing" not in outputs[0][0]
@@ -119,10 +126,10 @@ def test_rank_killed_during_state_dict_is_named_by_the_survivor() -> None:
     assert elapsed < 90
 
 
-def test_rank_killed_during_optim_state_dict_is_named_by_the_survivor() -> None:
+def test_rank_killed_during_optim_state_dict_is_named_by_the_survivor(servers: PreloadedPool) -> None:
     """A rank SIGKILLed inside optim_state_dict(), after the first unit's gather: the survivor gets a
     named error within the process group timeout (15 s in the job), never a hang."""
-    procs, outputs, elapsed = _run_dead_rank_job("optim_state_dict")
+    procs, outputs, elapsed = _run_dead_rank_job(servers, "optim_state_dict")
     assert procs[1].returncode == -9
     assert procs[0].returncode not in (0, None), outputs[0]
     assert "finished without noticing" not in outputs[0][0]
@@ -132,10 +139,10 @@ def test_rank_killed_during_optim_state_dict_is_named_by_the_survivor() -> None:
     assert elapsed < 90
 
 
-def test_rank_killed_in_the_optim_state_dict_check_is_named_by_the_survivor() -> None:
+def test_rank_killed_in_the_optim_state_dict_check_is_named_by_the_survivor(servers: PreloadedPool) -> None:
     """A rank SIGKILLed inside optim_state_dict()'s first exchange (torch's all_gather_object), after the
     ranks agreed on it: the survivor's error names optim_state_dict() and its units, not only gloo's."""
-    procs, outputs, elapsed = _run_dead_rank_job("optim_state_dict_check")
+    procs, outputs, elapsed = _run_dead_rank_job(servers, "optim_state_dict_check")
     assert procs[1].returncode == -9
     assert procs[0].returncode not in (0, None), outputs[0]
     assert "finished without noticing" not in outputs[0][0]

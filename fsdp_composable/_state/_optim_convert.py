@@ -34,7 +34,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_composable._comm import _rank_agreement, _tensor_parallel
 from fsdp_composable._comm._rank_agreement import Op
 from fsdp_composable._common_utils import API_NAME
-from fsdp_composable._composable_state import _module_to_states
+from fsdp_composable._composable_state import _all_states
 from fsdp_composable._flat._checkpoint_comm import all_gather_object, comm_device_of
 from fsdp_composable._flat._checkpoint_comm import gather_full_flat as _gather_full_flat
 from fsdp_composable._flat._flat_layout import _saved_shape
@@ -464,7 +464,7 @@ def _flat_local(unit: _Unit, key: str, value: Any) -> Any:
 def _every_handle() -> list[FlatParamHandle]:
     """Every unit's handle in this process, once each, in the order `fully_shard` built them."""
     out: dict[int, FlatParamHandle] = {}
-    for apis in list(_module_to_states.values()):
+    for apis in _all_states():
         state = apis.get(API_NAME)
         for handle in state.handles if state is not None else ():
             out.setdefault(id(handle), handle)

@@ -83,7 +83,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from fsdp_composable._comm import _rank_agreement
 from fsdp_composable._common_utils import FLAT_MODE, FSDP_FLATTENED, _FSDPState, _get_fsdp_states
 from fsdp_composable._composable_state import (
-    _module_to_states,
+    _any_applied,
     count_registration,
     optimizer_check,
     set_optimizer_check,
@@ -201,7 +201,7 @@ def _managed_tensor_ids() -> set[int]:
 
 
 def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    if not _module_to_states:  # nothing was ever sharded in this process
+    if not _any_applied():  # nothing sharded in this process is alive
         return
     ours = _count_ours(optim)
     checked = optimizer_check(optim)
