@@ -7,7 +7,8 @@ embedding and head over an 8136-token vocabulary, 33,600,512 parameters in all.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+import argparse
+from dataclasses import asdict, dataclass, replace
 from typing import Callable
 
 import torch
@@ -20,6 +21,8 @@ __all__ = [
     "ModelConfig",
     "DEFAULT",
     "SMALL",
+    "add_shape_args",
+    "config_of",
     "make_batch",
     "gpt_loss",
     "loss_of_logits",
@@ -43,6 +46,24 @@ class ModelConfig:
 # 8 * (12 d^2 + 9 d) + 2 * vocab * d + seq * d + 2 d = 33,600,512 for these sizes.
 DEFAULT = ModelConfig(vocab=8136, d=512, heads=8, n_layers=8, seq=128, batch_per_rank=4)
 SMALL = ModelConfig(vocab=64, d=32, heads=2, n_layers=2, seq=16, batch_per_rank=2)
+
+
+def add_shape_args(p: argparse.ArgumentParser) -> None:
+    """``--small``, ``--d`` and ``--n-layers``: the model a benchmark runs (`config_of`)."""
+    p.add_argument("--small", action="store_true", help="the tiny model (smoke test)")
+    p.add_argument("--d", type=int, default=0, help="block width (default: the default model's 512)")
+    p.add_argument(
+        "--n-layers", type=int, default=0, help="blocks, one unit each (default 8); 64 with --d 128: many small units"
+    )
+
+
+def config_of(args: argparse.Namespace) -> ModelConfig:
+    """The tiny model, or the default one with ``--d`` / ``--n-layers`` if given (8 heads, fewer when
+    ``--d`` is under 128)."""
+    if args.small:
+        return SMALL
+    d = args.d or DEFAULT.d
+    return replace(DEFAULT, d=d, heads=min(DEFAULT.heads, max(1, d // 16)), n_layers=args.n_layers or DEFAULT.n_layers)
 
 
 class Block(nn.Module):

@@ -28,7 +28,6 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import replace
 from typing import Any, Optional
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import Built, build  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
+from benchmarks._model import ModelConfig, add_shape_args, config_of  # noqa: E402
 from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
@@ -95,17 +94,8 @@ def _rank(rank: int, world: int, model: dict[str, int], impls: list[str], rounds
     return {"times": times, "cpu": cpu_s, "faults": faults}
 
 
-def model_config(args: argparse.Namespace) -> ModelConfig:
-    """The benchmark model: the tiny one, or the default with ``--d`` / ``--n-layers`` if given (heads
-    stay 8, or fewer when ``--d`` is small)."""
-    if args.small:
-        return SMALL
-    d = args.d or DEFAULT.d
-    return replace(DEFAULT, d=d, heads=min(DEFAULT.heads, max(1, d // 16)), n_layers=args.n_layers or DEFAULT.n_layers)
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = model_config(args)
+    cfg = config_of(args)
     ranks = run_ranks(
         args.world_size, _rank, (cfg.as_dict(), args.impl_list, args.rounds, args.warmup), args.threads, args.timeout
     )
@@ -155,11 +145,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each impl first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed for the whole run")
-    p.add_argument("--small", action="store_true", help="the tiny model (smoke test)")
-    p.add_argument("--d", type=int, default=0, help="block width (default: the default model's 512)")
-    p.add_argument(
-        "--n-layers", type=int, default=0, help="blocks, one unit each (default 8); 64 with --d 128: many small units"
-    )
+    add_shape_args(p)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "paired_ws2.json"), help="JSON path")
     args = p.parse_args(argv)
     args.impl_list = [name.strip() for name in args.impls.split(",") if name.strip()]
@@ -180,7 +166,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = measure(args)
     config = {k: v for k, v in vars(args).items() if k not in ("out", "impl_list")}
     png = save_run(__file__, config, rows, args.out)
-    cfg = model_config(args)
+    cfg = config_of(args)
     title = f"d={cfg.d} x {cfg.n_layers} blocks, world size {args.world_size}: median step, steps interleaved"
     colors = ["tab:blue" if r["impl"].startswith("ours") else "tab:gray" for r in rows]
     write_time_bars([r["impl"] for r in rows], [r["median_s"] * 1e3 for r in rows], colors, png, title, "ms / step")

@@ -29,7 +29,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
+from benchmarks._model import ModelConfig, add_shape_args, config_of  # noqa: E402
 from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 from fsdp_composable._base import _safety  # noqa: E402
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, model: dict[str, int], rounds: int, steps: int,
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = SMALL if args.small else DEFAULT
+    cfg = config_of(args)
     ranks = run_ranks(args.world_size, _rank, (cfg.as_dict(), args.rounds, args.steps, args.warmup), args.threads)
     rows = []
     for name, off in VARIANTS:
@@ -96,7 +96,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=2, help="timed steps per variant per round")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
-    p.add_argument("--small", action="store_true", help="the tiny model (smoke test)")
+    add_shape_args(p)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "safety_ws2.json"), help="JSON path")
     args = p.parse_args(argv)
     if args.world_size < 2:
@@ -110,7 +110,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
     png = save_run(__file__, {k: v for k, v in vars(args).items() if k != "out"}, rows, args.out)
-    cfg = SMALL if args.small else DEFAULT
+    cfg = config_of(args)
     title = f"ours, d={cfg.d} x {cfg.n_layers} blocks, world size {args.world_size}: median step by checks on/off"
     colors = ["tab:blue"] + ["tab:green"] * (len(rows) - 2) + ["tab:gray"]
     write_time_bars([r["variant"] for r in rows], [r["median_s"] * 1e3 for r in rows], colors, png, title, "ms / step")
