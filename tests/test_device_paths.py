@@ -11,8 +11,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import subprocess
-import sys
+import tempfile
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from device_index_fake import two_fake_cuda_devices
 from expecttest import TestCase
+from forked_scripts import Preloaded
 from models import Block, TinyGPT
 from offload_comm_spy import offload_entry_points
 
@@ -76,14 +77,13 @@ def _run_audit() -> dict[str, str]:
     if _RESULTS:
         return _RESULTS
     env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    proc = subprocess.run(
-        [sys.executable, os.path.join(TESTS_DIR, "device_audit_world.py")],
-        capture_output=True,
-        text=True,
-        timeout=500,
-        env=env,
-        cwd=REPO,
-    )
+    # forked from an interpreter that imported torch already ([Note: docs examples in forked interpreters])
+    server = Preloaded(env)
+    try:
+        script = Path(TESTS_DIR) / "device_audit_world.py"
+        proc = server.run(script, env, 500, cwd=Path(REPO), out=Path(tempfile.mkdtemp()))
+    finally:
+        server.close()
     assert proc.returncode == 0, proc.stderr[-4000:]
     _RESULTS.update(json.loads(proc.stdout.strip().splitlines()[-1]))
     return _RESULTS

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 from models import Block, TinyGPT, gpt_batch, gpt_loss
 
@@ -125,23 +126,23 @@ dist.destroy_process_group()
 """
 
 
-def test_environment_switch_logs_to_stderr(tmp_path: Path) -> None:
+def test_environment_switch_logs_to_stderr() -> None:
+    """Read when the package is imported: a fresh interpreter with the switch on logs each collective."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH", "")]))
-    # both interpreters at once: most of each one's time is importing torch on one core
-    runs = {
-        logs: subprocess.Popen(
-            [sys.executable, "-c", SCRIPT],
-            env={**env, _trace.ENV_SWITCH: value},
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for value, logs in (("1", True), ("0", False))
-    }
-    for logs, proc in runs.items():
-        _, stderr = proc.communicate(timeout=120)
-        assert proc.returncode == 0, stderr[-3000:]
-        # Linear(4, 4)'s 16 + 4: alone, the flags stay this rank's own ([Note: which parameters got a gradient])
-        line = "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (20 x float32, 80 B)"
-        assert (line in stderr) is logs, stderr
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], env={**env, _trace.ENV_SWITCH: "1"}, capture_output=True, text=True, timeout=120
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Linear(4, 4)'s 16 + 4: alone, the flags stay this rank's own ([Note: which parameters got a gradient])
+    assert "fsdp_composable: rank 0 done fsdp::finish_reduce 0 (20 x float32, 80 B)" in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("value", ["", "0", "off", "false"])
+def test_environment_switch_off_leaves_the_logger_alone(value: str) -> None:
+    """Off (or unset): the import configures nothing, so the application's logging setup decides."""
+    logger = logging.getLogger("fsdp_composable")
+    before = (logger.level, list(logger.handlers))
+    with mock.patch.dict(os.environ, {_trace.ENV_SWITCH: value}):
+        _trace._configure_from_env()
+    assert (logger.level, list(logger.handlers)) == before
