@@ -54,6 +54,10 @@ def _checkpointed_with_hook(model: nn.Module) -> None:
     _train(model)
 
 
+def _trained_only(model: nn.Module) -> None:
+    _train(model)
+
+
 def _failed_step(model: nn.Module) -> None:
     _train(model, steps=1)
     try:
@@ -80,9 +84,9 @@ def _build(case: str) -> nn.Module:
 CASES: dict[str, Callable[[nn.Module], None]] = {
     "trained, state dicts, summoned": _trained,
     "checkpoint and comm hook": _checkpointed_with_hook,
-    "wrapper class": lambda m: _train(m) and None,
+    "wrapper class": _trained_only,
     "failed step": _failed_step,
-    "list unit": lambda m: _train(m) and None,
+    "list unit": _trained_only,
 }
 
 
