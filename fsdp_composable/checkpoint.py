@@ -329,10 +329,10 @@ def checkpoint(module: nn.Module, *, use_reentrant: bool = False) -> nn.Module:
     return module
 
 
-# Both hooks open or close torch's checkpoint region (saved-tensor hooks, RNG state): eager under torch.compile
-# (dynamo imported at their first call, not at import),
-# as fully_shard's are ([Note: fully_shard under torch.compile] in _runtime/_runtime_utils.py). Disabled as whole
-# calls, so dynamo compiles no frame of their own around them.
+# Both hooks open or close torch's checkpoint region (saved-tensor hooks, RNG state): eager under
+# torch.compile, as fully_shard's are ([Note: fully_shard under torch.compile] in _runtime/_runtime_utils.py),
+# and disabled as whole calls, so dynamo compiles no frame of its own around them (dynamo is imported at
+# their first call, not at import).
 @torch._disable_dynamo
 def _pre_forward(state: _CheckpointState, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     if not state.enabled:  # this is the recomputation: run the forward plain

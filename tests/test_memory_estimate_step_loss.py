@@ -8,7 +8,7 @@ from __future__ import annotations
 import gc
 import os
 import sys
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -16,6 +16,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from models import Block, TinyGPT, gpt_batch
 from parity import local_slice
+from test_memory_estimate_peak import _alive
 from torch import nn
 
 from fsdp_composable import MemoryEstimate, ModuleWrapPolicy, ShardingStrategy, estimate_memory, fully_shard
@@ -60,16 +61,6 @@ def _batch(step: int, shape: dict[str, int]) -> tuple[torch.Tensor, torch.Tensor
     ws = dist.get_world_size()
     full = gpt_batch(step, PER_RANK_BATCH * ws, seq=shape["seq"], vocab=shape["vocab"])
     return local_slice(full, dist.get_rank(), ws)
-
-
-def _alive(model: nn.Module, optim: torch.optim.Optimizer) -> Iterator[Optional[torch.Tensor]]:
-    """What lives between steps (a generator: a list would keep the gradients zero_grad frees alive)."""
-    for p in model.parameters():
-        yield p
-        yield p.grad
-    yield from model.buffers()
-    for state in optim.state.values():
-        yield from (v for v in state.values() if isinstance(v, torch.Tensor))
 
 
 def _step(model: nn.Module, optim: torch.optim.Optimizer, shape: dict[str, int], step: int) -> None:
