@@ -48,22 +48,43 @@ DEFAULT = ModelConfig(vocab=8136, d=512, heads=8, n_layers=8, seq=128, batch_per
 SMALL = ModelConfig(vocab=64, d=32, heads=2, n_layers=2, seq=16, batch_per_rank=2)
 
 
+def _heads(d: int) -> int:
+    """Attention heads for width ``d``: the default model's 8, fewer when ``d`` is under 128."""
+    return min(DEFAULT.heads, max(1, d // 16))
+
+
+def _width(text: str) -> int:
+    d = int(text)
+    if d < 1 or d % _heads(d):
+        raise argparse.ArgumentTypeError(f"must be positive and divisible by its {_heads(d)} heads, got {d}")
+    return d
+
+
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {n}")
+    return n
+
+
 def add_shape_args(p: argparse.ArgumentParser) -> None:
     """``--small``, ``--d`` and ``--n-layers``: the model a benchmark runs (`config_of`)."""
     p.add_argument("--small", action="store_true", help="the tiny model (smoke test)")
-    p.add_argument("--d", type=int, default=0, help="block width (default: the default model's 512)")
+    p.add_argument("--d", type=_width, default=DEFAULT.d, help="block width (default: the default model's 512)")
     p.add_argument(
-        "--n-layers", type=int, default=0, help="blocks, one unit each (default 8); 64 with --d 128: many small units"
+        "--n-layers",
+        type=_positive,
+        default=DEFAULT.n_layers,
+        help="blocks, one unit each (default 8); 64 with --d 128: many small units",
     )
 
 
 def config_of(args: argparse.Namespace) -> ModelConfig:
-    """The tiny model, or the default one with ``--d`` / ``--n-layers`` if given (8 heads, fewer when
-    ``--d`` is under 128)."""
+    """The tiny model, or the default one with ``--d`` / ``--n-layers`` (8 heads, fewer when ``--d`` is
+    under 128)."""
     if args.small:
         return SMALL
-    d = args.d or DEFAULT.d
-    return replace(DEFAULT, d=d, heads=min(DEFAULT.heads, max(1, d // 16)), n_layers=args.n_layers or DEFAULT.n_layers)
+    return replace(DEFAULT, d=args.d, heads=_heads(args.d), n_layers=args.n_layers)
 
 
 class Block(nn.Module):

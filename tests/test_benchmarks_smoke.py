@@ -495,6 +495,8 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_safety.parse_args, ["--world-size", "1"]),
         (bench_paired.parse_args, ["--impls", "ours,fsdp1"]),
         (bench_paired.parse_args, ["--impls", "ours,ours"]),
+        (bench_paired.parse_args, ["--d", "100"]),
+        (bench_safety.parse_args, ["--n-layers", "0"]),
         (bench_scaling.parse_args, ["--sizes", "1T"]),
         (bench_scaling.parse_args, ["--steps", "0"]),
     ):
@@ -510,5 +512,7 @@ bench_overhead.py: error: --units, --d, --batch, --steps and --threads must be p
 bench_safety.py: error: --world-size must be at least 2 (the headers run between ranks), got 1
 bench_paired.py: error: --impls: unknown ['fsdp1']; choose from ours,ours-no-forward-prefetch,ours-before,torch-fsdp2,ddp,local,local-ranks,floor
 bench_paired.py: error: --impls lists one more than once: ours,ours
+bench_paired.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
+bench_safety.py: error: argument --n-layers: must be positive, got 0
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501
