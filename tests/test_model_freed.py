@@ -20,6 +20,7 @@ from models import Block, TinyGPT, gpt_batch, gpt_loss
 from parity import local_slice
 from torch import nn
 from torch.distributed.algorithms._comm_hooks import default_hooks
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 import fsdp_composable as fc
 from fsdp_composable import ModuleWrapPolicy, fully_shard
@@ -47,6 +48,9 @@ def _trained(model: nn.Module) -> None:
     optim.load_state_dict(fc.optim_state_dict_to_load(model, optim, fc.optim_state_dict(model, optim)))
     with fc.summon_full_params(model):
         pass
+    set_model_state_dict(model, get_model_state_dict(model))  # torch's own state-dict API
+    model.to(torch.float64)  # a cast after sharding rebuilds the flat buffers
+    _train(model, steps=1)
 
 
 def _checkpointed_with_hook(model: nn.Module) -> None:
@@ -82,7 +86,7 @@ def _build(case: str) -> nn.Module:
 
 
 CASES: dict[str, Callable[[nn.Module], None]] = {
-    "trained, state dicts, summoned": _trained,
+    "trained, state dicts, summoned, cast": _trained,
     "checkpoint and comm hook": _checkpointed_with_hook,
     "wrapper class": _trained_only,
     "failed step": _failed_step,
