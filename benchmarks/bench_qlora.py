@@ -13,8 +13,9 @@ the adapters. The configurations:
 - ``ours, float32 base``: the same model with the base weights dequantized to frozen float32.
 The ranks (gloo on 127.0.0.1, forked) run 2 warm-up steps, then one step under the live-bytes tracker
 (peak live tensor bytes, `_mem_tracker`) and the collective counter (bytes each rank sends to
-all-gathers: the gathered output), then ``--steps`` timed steps. Writes a JSON file, a PNG chart next to
-it, and prints a markdown table.
+all-gathers: the gathered output), then ``--steps`` timed steps; for ours, `estimate_memory()` of
+the model before sharding beside the measured peak. Writes a JSON file, a PNG chart next to it, and
+prints a markdown table.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from benchmarks._comm_counter import CommCounter  # noqa: E402
 from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 from benchmarks._ranks import run_ranks  # noqa: E402
 from benchmarks._report import MIB, pyplot, save_run, wrote  # noqa: E402
-from fsdp_composable import ModuleWrapPolicy, fully_shard  # noqa: E402
+from fsdp_composable import ModuleWrapPolicy, estimate_memory, fully_shard  # noqa: E402
 from fsdp_composable._comm import _collectives  # noqa: E402
 
 CONFIGS = ("ours, NF4", "FSDP2, NF4", "ours, float32 base")
@@ -128,6 +129,17 @@ def _rank(rank: int, world: int, config: str, dim: int, layers: int, steps: int)
     torch.manual_seed(0)
     model = Model(dim, layers, nf4=config != "ours, float32 base")
     base = sum(m.weight.numel() for m in model.modules() if isinstance(m, LoRALinear))
+    estimate = None
+    if config.startswith("ours"):  # the same batch shape and loss as `_step`
+        tokens = torch.zeros(BATCH, SEQ + 1, dtype=torch.long)
+        estimate = estimate_memory(
+            model,
+            policy=ModuleWrapPolicy({Block}),
+            world_size=world,
+            optimizer="adamw",
+            batch_example=tokens[:, :-1],
+            loss_fn=lambda logits: F.cross_entropy(logits.reshape(-1, VOCAB), tokens[:, 1:].reshape(-1)),
+        ).peak_bytes
     if config == "FSDP2, NF4":
         for block in model.blocks:
             torch_fully_shard(block)
@@ -152,6 +164,7 @@ def _rank(rank: int, world: int, config: str, dim: int, layers: int, steps: int)
         times.append(time.perf_counter() - t0)
     return {
         "peak_live_bytes": tracker.peak_bytes,
+        "estimate_bytes": estimate,
         "all_gather_bytes": theirs if config.startswith("FSDP2") else ours.bytes,
         "step_s": sorted(times)[len(times) // 2],
         "frozen_base_numel": base,
@@ -174,6 +187,8 @@ def main() -> None:
             {
                 "config": config,
                 "peak_live_mib": max(r["peak_live_bytes"] for r in ranks) / MIB,
+                # estimate_memory() of the model before sharding (ours only), rank 0's bytes
+                "estimate_mib": ranks[0]["estimate_bytes"] / MIB if ranks[0]["estimate_bytes"] else None,
                 "all_gather_mib": max(r["all_gather_bytes"] for r in ranks) / MIB,
                 "step_s": max(r["step_s"] for r in ranks),
                 "ranks": ranks,
@@ -183,10 +198,15 @@ def main() -> None:
     config = {"world_size": args.world_size, "dim": args.dim, "layers": args.layers, "frozen_base_numel": base}
     png = save_run(__file__, config, results, args.out)
     print(f"\n{args.layers} blocks of width {args.dim}, {base:,} NF4 base weights, {args.world_size} ranks:\n")
-    print("| configuration | peak live / rank (MiB) | all-gathered / rank / step (MiB) | median step (s) |")
-    print("|---|---|---|---|")
+    print(
+        "| configuration | peak live / rank (MiB) | estimate_memory (MiB) | estimate / measured "
+        "| all-gathered / rank / step (MiB) | median step (s) |"
+    )
+    print("|---|---|---|---|---|---|")
     for r in results:
-        print(f"| {r['config']} | {r['peak_live_mib']:.1f} | {r['all_gather_mib']:.2f} | {r['step_s']:.3f} |")
+        est = r["estimate_mib"]
+        ratio = f"{est:.1f} | {est / r['peak_live_mib']:.3f}" if est is not None else "- | -"
+        print(f"| {r['config']} | {r['peak_live_mib']:.1f} | {ratio} | {r['all_gather_mib']:.2f} | {r['step_s']:.3f} |")
     plt = pyplot()
     if plt is not None:
         fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))

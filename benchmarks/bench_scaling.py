@@ -5,11 +5,13 @@ Usage (see benchmarks/README.md, "scaling"):
     python benchmarks/bench_scaling.py --quick --out /tmp/scaling_quick.json      # smoke test, seconds
 
 Three parts (``--parts``, default all), each with torch FSDP2 beside ours in the same run:
-- ``sizes``: 2 gloo ranks (forked), the benchmark GPT (`_model.BenchGPT`, AdamW) at ``--sizes`` (about
-  10M to 305M parameters); per size, each impl is built, runs ``--warmup`` then ``--steps`` timed
-  steps, then one step under `LiveBytesTracker` (peak live tensor bytes per rank), and is freed before
-  the next (both alive at once would double the memory of the largest size); the impls' order
-  alternates from size to size. A step's time is the slowest rank's.
+- ``sizes``: gloo ranks (forked) at each of ``--world-sizes``, the benchmark GPT (`_model.BenchGPT`,
+  AdamW) at ``--sizes`` (about 10M to 305M parameters); per size, each impl (ours, torch FSDP2 and
+  ``floor``: a FULL_SHARD step's bytes moved by hand, `_floor.py`) is built, runs ``--warmup`` then
+  ``--steps`` timed steps, then one step under `LiveBytesTracker` (peak live tensor bytes per rank),
+  and is freed before the next (two alive at once would double the memory of the largest size); the
+  impls' order rotates from size to size. A step's time is the slowest rank's. The floor holds less
+  memory than a sharded step (it drops each gathered copy at once), so only its time is compared.
 - ``units``: one process as rank 0 of ``--fake-world-size`` ranks on torch's fake process group
   (collectives return at once), ``bench_overhead.py``'s residual MLP blocks at ``--units`` units, the
   three impls built at once and timed in ``--rounds`` interleaved rounds of ``--unit-steps`` steps: the
@@ -55,6 +57,7 @@ SIZES: dict[str, ModelConfig] = {
 }
 QUICK_SIZES: dict[str, ModelConfig] = {"small": SMALL, "small-x2": ModelConfig(64, 48, 2, 3, 16, 2)}
 SHARDED = ("ours", "torch-fsdp2")
+SIZE_IMPLS = (*SHARDED, "floor")  # the sizes part: the floor's step beside the sharded impls'
 _CPU = torch.device("cpu")
 
 
@@ -73,12 +76,30 @@ def _timed(built: Built, cfg: ModelConfig, first: int, steps: int, rank: int, ba
     return times
 
 
-# ---------------------------------------------------------------------------- sizes (2 gloo ranks)
+# ---------------------------------------------------------------------------- sizes (gloo ranks)
+def _floor_fits(cfg: ModelConfig, world: int) -> bool:
+    """Whether ``world`` floor ranks fit in three quarters of this machine's memory: each holds the
+    unsharded model and its gradients (it computes unsharded), a shard with AdamW's two states, the
+    activations and what the impls before it left in the process; measured, a rank's RSS reached about
+    five times the model's bytes (6.2 GB at 305M and 4 ranks, where the kernel killed one of them)."""
+    from benchmarks._model import BenchGPT
+
+    with torch.device("meta"):
+        params = count_params(BenchGPT(cfg))
+    per_rank = 4 * params * 5
+    physical = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return world * per_rank <= 0.75 * physical
+
+
 def _sizes_rank(rank: int, world: int, sizes: dict[str, dict[str, int]], steps: int, warmup: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n, (name, model) in enumerate(sizes.items()):
         cfg = ModelConfig(**model)
-        for impl in SHARDED if n % 2 == 0 else SHARDED[::-1]:
+        for impl in SIZE_IMPLS[n % 3 :] + SIZE_IMPLS[: n % 3]:
+            if impl == "floor" and not _floor_fits(cfg, world):
+                if rank == 0:
+                    _log(f"sizes: {world} ranks, {name} floor: skipped (its ranks would not fit in memory)")
+                continue
             built = build(impl, cfg, strategy="FULL_SHARD", bf16=False, device=_CPU, world_size=world)
             for i in range(warmup):
                 built.train_step(cfg, i, rank)
@@ -91,30 +112,37 @@ def _sizes_rank(rank: int, world: int, sizes: dict[str, dict[str, int]], steps: 
             del built, tracker
             gc.collect()
             if rank == 0:
-                _log(f"sizes: {name} {impl}: median {statistics.median(times):.3f} s")
+                _log(f"sizes: {world} ranks, {name} {impl}: median {statistics.median(times):.3f} s")
     return out
 
 
 def run_sizes(args: argparse.Namespace, sizes: dict[str, ModelConfig]) -> list[dict[str, Any]]:
-    spec = {name: cfg.as_dict() for name, cfg in sizes.items()}
-    ranks = run_ranks(2, _sizes_rank, (spec, args.steps, args.warmup), args.threads)
-    rows = []
-    for name, cfg in sizes.items():
-        with torch.device("meta"):
-            from benchmarks._model import BenchGPT
+    from benchmarks._model import BenchGPT
 
-            params = count_params(BenchGPT(cfg))
-        row: dict[str, Any] = {"size": name, "params": params, "model": cfg.as_dict()}
-        for impl in SHARDED:
-            key = f"{name}/{impl}"
-            per_step = [max(r[key]["times"][i] for r in ranks) for i in range(args.steps)]
-            row[impl] = {
-                "step_times_s": per_step,
-                "median_s": statistics.median(per_step),
-                "peak_live_bytes": max(r[key]["peak_live_bytes"] for r in ranks),
-            }
-        row["ours_vs_fsdp2"] = row["ours"]["median_s"] / row["torch-fsdp2"]["median_s"]
-        rows.append(row)
+    spec = {name: cfg.as_dict() for name, cfg in sizes.items()}
+    rows = []
+    for world in args.world_size_list:
+        ranks = run_ranks(world, _sizes_rank, (spec, args.steps, args.warmup), args.threads)
+        for name, cfg in sizes.items():
+            with torch.device("meta"):
+                params = count_params(BenchGPT(cfg))
+            units = cfg.n_layers + 1  # a unit per block and the root's
+            row: dict[str, Any] = {"size": name, "params": params, "units": units, "world_size": world}
+            row["model"] = cfg.as_dict()
+            for impl in SIZE_IMPLS:
+                key = f"{name}/{impl}"
+                if key not in ranks[0]:  # a floor that would not fit (`_floor_fits`)
+                    row[impl] = None
+                    continue
+                per_step = [max(r[key]["times"][i] for r in ranks) for i in range(args.steps)]
+                row[impl] = {
+                    "step_times_s": per_step,
+                    "median_s": statistics.median(per_step),
+                    "peak_live_bytes": max(r[key]["peak_live_bytes"] for r in ranks),
+                }
+            row["ours_vs_fsdp2"] = row["ours"]["median_s"] / row["torch-fsdp2"]["median_s"]
+            row["ours_vs_floor"] = row["ours"]["median_s"] / row["floor"]["median_s"] if row["floor"] else None
+            rows.append(row)
     return rows
 
 
@@ -193,15 +221,17 @@ def format_tables(report: dict[str, Any]) -> str:
     out = []
     if report.get("sizes"):
         out += [
-            "| model | params | ours step (s) | FSDP2 step (s) | ours / FSDP2 | ours peak live/rank (MiB) | "
-            "FSDP2 peak live/rank (MiB) |",
-            "|---|---|---|---|---|---|---|",
+            "| model | params | units | ranks | ours step (s) | FSDP2 step (s) | floor step (s) | ours / FSDP2 | "
+            "ours / floor | ours peak live/rank (MiB) | FSDP2 peak live/rank (MiB) |",
+            "|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in report["sizes"]:
-            o, f = r["ours"], r["torch-fsdp2"]
+            o, f, b = r["ours"], r["torch-fsdp2"], r["floor"]
+            floor, vs_floor = (f"{b['median_s']:.3f}", f"{r['ours_vs_floor']:.2f}") if b else ("- (does not fit)", "-")
             out.append(
-                f"| {r['size']} | {r['params']:,} | {o['median_s']:.3f} | {f['median_s']:.3f} | "
-                f"{r['ours_vs_fsdp2']:.2f} | {o['peak_live_bytes'] / 2**20:.1f} | {f['peak_live_bytes'] / 2**20:.1f} |"
+                f"| {r['size']} | {r['params']:,} | {r['units']} | {r['world_size']} | {o['median_s']:.3f} | "
+                f"{f['median_s']:.3f} | {floor} | {r['ours_vs_fsdp2']:.2f} | {vs_floor} | "
+                f"{o['peak_live_bytes'] / 2**20:.1f} | {f['peak_live_bytes'] / 2**20:.1f} |"
             )
         out.append("")
     if report.get("units"):
@@ -234,15 +264,19 @@ def write_plot(report: dict[str, Any], path: str) -> None:
         return
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    colors = {"ours": "tab:blue", "torch-fsdp2": "tab:orange", "local": "tab:gray"}
-    if report.get("sizes"):
-        params = [r["params"] / 1e6 for r in report["sizes"]]
-        for impl in SHARDED:
-            style = {"color": colors[impl], "label": impl}
-            axes[0].plot(params, [r[impl]["median_s"] for r in report["sizes"]], "o-", **style)
-            axes[1].plot(params, [r[impl]["peak_live_bytes"] / 2**20 for r in report["sizes"]], "o-", **style)
-    axes[0].set(xlabel="parameters (M)", ylabel="step (s, median)", title="step time, 2 gloo ranks")
-    axes[1].set(xlabel="parameters (M)", ylabel="peak live MiB per rank", title="peak memory per rank, 2 ranks")
+    colors = {"ours": "tab:blue", "torch-fsdp2": "tab:orange", "local": "tab:gray", "floor": "tab:green"}
+    worlds = sorted({r["world_size"] for r in report.get("sizes", [])})
+    for world, line in zip(worlds, ("o-", "s--", "^:")):
+        rows = [r for r in report["sizes"] if r["world_size"] == world]
+        params = [r["params"] / 1e6 for r in rows]
+        for impl in SIZE_IMPLS:
+            style = {"color": colors[impl], "label": f"{impl}, {world} ranks"}
+            ran = [(p, r[impl]) for p, r in zip(params, rows) if r[impl]]
+            axes[0].plot([p for p, _ in ran], [v["median_s"] for _, v in ran], line, **style)
+            if impl in SHARDED:  # the floor drops each gathered copy at once: its memory is not a step's
+                axes[1].plot(params, [r[impl]["peak_live_bytes"] / 2**20 for r in rows], line, **style)
+    axes[0].set(xlabel="parameters (M)", ylabel="step (s, median)", title="step time, gloo ranks")
+    axes[1].set(xlabel="parameters (M)", ylabel="peak live MiB per rank", title="peak memory per rank")
     if report.get("units"):
         units = [r["units"] for r in report["units"]]
         for impl in SHARDED:
@@ -265,6 +299,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_scaling.py", description=__doc__.splitlines()[0])
     p.add_argument("--parts", default="sizes,units,ws1", help="comma-separated: sizes, units, ws1")
     p.add_argument("--sizes", default=",".join(SIZES), help=f"model sizes, from {', '.join(SIZES)}")
+    p.add_argument("--world-sizes", default="2,4", help="gloo world sizes of the sizes part (comma-separated)")
     p.add_argument("--units", default="8,16,32,64,128", help="unit counts for the fake-process-group part")
     p.add_argument("--fake-world-size", type=int, default=8, help="world size the fake process group pretends")
     p.add_argument("--steps", type=int, default=3, help="timed steps per impl (per round for ws1)")
@@ -282,8 +317,15 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"unknown --parts {bad}; choose from sizes, units, ws1")
     if unknown:
         p.error(f"unknown --sizes {unknown}; choose from {', '.join(SIZES)}")
+    try:
+        args.world_size_list = [int(w) for w in args.world_sizes.split(",")]
+    except ValueError:
+        p.error(f"--world-sizes must be comma-separated integers, got {args.world_sizes!r}")
+    if min(args.world_size_list) < 2:
+        p.error(f"--world-sizes must each be at least 2 (the sizes part shards across ranks), got {args.world_sizes}")
     if args.quick:
         args.steps, args.unit_steps, args.warmup, args.rounds = 1, 2, 1, 1
+        args.world_size_list = [2]
     if min(args.steps, args.unit_steps, args.rounds, args.threads) < 1 or args.warmup < 0 or args.fake_world_size < 2:
         p.error("--steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, "
                 "--fake-world-size at least 2")
@@ -301,7 +343,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         report["ws1"] = run_ws1(args, SMALL if args.quick else DEFAULT)
     if "units" in args.part_list:  # last: it starts a fake process group in this process
         report["units"] = run_units(args, units)
-    config = {k: v for k, v in vars(args).items() if k not in ("out", "part_list")}
+    config = {k: v for k, v in vars(args).items() if k not in ("out", "part_list", "world_size_list")}
     png = save_run(__file__, config, [report], args.out)
     write_plot(report, png)
     print(format_tables(report))

@@ -32,6 +32,7 @@ from fsdp_composable._init._memory_model import (
     _forward_bytes,
     _forward_device,
     _memory_terms,
+    _subclass_compute_bytes,
     _unit_cost,
     _UnitCost,
     _unsharded_at_backward_start,
@@ -165,6 +166,12 @@ def estimate_memory(
             "loss_fn(output) and its backward down to the output's gradient, at their peak"
             if loss_fn is not None
             else "the output's gradient (pass loss_fn= to measure the loss's tensors too)"
+        )
+    extension_compute = _subclass_compute_bytes([p for sub in subs.values() for p in sub.params])
+    if extension_compute:
+        breakdown["subclass_compute"] = extension_compute
+        explanations["subclass_compute"] = (
+            "computing through the largest tensor-subclass parameter (a linear's forward and backward)"
         )
     kept = _unsharded_at_backward_start(units)
     return MemoryEstimate(plan, strategy, optimizer, breakdown, explanations, unsharded_at_backward_start=kept)

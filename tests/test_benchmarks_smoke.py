@@ -426,7 +426,8 @@ def test_bench_scaling_quick_runs(bench_runs: dict[str, Future]) -> None:
     proc, (report,) = _finished(bench_runs, "test_bench_scaling_quick_runs")
     assert [r["size"] for r in report["sizes"]] == ["small", "small-x2"]
     for row in report["sizes"]:
-        for impl in ("ours", "torch-fsdp2"):
+        assert row["world_size"] == 2 and row["ours_vs_floor"] > 0
+        for impl in ("ours", "torch-fsdp2", "floor"):
             assert row[impl]["median_s"] > 0 and row[impl]["peak_live_bytes"] > 0
     assert [r["units"] for r in report["units"]] == [2, 4]
     assert set(report["ws1"]["speed_vs_local"]) == {"ours", "torch-fsdp2"}
@@ -499,6 +500,7 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_safety.parse_args, ["--n-layers", "0"]),
         (bench_scaling.parse_args, ["--sizes", "1T"]),
         (bench_scaling.parse_args, ["--steps", "0"]),
+        (bench_scaling.parse_args, ["--world-sizes", "1,2"]),
     ):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -515,4 +517,5 @@ bench_paired.py: error: --impls lists one more than once: ours,ours
 bench_paired.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
 bench_safety.py: error: argument --n-layers: must be positive, got 0
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
-bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2""")  # noqa: E501
+bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2
+bench_scaling.py: error: --world-sizes must each be at least 2 (the sizes part shards across ranks), got 1,2""")  # noqa: E501

@@ -5,17 +5,19 @@ measured on fake tensors (see [Note: measuring activations])."""
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from fsdp_composable._config import UnitConfig
+from fsdp_composable._flat._extensions import is_extension
 from fsdp_composable._flat_param import _build_layout
-from fsdp_composable._init._loss_memory import LossFn, _loss_bytes
+from fsdp_composable._init._loss_memory import LossFn, _LiveBytes, _loss_bytes
 from fsdp_composable._init._sharding_plan import UnitPlan, _itemsize, _unit_plan
 from fsdp_composable._init._wrap_utils import SubmoduleState
 
@@ -46,6 +48,40 @@ class _UnitCost:
     copied_out: bool = False
     # reshard_after_forward=<int>: the k ranks it stays sharded over after forward (None: not used)
     post_forward_ranks: Optional[int] = None
+    # its tensor-subclass parameters, kept beside the flat parameter ([Note: extension parameters]):
+    # their own bytes in this rank's chunk and in every rank's (what their all-gather's outputs hold),
+    # and their elements in this rank's chunk and in all (their gradients and optimizer state)
+    extension: "_Extension" = field(default_factory=lambda: _Extension())
+
+
+@dataclass(frozen=True)
+class _Extension:
+    shard_bytes: int = 0
+    unsharded_bytes: int = 0
+    shard_numel: int = 0
+    numel: int = 0
+
+
+def _own_bytes(t: torch.Tensor) -> int:
+    """What a tensor holds: a subclass's inner tensors (4-bit codes and scales for NF4), recursively."""
+    if is_traceable_wrapper_subclass(t):
+        names, _ = t.__tensor_flatten__()  # type: ignore[attr-defined]
+        return sum(_own_bytes(getattr(t, name)) for name in names)
+    return t.numel() * t.element_size()
+
+
+def _extension_cost(params: Sequence[nn.Parameter], world: int) -> _Extension:
+    """Rank 0's chunk of each subclass parameter as fully_shard cuts it (dim 0, the subclass's own
+    ``chunk``), and every rank's chunks together."""
+    shard_bytes = shard_numel = 0
+    for param in params:
+        try:
+            chunk = torch.chunk(param.detach(), world, dim=0)[0]
+            shard_bytes += _own_bytes(chunk)
+        except (AssertionError, NotImplementedError, RuntimeError):  # fully_shard refuses it with the reason
+            shard_bytes += -(-_own_bytes(param.detach()) // world)
+        shard_numel += -(-param.numel() // world)
+    return _Extension(shard_bytes, shard_bytes * world, shard_numel, sum(p.numel() for p in params))
 
 
 def _unit_cost(
@@ -57,18 +93,21 @@ def _unit_cost(
     post_forward_ranks: Optional[int] = None,
 ) -> _UnitCost:
     config = base.with_overrides(sub.overrides)
-    layout = _build_layout(sub.params, sub.holders, 0, world_size if config.sharded else 1)
+    world = world_size if config.sharded else 1
+    # as the handle splits them: subclass parameters beside the flat parameter, the rest in it
+    flat = [(p, h) for p, h in zip(sub.params, sub.holders) if not is_extension(p)]
+    extension = _extension_cost([p for p in sub.params if is_extension(p)], world)
+    layout = _build_layout([p for p, _ in flat], [h for _, h in flat], 0, world)
     dtype = sub.params[0].dtype
     plan = _unit_plan(sub.fqn, layout, dtype, config, fqns)
+    requires_grad = any(p.requires_grad for p in sub.params)  # one group: all or none
     trainable = 0
-    for param, info in zip(sub.params, layout.infos):
-        if param.requires_grad:
-            start, end = layout.shard_range(info)
-            trainable += end - start
+    if requires_grad:
+        trainable = extension.shard_numel + sum(end - start for start, end in map(layout.shard_range, layout.infos))
     return _UnitCost(
         plan=plan,
         is_root=sub.fqn == "",
-        requires_grad=any(p.requires_grad for p in sub.params),
+        requires_grad=requires_grad,
         trainable_shard_numel=trainable,
         compute_dtype=config.compute_dtype(dtype),
         reduce_dtype=config.reduce_dtype(dtype),
@@ -77,7 +116,36 @@ def _unit_cost(
         reshard_after_forward=config.reshard_after_forward,
         copied_out=not layout.same_order and (device.type != "cpu" or not layout.direct),
         post_forward_ranks=post_forward_ranks if config.reshards_to_post_forward_group else None,
+        extension=extension,
     )
+
+
+# [Note: computing through a subclass parameter]
+# A tensor-subclass parameter is stored in its own bytes (NF4: 4-bit codes and scales), but its
+# forward and backward compute in plain tensors: torchao's NF4 linear dequantizes the whole weight,
+# through several full-size float32 temporaries (about five, 20 MiB for a 2048 x 512 weight), in
+# forward and again in backward, where every activation is still saved. `estimate_memory` measures
+# this (``subclass_compute``) on a fake copy of the largest 2-D subclass parameter (`FakeTensorMode`
+# fakes a subclass's inner tensors, so nothing is allocated): the peak bytes the ops make
+# (`_LiveBytes`) during a linear forward and backward of one row through it. A subclass the fake mode
+# or a linear cannot take, and other shapes, add nothing. It is counted at the backward moment.
+def _subclass_compute_bytes(params: Sequence[nn.Parameter]) -> int:
+    """The ``subclass_compute`` term: see [Note: computing through a subclass parameter]."""
+    matrices = [p for p in params if is_extension(p) and p.dim() == 2]
+    if not matrices:
+        return 0
+    largest = max(matrices, key=lambda p: p.numel())
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    live = _LiveBytes(())
+    try:
+        weight = fake_mode.from_tensor(largest.detach())
+        with fake_mode:
+            row = torch.zeros(1, weight.shape[1], dtype=weight.dtype, device=weight.device, requires_grad=True)
+        with fake_mode, live, torch.enable_grad():
+            torch.nn.functional.linear(row, weight).sum().backward()
+    except Exception:  # a subclass without fake tensors or a linear: nothing measured
+        return 0
+    return live.peak
 
 
 # [Note: the memory model]
@@ -85,7 +153,10 @@ def _unit_cost(
 # rank 0's chunks are whole rows of every parameter and its optimizer state is the largest.
 # Terms, with P/S a unit's padded/shard numel, b its parameter dtype size, c its compute dtype size
 # (MixedPrecision.param_dtype, else b) and r its reduce dtype size (reduce_dtype, else c):
-# - sharded_params: sum of S*b. NO_SHARD (or world size 1) keeps the whole unit, S = P = numel.
+# - sharded_params: sum of S*b. NO_SHARD (or world size 1) keeps the whole unit, S = P = numel. A
+#   tensor-subclass parameter with its own all-gather stays out of the flat parameter ([Note: extension
+#   parameters]): counted in its own bytes (rank 0's chunk of its inner tensors), its all-gather's
+#   outputs in unsharded_params with its unit, its gradient (plain) like the flat parameter's.
 # - sharded_grads: sum of S*b over units with a trainable parameter (the reduced gradient is cast
 #   back to the parameter dtype and kept in the flat parameter's .grad; S*r with
 #   keep_low_precision_grads).
@@ -135,7 +206,8 @@ def _unit_cost(
 #   prefetches, fires when the output's gradient arrives. Where the vocabulary is large against the
 #   width, this is the peak (the benchmark's 10M model).
 # - backward: units in flight, every activation still saved: params + unsharded_params +
-#   unsharded_grads + saved (an upper bound: the activations shrink as backward goes).
+#   unsharded_grads + saved (an upper bound: the activations shrink as backward goes), + subclass_compute
+#   ([Note: computing through a subclass parameter]).
 # - backward_end: activations and post-forward slices freed, every sharded gradient back: params +
 #   unsharded_params + unsharded_grads + sharded_grads.
 # - optimizer_step: params + sharded_grads + optimizer_step (no unsharded buffer is left). NO_SHARD,
@@ -147,17 +219,20 @@ def _unit_cost(
 # fragmentation, communication buffers or CPU-offload accounting.
 def _memory_terms(units: Sequence[_UnitCost], optimizer: str, in_flight: int) -> tuple[dict[str, int], dict[str, str]]:
     factor, step_factor = OPTIMIZER_STATE_FACTORS[optimizer], OPTIMIZER_STEP_FACTORS[optimizer]
+    any_extension, subclasses = any(u.extension.numel for u in units), " and of each subclass one, in its own bytes"
     trainable_bytes = sum(u.trainable_shard_numel * _itemsize(u.plan.dtype) for u in units)
     breakdown = {
-        "sharded_params": sum(u.plan.shard_bytes for u in units),
-        "sharded_grads": sum(u.plan.shard_numel * _itemsize(u.grad_dtype) for u in units if u.requires_grad),
+        "sharded_params": sum(u.plan.shard_bytes + u.extension.shard_bytes for u in units),
+        "sharded_grads": sum(
+            (u.plan.shard_numel + u.extension.shard_numel) * _itemsize(u.grad_dtype) for u in units if u.requires_grad
+        ),
         "optimizer_state": factor * trainable_bytes,
         "optimizer_step": step_factor * trainable_bytes,
         "unsharded_params": _unsharded_param_bytes(units, in_flight),
         "unsharded_grads": max((_grad_buffer_bytes(u) for u in units if u.requires_grad), default=0),
     }
     explanations = {
-        "sharded_params": "this rank's shard of every flat parameter",
+        "sharded_params": "this rank's shard of every flat parameter" + (subclasses if any_extension else ""),
         "sharded_grads": "sharded gradient of every unit with a trainable parameter",
         "optimizer_state": f"{optimizer}: {factor} x the trainable sharded parameters",
         "optimizer_step": f"{optimizer} step's foreach temporaries: {step_factor} x the trainable sharded parameters",
@@ -187,12 +262,13 @@ def _unsharded_at_backward_start(units: Sequence[_UnitCost]) -> int:
 
 
 def _unsharded_bytes(unit: _UnitCost) -> int:
-    return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
+    flat = unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
+    return flat + unit.extension.unsharded_bytes
 
 
 def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
     """(units unsharded through the whole step, the largest FULL_SHARD units unsharded at once)."""
-    with_buffer = [u for u in units if u.needs_unsharded_buffer]
+    with_buffer = [u for u in units if u.needs_unsharded_buffer or u.extension.unsharded_bytes]
     kept = [u for u in with_buffer if u.is_root or not u.reshard_after_forward]
     transient = [u for u in with_buffer if not u.is_root and u.reshard_after_forward]
     return kept, sorted(transient, key=_unsharded_bytes, reverse=True)[:in_flight]
@@ -204,8 +280,11 @@ def _unsharded_param_bytes(units: Sequence[_UnitCost], in_flight: int) -> int:
 
 
 def _copy_out_bytes(units: Sequence[_UnitCost]) -> int:
-    """The largest buffer an all-gather lands in before its copy-out (one at a time)."""
-    return max([_unsharded_bytes(u) for u in units if u.copied_out], default=0)
+    """The largest buffer an all-gather lands in before its copy-out (one at a time): a unit's flat
+    parameter, or its subclass parameters' bytes, copied out into one output per inner tensor."""
+    gathered = [u for u in units if u.copied_out and u.needs_unsharded_buffer]
+    flat = [u.plan.padded_numel * _itemsize(u.compute_dtype) for u in gathered]
+    return max(flat + [u.extension.unsharded_bytes for u in units], default=0)
 
 
 def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> str:
@@ -221,7 +300,7 @@ def _unsharded_param_explanation(units: Sequence[_UnitCost], in_flight: int) -> 
 
 
 def _grad_buffer_bytes(unit: _UnitCost) -> int:
-    padded = unit.plan.padded_numel
+    padded = unit.plan.padded_numel + unit.extension.numel  # a subclass parameter's gradient is plain
     copy_bytes = padded * _itemsize(unit.reduce_dtype) if unit.reduce_dtype != unit.compute_dtype else 0
     return padded * _itemsize(unit.compute_dtype) + copy_bytes
 

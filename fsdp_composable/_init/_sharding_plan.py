@@ -145,7 +145,7 @@ class MemoryEstimate:
         in_flight = b["unsharded_params"] + b["unsharded_grads"]
         return {
             "loss": held + self.unsharded_at_backward_start + saved + b.get("output_and_loss", 0),
-            "backward": held + in_flight + saved,
+            "backward": held + in_flight + saved + b.get("subclass_compute", 0),
             "backward_end": held + in_flight + b["sharded_grads"],
             "optimizer_step": held + b["sharded_grads"] + b.get("optimizer_step", 0),
         }
