@@ -161,3 +161,80 @@ def test_refused_exchange_keeps_its_posted_receive(dist_run) -> None:
     assert (r0["outcome"], r0["left_posted"]) == ("completed", True), r0
     assert (r1["outcome"], r1["left_posted"]) == ("completed, then RankMismatchError", False), r1
     assert r0["again"] == r1["again"] == [0.0, 0.0, 1.0, 1.0]
+
+
+# ---------------------------------------------------------------- reduce-scatter: one temporary at any size
+def _reduce_scatter_memory() -> dict[str, Any]:
+    """The bytes a reduce-scatter allocates beyond its output, over 4 ranks: one chunk (the lowest
+    peer's lands in the output, the others' pass one at a time through one temporary)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks._mem_tracker import LiveBytesTracker
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    chunk = 1 << 18  # 1 MiB of float32 per chunk: the headers' few bytes do not count
+    full = torch.arange(world * chunk, dtype=torch.float32).add_(rank)
+    parts = list(full.split([chunk // 3, world * chunk - chunk // 3]))  # a boundary inside a chunk
+    output = torch.empty(chunk)
+    with LiveBytesTracker() as tracker:
+        tracker.add_existing([*parts, output])
+        _collectives.wait(_collectives.reduce_scatter(output, parts, dist.group.WORLD), "test")
+    expected = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.float32) * world + sum(range(world))
+    extra = tracker.peak_bytes - 4 * chunk * (world + 1)  # beyond the parts and the output
+    # every rank's chunks alike (a 0-dim parameter's gradient repeated into each): every rank adds the
+    # same terms, and in the same order, so the sums are bit for bit the same on every rank
+    gen = torch.Generator().manual_seed(rank)
+    values = torch.randn(1000, generator=gen) * torch.logspace(-8, 8, 1000)
+    same = torch.empty(1000)
+    _collectives.wait(_collectives.reduce_scatter(same, values.repeat(world), dist.group.WORLD), "test")
+    everyone = [torch.empty(1000) for _ in range(world)]
+    dist.all_gather(everyone, same)
+    identical = all(torch.equal(everyone[0], other) for other in everyone)
+    return {"extra": extra, "chunk": 4 * chunk, "equal": torch.equal(output, expected), "identical": identical}
+
+
+def test_reduce_scatter_holds_one_chunk_beyond_its_output_and_sums_in_rank_order(dist_run) -> None:
+    for r in dist_run(4, _reduce_scatter_memory):
+        assert r["equal"] and r["identical"], r
+        # before, N-2 chunks: two at 4 ranks
+        assert r["chunk"] <= r["extra"] < 1.1 * r["chunk"], r
+
+
+def _refused_reduce_scatter_after_posting() -> dict[str, Any]:
+    """As `_refused_after_posting`, for a reduce-scatter over 4 ranks: rank 0 leaves the step before
+    waiting for it, so it never receives its late chunk (from rank 1) as a completed exchange would;
+    the late receive is still posted, so rank 1, whose exchange agreed and completes, does not wait
+    forever for that send."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    out = torch.zeros(3)
+    full = torch.full((world * 3,), float(rank + 1))
+    work = _collectives.InFlight(work=_collectives.reduce_scatter(out, full, group))
+    if rank == 0:
+        _rank_agreement.leave_step([group])
+    outcome = "completed"
+    try:
+        work.wait("the test reduce-scatter")
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    if rank != 0:
+        try:
+            _collectives.wait(_collectives.all_gather(torch.empty(world), torch.ones(1), group), "test")
+        except Exception as e:  # noqa: BLE001
+            outcome += f", then {type(e).__name__}"
+    _rank_agreement.start_step(group)
+    again = torch.empty(2)
+    _collectives.wait(_collectives.reduce_scatter(again, torch.full((world * 2,), float(rank)), group), "test")
+    left_posted = _collectives.left_posted(work)
+    return {"outcome": outcome, "out": out.tolist(), "left_posted": left_posted, "again": again.tolist()}
+
+
+def test_refused_reduce_scatter_posts_its_late_receives(dist_run) -> None:
+    results = dist_run(4, _refused_reduce_scatter_after_posting)
+    # discarded (a receive posted before it was refused may still have written its output)
+    assert results[0]["outcome"] == "completed" and results[0]["left_posted"], results[0]
+    for r in results[1:]:
+        assert r["outcome"] == "completed, then RankMismatchError" and r["out"] == [10.0] * 3, r
+    assert all(r["again"] == [6.0, 6.0] for r in results), results

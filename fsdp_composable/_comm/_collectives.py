@@ -17,8 +17,9 @@ order, which the first iteration's order check enforces), and gloo matches the m
 (peer, tag) first in, first out, so the k-th message a rank receives from a peer is the k-th that
 peer sent it. A reduce-scatter given parts (autograd's gradients, one per parameter) sends each
 part's slice of a peer's chunk as its own message; the slice boundaries depend only on the sizes, so
-both sides agree on them. A reduce-scatter receives its first peer's chunk into the output itself and N-2 chunks
-into a temporary, so at 2 ranks it needs no memory beyond its output. A send request holds the
+both sides agree on them. A reduce-scatter receives its first peer's chunk into the output itself and
+the others' through one temporary ([Note: one temporary]), so at 2 ranks it needs no memory beyond its
+output. A send request holds the
 tensor it sends until the request itself is dropped, and a gradient reduction is kept to the end of
 backward (its result is committed there), so a completed exchange drops its requests at once:
 otherwise every reduced unit's gradients, the slices sent to peers, stay alive through the whole
@@ -57,6 +58,7 @@ _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_sc
 # Tags far from the small numbers user code picks for its own isend/irecv on the same group.
 _ALL_GATHER_TAG = 0x46530001
 _REDUCE_SCATTER_TAG = 0x46530002
+_REDUCE_SCATTER_LATE_TAG = 0x46530003  # the chunks a reduce-scatter receives late: [Note: one temporary]
 
 
 class Waitable(Protocol):
@@ -83,6 +85,8 @@ class Exchange:
     agreement: Optional[_rank_agreement.Agreement] = None
     # refused with its payload posted: a receive may still write into ``output`` (see `left_posted`)
     unmatched: bool = False
+    # a reduce-scatter's chunks received after the first ones, through one temporary ([Note: one temporary])
+    late: Optional["LateChunks"] = None
 
     def wait(self) -> bool:
         if self.agreement is not None:
@@ -90,6 +94,9 @@ class Exchange:
             try:
                 _rank_agreement.settle(agreement)
             except RuntimeError as e:  # refused (or a peer died): the payload may never be matched
+                if self.late is not None:  # a peer may be waiting for its late send to complete
+                    late, self.late = self.late, None
+                    self.requests = [*self.requests, *late.abandon()]
                 _rank_agreement.keep_unmatched(agreement.group, self.requests)
                 self.unmatched = bool(self.requests)
                 self.requests, self.then, self.error = (), None, e
@@ -108,7 +115,51 @@ class Exchange:
         if self.then is not None:
             then, self.then = self.then, None
             then()
+        if self.late is not None:
+            late, self.late = self.late, None
+            late.receive()
         return True
+
+
+@dataclass
+class LateChunks:
+    """The chunks a reduce-scatter over more than 3 ranks receives after its first two, one at a time
+    into one temporary and added to the output ([Note: one temporary])."""
+
+    group: dist.ProcessGroup
+    sources: list[int]  # global ranks, in the order their chunks are received
+    tag: int
+    temporary: torch.Tensor
+    output: torch.Tensor
+    sizes: list[int]  # a chunk's messages, as its sender cut it (`_pieces_by_chunk`)
+    # this rank's late sends: waited for after its late receives, since a peer posts the receive of
+    # one only once its own early chunks arrived (waiting for them first could wait in a circle)
+    sends: list[Any]
+    # this rank's own chunk, when it comes among the late ones: added before ``sources[mine_before]``
+    add_mine: Optional[Callable[[], None]] = None
+    mine_before: int = 0
+
+    def _post(self, source: int, into: torch.Tensor) -> list[Any]:
+        return [dist.irecv(piece, source, group=self.group, tag=self.tag) for piece in into.split(self.sizes)]
+
+    def receive(self) -> None:
+        for i, source in enumerate(self.sources):
+            if i == self.mine_before and self.add_mine is not None:
+                self.add_mine()
+            for request in self._post(source, self.temporary):
+                request.wait()
+            self.output.add_(self.temporary)
+        if self.mine_before == len(self.sources) and self.add_mine is not None:
+            self.add_mine()
+        sends, self.sends = self.sends, []
+        for request in sends:
+            request.wait()
+
+    def abandon(self) -> list[Any]:
+        """The exchange failed: post the receives anyway, into memory of their own (kept with the
+        unmatched requests, as the late sends are), so a peer that sent its chunk is not left waiting."""
+        own = [self._post(source, torch.empty_like(self.temporary)) for source in self.sources]
+        return [request for requests in own for request in requests] + self.sends
 
 
 def left_posted(flight: "InFlight") -> bool:
@@ -210,13 +261,19 @@ def _start(
     numel: int = 0,
     output: Optional[torch.Tensor] = None,
     origin: Optional[torch.dtype] = None,
+    late: Optional[
+        tuple[list[Message], list[int], torch.Tensor, list[int], Optional[Callable[[], None]], int]
+    ] = None,
 ) -> Exchange:
     """Post ``messages`` with this rank's header; `Exchange.wait` checks the peers' headers before it
     waits for the payload (``numel``: the exchange's whole size, the same on every rank; see [Note:
-    agreement without a round trip] in `_rank_agreement`)."""
+    agreement without a round trip] in `_rank_agreement`). ``late``: a reduce-scatter's sends of the
+    chunks its peers receive late, the sources this rank receives late from, and the temporary
+    ([Note: one temporary])."""
     requests: list[dist.Work] = []
     generation = _rank_agreement.generation(group)
     agreement = None
+    chunks: Optional[LateChunks] = None
     try:
         dtype = messages[0][1].dtype if messages else None
         op = Op.ALL_GATHER if tag == _ALL_GATHER_TAG else Op.REDUCE_SCATTER
@@ -225,10 +282,21 @@ def _start(
         _, _, global_ranks = _rank_agreement.group_ranks(group)
         for post, tensor, peer in messages:
             requests.append(post(tensor, global_ranks[peer], group=group, tag=payload_tag))
+        if late is not None:
+            sends, sources, temporary, sizes, add_mine, mine_before = late
+            late_tag = _rank_agreement.payload_tag(agreement, _REDUCE_SCATTER_LATE_TAG)
+            assert output is not None
+            sources = [global_ranks[p] for p in sources]
+            chunks = LateChunks(group, sources, late_tag, temporary, output.view(-1), sizes, [], add_mine, mine_before)
+            for post, tensor, peer in sends:
+                chunks.sends.append(post(tensor, global_ranks[peer], group=group, tag=late_tag))
     except RuntimeError as e:  # the step was abandoned, or gloo noticed a dead peer while posting
+        requests += chunks.sends if chunks is not None else []
         _rank_agreement.keep_unmatched(group, requests)  # posted ones stay referenced, never waited
         return Exchange((), error=e, output=output, group=group, generation=generation, unmatched=bool(requests))
-    return Exchange(requests, then, output=output, group=group, generation=generation, agreement=agreement)
+    exchange = Exchange(requests, then, output=output, group=group, generation=generation, agreement=agreement)
+    exchange.late = chunks
+    return exchange
 
 
 def _checked(
@@ -300,28 +368,65 @@ def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torc
 
 
 def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor], group: dist.ProcessGroup) -> Exchange:
-    size, me, pairs = _peers(group)
+    """[Note: one temporary]
+    Every rank adds the chunks it receives in the same order, the ranks' order (so an element every
+    rank holds, a 0-dim parameter's gradient repeated into each chunk, comes out bit for bit the
+    same everywhere). A rank receives the two lowest other ranks' chunks first, into the output and
+    one temporary, both posted with the exchange; at 4 ranks and more the higher ranks' chunks are
+    received once those arrived and were added, one at a time into the same temporary
+    (`LateChunks`), when the exchange is waited for. So a reduce-scatter holds one chunk beyond its
+    output at any group size (before, N-2 chunks: two shards of the largest unit at 4 ranks, above
+    FSDP2's peak). A late chunk travels under a tag of its own (both sides know it is late: the
+    sender is not among the receiver's two lowest peers), so a late receive can never take an early
+    message, nor a later exchange's; the late sends are posted with the others and waited for after
+    the late receives (a peer posts its late receive only once its early chunks arrived, so waiting
+    for a late send first could wait in a circle of ranks). Exchanges are waited for in the order
+    they were issued, so the late receives of one come before any later exchange's. An exchange that
+    fails still posts its late receives, into memory of their own kept with its unmatched requests,
+    so no peer waits forever for a late send to complete."""
+    size, me, _ = _rank_agreement.group_ranks(group)
     pieces = _pieces_by_chunk(parts, size)
     mine = pieces[me]
     sizes = [piece.numel() for piece in mine]
-    extra = torch.empty((max(size - 2, 0), output.numel()), dtype=output.dtype, device=output.device)
-    targets = [output.view(-1), *extra.unbind(0)]
+    out = output.view(-1)
+    sources = [r for r in range(size) if r != me]  # in the ranks' order: the order of the sum
+    early, late_sources = sources[:2], sources[2:]
+    extra = torch.empty(output.numel() if size > 2 else 0, dtype=output.dtype, device=output.device)
     messages: list[Message] = []  # receives first (see [Note: receives before sends])
-    for (_, src), target in zip(pairs, targets):
+    for src, target in zip(early, (out, extra)):
         messages += [(dist.irecv, piece, src) for piece in target.split(sizes)]
-    for dst, _ in pairs:
-        messages += [(dist.isend, piece, dst) for piece in pieces[dst]]
+    late_sends: list[Message] = []
+    for dst in range(size):
+        if dst != me:
+            is_late = me not in [r for r in range(size) if r != dst][:2]
+            (late_sends if is_late else messages).extend((dist.isend, piece, dst) for piece in pieces[dst])
 
     def add_mine() -> None:
-        out = output.view(-1)
+        torch._foreach_add_(list(out.split(sizes)), mine)
+
+    def add_early() -> None:
+        """The output holds the lowest other rank's chunk: add the rest of the ranks below the first
+        late one, in order (the first two in either order: a + b is b + a)."""
         if size == 1:  # nothing was received into the output: it is just this rank's chunk
             torch._foreach_copy_(list(out.split(sizes)), mine)
             return
-        torch._foreach_add_(list(out.split(sizes)), mine)
-        if size > 2:
-            out.add_(extra.sum(0))
+        below = list(range(late_sources[0] if late_sources else size))
+        if below[0] == me:  # the output holds below[1]'s: this rank's chunk is the sum's first term
+            add_mine()
+        for r in below[2:] if below[0] == me else below[1:]:
+            if r == me:
+                add_mine()
+            else:
+                out.add_(extra)
 
-    return _start(group, _REDUCE_SCATTER_TAG, messages, add_mine, numel=output.numel() * size, output=output)
+    late = None
+    if late_sources:
+        mine_before = next((i for i, r in enumerate(late_sources) if r > me), len(late_sources))
+        then = add_mine if me > late_sources[0] else None  # this rank's own chunk comes among the late ones
+        late = (late_sends, late_sources, extra, sizes, then, mine_before)
+    return _start(
+        group, _REDUCE_SCATTER_TAG, messages, add_early, numel=output.numel() * size, output=output, late=late
+    )
 
 
 @dataclass
