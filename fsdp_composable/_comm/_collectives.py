@@ -375,8 +375,8 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
     one temporary, both posted with the exchange; at 4 ranks and more the higher ranks' chunks are
     received once those arrived and were added, one at a time into the same temporary
     (`LateChunks`), when the exchange is waited for. So a reduce-scatter holds one chunk beyond its
-    output at any group size (before, N-2 chunks: two shards of the largest unit at 4 ranks, above
-    FSDP2's peak). A late chunk travels under a tag of its own (both sides know it is late: the
+    output at any group size (N-2 chunks, and their sum, were live together before: at 4 ranks the
+    step peaked above FSDP2's). A late chunk travels under a tag of its own (both sides know it is late: the
     sender is not among the receiver's two lowest peers), so a late receive can never take an early
     message, nor a later exchange's; the late sends are posted with the others and waited for after
     the late receives (a peer posts its late receive only once its early chunks arrived, so waiting
