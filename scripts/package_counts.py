@@ -110,7 +110,7 @@ LAYERS: Layers = [
         "comm",
         "collectives and their communication device, streams and events, rank-agreement headers, tracing "
         "labels, tensor-parallel meshes and placements",
-        {"_comm": "_header_fields _trace _rank_agreement _collectives _tensor_parallel _custom_comms"},
+        {"_comm": "_header_fields _trace _rank_agreement _exchanges _collectives _tensor_parallel _custom_comms"},
     ),
     (
         "flat",

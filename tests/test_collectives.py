@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 from test_parity import _check, _gpt_policy, _mlp_manual_nesting
 
-from fsdp_composable._comm import _collectives, _rank_agreement
+from fsdp_composable._comm import _collectives, _exchanges, _rank_agreement
 
 
 def _compare_with_gloo(dtype: torch.dtype) -> dict[str, Any]:
@@ -72,7 +72,7 @@ def _failing_post_is_reported_at_wait() -> str:
     def post(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("Connection closed by peer")  # what gloo raises when the peer is gone
 
-    exchange = _collectives._start(dist.group.WORLD, 1, [(post, torch.ones(1), 1 - dist.get_rank())])
+    exchange = _exchanges._start(dist.group.WORLD, 1, [(post, torch.ones(1), 1 - dist.get_rank())])
     try:
         _collectives.wait(exchange, "the all-gather of unit 'blocks.1'")
     except _collectives.CollectiveError as e:

@@ -29,7 +29,7 @@ from fsdp_composable import (
     StateTransitionError,
     fully_shard,
 )
-from fsdp_composable._comm import _collectives
+from fsdp_composable._comm import _collectives, _exchanges
 from fsdp_composable._flat_param import HandleTrainingState
 
 PUBLIC_ERRORS = {
@@ -141,7 +141,7 @@ def _collective_failed() -> tuple[str, bool, str]:
     def post(*args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("Connection closed by peer")
 
-    exchange = _collectives._start(dist.group.WORLD, 1, [(post, torch.ones(1), 1 - dist.get_rank())])
+    exchange = _exchanges._start(dist.group.WORLD, 1, [(post, torch.ones(1), 1 - dist.get_rank())])
     return _raised(lambda: _collectives.wait(exchange, "the all-gather of unit 'blocks.1'"))
 
 

@@ -29,7 +29,7 @@ matched later (the unmatched requests are kept in the group's record, never free
 headers of several exchanges may be in flight at once: each carries its sequence number within the
 epoch, and ``settle`` reads each peer's headers in the order they were sent, keeping those of
 exchanges not waited for yet. Each header receive is posted with its exchange, before its sends
-([Note: receives before sends] in `_collectives`). ``settle`` waits for its own header sends only
+([Note: receives before sends] in `_exchanges`). ``settle`` waits for its own header sends only
 when no peer left or refused the step: such a peer receives them only at its next exchange on the
 group, which may come after collectives of another group that wait for this rank (two roots trained
 together). Two different sizes could in principle hash to the same tag (one chance in 2^29 per pair
@@ -83,7 +83,7 @@ from fsdp_composable.api import CollectiveError, RankMismatchError
 
 __all__: list[str] = []
 
-# Far from the small tags user code picks, and from the payload tags in `_collectives`.
+# Far from the small tags user code picks, and from the payload tags in `_exchanges`.
 _HEADER_TAG = 0x46530010
 _MAGIC = 0x46534450
 # An exchange's payload tag when headers are on: [_PAYLOAD_TAGS, _PAYLOAD_TAGS + _PAYLOAD_TAG_SPAN),
