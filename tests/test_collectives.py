@@ -127,6 +127,28 @@ def test_exchange_is_posted_before_the_peers_headers_arrive(dist_run, world_size
         assert r["again"] == [float(x) for x in range(world_size) for _ in range(3)], r
 
 
+def _rank_zero_leaves_before_waiting(work: _collectives.InFlight) -> str:
+    """Rank 0 leaves the step (as its recovery does after an exception), then every rank waits for
+    ``work``; the others meet the departure at their next collective of the step; then a new step
+    starts. What each rank saw: "completed", or the errors' names."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    group = dist.group.WORLD
+    if rank == 0:
+        _rank_agreement.leave_step([group])
+    outcome = "completed"
+    try:
+        work.wait("the test collective")
+    except Exception as e:  # noqa: BLE001
+        outcome = type(e).__name__
+    if rank != 0:  # the departure reaches the peer at its next collective of the step
+        try:
+            _collectives.wait(_collectives.all_gather(torch.empty(world), torch.ones(1), group), "test")
+        except Exception as e:  # noqa: BLE001
+            outcome += f", then {type(e).__name__}"
+    _rank_agreement.start_step(group)
+    return outcome
+
+
 def _refused_after_posting() -> dict[str, Any]:
     """Rank 0 issues an all-gather, then leaves the step (as its recovery does after an exception)
     before waiting for it: its exchange is refused (discarded: its step is over), but the peer, which
@@ -137,19 +159,7 @@ def _refused_after_posting() -> dict[str, Any]:
     group = dist.group.WORLD
     out = torch.zeros(world * 4)
     work = _collectives.InFlight(work=_collectives.all_gather(out, torch.full((4,), float(rank + 1)), group))
-    if rank == 0:
-        _rank_agreement.leave_step([group])
-    outcome = "completed"
-    try:
-        work.wait("the test all-gather")
-    except Exception as e:  # noqa: BLE001
-        outcome = type(e).__name__
-    if rank != 0:  # the departure reaches the peer at its next collective of the step
-        try:
-            _collectives.wait(_collectives.all_gather(torch.empty(world), torch.ones(1), group), "test")
-        except Exception as e:  # noqa: BLE001
-            outcome += f", then {type(e).__name__}"
-    _rank_agreement.start_step(group)
+    outcome = _rank_zero_leaves_before_waiting(work)
     again = torch.empty(world * 2)
     _collectives.wait(_collectives.all_gather(again, torch.full((2,), float(rank)), group), "test")
     return {"outcome": outcome, "left_posted": _collectives.left_posted(work), "again": again.tolist()}
@@ -212,19 +222,7 @@ def _refused_reduce_scatter_after_posting() -> dict[str, Any]:
     out = torch.zeros(3)
     full = torch.full((world * 3,), float(rank + 1))
     work = _collectives.InFlight(work=_collectives.reduce_scatter(out, full, group))
-    if rank == 0:
-        _rank_agreement.leave_step([group])
-    outcome = "completed"
-    try:
-        work.wait("the test reduce-scatter")
-    except Exception as e:  # noqa: BLE001
-        outcome = type(e).__name__
-    if rank != 0:
-        try:
-            _collectives.wait(_collectives.all_gather(torch.empty(world), torch.ones(1), group), "test")
-        except Exception as e:  # noqa: BLE001
-            outcome += f", then {type(e).__name__}"
-    _rank_agreement.start_step(group)
+    outcome = _rank_zero_leaves_before_waiting(work)
     again = torch.empty(2)
     _collectives.wait(_collectives.reduce_scatter(again, torch.full((world * 2,), float(rank)), group), "test")
     left_posted = _collectives.left_posted(work)

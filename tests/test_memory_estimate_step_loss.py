@@ -5,9 +5,6 @@ AdamW under NO_SHARD, and the loss over a vocabulary much larger than the model'
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
 from typing import Any, Callable
 
 import pytest
@@ -16,16 +13,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from models import Block, TinyGPT, gpt_batch
 from parity import local_slice
-from test_memory_estimate_peak import _alive
+from test_memory_estimate_peak import third_step_peak
 from torch import nn
 
 from fsdp_composable import MemoryEstimate, ModuleWrapPolicy, ShardingStrategy, estimate_memory, fully_shard
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 
 POLICY = ModuleWrapPolicy({Block})
 PER_RANK_BATCH = 4
@@ -92,14 +83,8 @@ def estimate_and_peak(name: str) -> tuple[int, int, int, str]:
     )
     fully_shard(model, POLICY, strategy=strategy)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
-    _step(model, optim, shape, 0)  # the optimizer state exists from the first step on
-    _step(model, optim, shape, 1)
-    gc.collect()
-    dist.barrier()
-    with LiveBytesTracker() as tracker:
-        tracker.add_existing(_alive(model, optim))
-        _step(model, optim, shape, 2)
-    return est.peak_bytes, _without_new_terms(est), tracker.peak_bytes, est.peak_moment
+    measured = third_step_peak(model, optim, lambda m, o, step: _step(m, o, shape, step))
+    return est.peak_bytes, _without_new_terms(est), measured, est.peak_moment
 
 
 def estimates_and_peaks() -> dict[str, tuple[int, int, int, str]]:

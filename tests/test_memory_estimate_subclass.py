@@ -6,24 +6,14 @@ measures 4 too)."""
 
 from __future__ import annotations
 
-import gc
-import os
-import sys
-
 import pytest
 import torch
 import torch.distributed as dist
 from test_extensions import QLoRABlock, needs_torchao
-from test_memory_estimate_peak import _alive
+from test_memory_estimate_peak import third_step_peak
 from torch import nn
 
 from fsdp_composable import MemoryEstimate, ModuleWrapPolicy, estimate_memory, fully_shard
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:
-    sys.path.insert(0, REPO_ROOT)
-
-from benchmarks._mem_tracker import LiveBytesTracker  # noqa: E402
 
 POLICY = ModuleWrapPolicy({QLoRABlock})
 D, BLOCKS, TOKENS = 512, 3, 64  # tokens per rank
@@ -68,14 +58,7 @@ def estimate_and_peak() -> tuple[MemoryEstimate, int, tuple[int, int]]:
     )
     fully_shard(model, POLICY)
     optim = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-3, foreach=True)
-    _step(model, optim, 0)
-    _step(model, optim, 1)
-    gc.collect()
-    dist.barrier()
-    with LiveBytesTracker() as tracker:
-        tracker.add_existing(_alive(model, optim))
-        _step(model, optim, 2)
-    return est, tracker.peak_bytes, _nf4_bytes(model)
+    return est, third_step_peak(model, optim, _step), _nf4_bytes(model)
 
 
 @needs_torchao

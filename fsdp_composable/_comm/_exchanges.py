@@ -200,9 +200,7 @@ def _start(
         requests += chunks.sends if chunks is not None else []
         _rank_agreement.keep_unmatched(group, requests)  # posted ones stay referenced, never waited
         return Exchange((), error=e, output=output, group=group, generation=generation, unmatched=bool(requests))
-    exchange = Exchange(requests, then, output=output, group=group, generation=generation, agreement=agreement)
-    exchange.late = chunks
-    return exchange
+    return Exchange(requests, then, output=output, group=group, generation=generation, agreement=agreement, late=chunks)
 
 
 def _param_major_targets(regions: Sequence[torch.Tensor], size: int) -> list[list[torch.Tensor]]:
