@@ -13,7 +13,7 @@ import expecttest
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool, error_of
+from harness import error_of, shared_pool
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import error_text, local_slice
 from torch import nn
@@ -433,13 +433,8 @@ def switch_on_one_rank() -> list[str]:
 
 
 def test_switch_set_on_one_rank_is_an_error_on_every_rank() -> None:
-    # the collective headers find the disagreement, with no wait to time out; the process group's
-    # timeout only bounds a hang (generous: the machine may be loaded)
-    pool = DistPool(2, pg_timeout_s=30.0)
-    try:
-        results = pool.run(switch_on_one_rank, timeout=120)
-    finally:
-        pool.close()
+    # the collective headers find the disagreement, with no wait to time out: the session's pool
+    results = shared_pool(2).run(switch_on_one_rank, timeout=120)
     for messages in results:
         for message in messages:
             assert message.startswith("RankMismatchError: fully_shard: "), message

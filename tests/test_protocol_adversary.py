@@ -11,12 +11,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import datetime
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-from harness import DistPool, error_of
+from harness import DistPool, error_of, shared_pool
 from models import Block, OddMLP, TinyGPT, gpt_batch, gpt_loss, mlp_batch, mlp_loss
 from parity import local_slice
 from torch import nn
@@ -34,18 +34,16 @@ from fsdp_composable._comm import _collectives, _rank_agreement
 PG_TIMEOUT_S = 10.0
 
 
-@pytest.fixture(scope="module")
-def pool4() -> Iterator[DistPool]:
-    p = DistPool(4, pg_timeout_s=PG_TIMEOUT_S)
-    yield p
-    p.close()
+# The session's shared pools: a step that raises leaves them usable (that is what these tests check),
+# and each pool of our own would import torch in every rank again.
+@pytest.fixture
+def pool4() -> DistPool:
+    return shared_pool(4)
 
 
-@pytest.fixture(scope="module")
-def pool2() -> Iterator[DistPool]:
-    p = DistPool(2, pg_timeout_s=PG_TIMEOUT_S)
-    yield p
-    p.close()
+@pytest.fixture
+def pool2() -> DistPool:
+    return shared_pool(2)
 
 
 def _reference(skipped: set[int], steps: int, world: int) -> dict[str, torch.Tensor]:

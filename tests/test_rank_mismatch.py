@@ -8,6 +8,7 @@ pool then sees a rank vanish and the test fails on its timeout.
 
 from __future__ import annotations
 
+import datetime
 import os
 import re
 import time
@@ -272,11 +273,15 @@ def test_entry_point_on_one_rank_while_the_other_trains(pool: DistPool, entry: s
 def _entry_point_alone() -> str:
     model, opt = _sharded()
     _train_step(model, opt, 0)
+    store = dist.distributed_c10d._get_default_store()
     if dist.get_rank() == 0:
         start = time.monotonic()
         message = error_of(model.state_dict)
+        store.set("entry_point_alone_done", "1")
         return f"{message} after {time.monotonic() - start:.0f}s"
-    time.sleep(PG_TIMEOUT_S + 2)  # rank 1 never calls it
+    # rank 1 never calls it: it waits (outside the group) until rank 0 gave up
+    store.wait(["entry_point_alone_done"], datetime.timedelta(seconds=PG_TIMEOUT_S + 30))
+    store.delete_key("entry_point_alone_done")
     return ""
 
 
