@@ -270,3 +270,35 @@ def test_entry_points_close_a_forward_left_open_by_keyboard_interrupt(dist_run) 
     for entry in entries:
         for r in dist_run(2, entry_point_after_interrupted_forward, entry):
             assert r == "equal", (entry, r)
+
+
+def optimizer_built_while_a_failed_backward_is_open() -> tuple[list[str], str, list[str]]:
+    """A backward raises on every rank; an optimizer is built from ``model.parameters()`` before
+    anything closed that step, and another once the next forward did."""
+    torch.manual_seed(0)
+    model = Net()
+    fully_shard(model, ModuleWrapPolicy({nn.Linear}))
+    x = _batch(0, 0)
+    try:
+        _RaiseInBackward.apply(model(x), Injected).pow(2).mean().backward()
+    except Injected:
+        pass
+    shown = [type(p).__name__ for p in model.parameters()]  # the root unit's parameter is its original
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(x).pow(2).mean().backward()  # the next forward closes the failed step
+    try:
+        early.step()
+        message = ""
+    except RuntimeError as e:
+        message = str(e)
+    late = torch.optim.SGD(model.parameters(), lr=0.1)
+    late.step()  # built after the step was closed: it steps the faces
+    return shown, message, [type(p).__name__ for p in model.parameters()]
+
+
+def test_an_optimizer_built_before_a_failed_backward_is_closed_is_refused_with_the_reason(dist_run) -> None:
+    for shown, message, after in dist_run(2, optimizer_built_while_a_failed_backward_is_open):
+        assert "Parameter" in shown and "DTensor" in shown, shown
+        assert message.startswith("the optimizer holds parameter 'scale' as it was before fully_shard"), message
+        assert "a step that raised in backward stays open" in message, message
+        assert set(after) == {"DTensor"}, after

@@ -203,11 +203,11 @@ def test_optimizer_built_before_fully_shard(dist_run) -> None:
     tc = expecttest.TestCase()
     tc.assertExpectedInline(
         r["early"],
-        """the optimizer holds parameter 'pos' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters()""",  # noqa: E501
+        """the optimizer holds parameter 'pos' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters(), while no step is open (a step that raised in backward stays open, its units registering these parameters, until the next forward or an entry point such as unshard_params)""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r["stepped"],
-        """the optimizer holds parameter 'pos' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters()""",  # noqa: E501
+        """the optimizer holds parameter 'pos' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters(), while no step is open (a step that raised in backward stays open, its units registering these parameters, until the next forward or an entry point such as unshard_params)""",  # noqa: E501
     )
     tc.assertExpectedInline(
         r["flat"],

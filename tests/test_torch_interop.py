@@ -102,7 +102,7 @@ def test_step_hook_rechecks_after_fully_shard(dist_run) -> None:
     assert r["before"] in (None, 0), r
     expecttest.TestCase().assertExpectedInline(
         r["error"],
-        """RuntimeError: the optimizer holds parameter '0.weight' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters()""",  # noqa: E501
+        """RuntimeError: the optimizer holds parameter '0.weight' as it was before fully_shard: fully_shard registers a new DTensor parameter in its place, which the optimizer would never step. Build the optimizer after fully_shard, from model.parameters(), while no step is open (a step that raised in backward stays open, its units registering these parameters, until the next forward or an entry point such as unshard_params)""",  # noqa: E501
     )
 
 

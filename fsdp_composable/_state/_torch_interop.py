@@ -234,7 +234,9 @@ def _check_optimizer_on_first_step(optim: torch.optim.Optimizer, args: Any, kwar
                 raise RuntimeError(
                     f"the optimizer holds parameter '{fqn}' as it was before fully_shard: fully_shard registers a "
                     "new DTensor parameter in its place, which the optimizer would never step. Build the optimizer "
-                    "after fully_shard, from model.parameters()"
+                    "after fully_shard, from model.parameters(), while no step is open (a step that raised in backward "
+                    "stays open, its units registering these parameters, until the next forward or an entry point "
+                    "such as unshard_params)"
                 )
             if getattr(param, FLAT_MODE, False):
                 raise RuntimeError(
