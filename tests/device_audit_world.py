@@ -409,6 +409,26 @@ def no_unit_sized_copy_for_the_flags() -> None:
         assert seen.collectives and not seen.copies, f"{strategy.name}: {seen.copies}"
 
 
+def no_device_collective_for_the_flags() -> None:
+    """Off the CPU the host sums the presence flags ([Note: presence flags agreed on the host]): a
+    reduction issues its reduce-scatter (and HYBRID_SHARD's all-reduce of that shard across replicas)
+    and no device all-reduce of the flags, which nothing would read."""
+    shard = dist.new_group([0, 1])
+    replicate = dist.new_group([0, 2])
+    for strategy in (fc.ShardingStrategy.FULL_SHARD, fc.ShardingStrategy.HYBRID_SHARD):
+        group = (shard, replicate) if strategy is fc.ShardingStrategy.HYBRID_SHARD else None
+        m = model(strategy=strategy, process_group=group)
+        steps(m, n=1)
+        with reduction_copies() as seen:
+            steps(m, n=1)
+        scattered = {c.split()[1] for c in seen.collectives if c.startswith("reduce_scatter")}
+        others = [c for c in seen.collectives if not c.startswith("reduce_scatter")]
+        if strategy is fc.ShardingStrategy.FULL_SHARD:
+            assert scattered and not others, f"{strategy.name}: {seen.collectives}"
+        else:  # the replicas' all-reduce takes the reduce-scatter's output, nothing more
+            assert others and all(c.split()[1] in scattered for c in others), f"{strategy.name}: {seen.collectives}"
+
+
 def cpu_inputs_moved() -> None:
     """The root pre-forward moves the batch (integer token ids here) to the compute device."""
     m = model()
@@ -477,6 +497,7 @@ CHECKS: list[Callable[[], Any]] = [
     no_host_sync_in_steady_state,
     no_self_copies,
     no_unit_sized_copy_for_the_flags,
+    no_device_collective_for_the_flags,
     cpu_inputs_moved,
     no_host_sync_for_parameters_without_gradient,
     model_on_a_device_the_group_does_not_serve,

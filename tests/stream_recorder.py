@@ -379,10 +379,11 @@ def recording() -> Iterator[Recorder]:
 def check_streams(rec: Recorder, forwards: int) -> None:
     problems = list(rec.violations)
     for i, (name, stream, numel) in enumerate(rec.collectives):
-        # a reduce-scatter's presence flags: a small all-reduce of their own, next on the same stream
+        # a reduce-scatter's presence flags are summed on the host ([Note: presence flags agreed on the
+        # host]): no small all-reduce of them follows it on its stream
         after = [c for c in rec.collectives[i + 1 :] if c[1] == stream][:1]
-        if name == "reduce_scatter" and not (after and after[0][0] == "all_reduce" and after[0][2] < numel):
-            problems.append(f"a reduce-scatter on {stream} not followed there by its flags' all-reduce: {after}")
+        if name == "reduce_scatter" and after and after[0][0] == "all_reduce" and after[0][2] < numel:
+            problems.append(f"a reduce-scatter on {stream} followed there by a device all-reduce of its flags: {after}")
     if rec.unshard_waits_on_compute != forwards:
         problems.append(
             f"the unshard stream waited for the compute stream {rec.unshard_waits_on_compute} times in {forwards} "

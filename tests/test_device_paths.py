@@ -129,8 +129,15 @@ def test_no_gradient_copied_onto_itself(audit: dict[str, str]) -> None:
 
 def test_no_unit_sized_copy_for_the_presence_flags(audit: dict[str, str]) -> None:
     """The presence flags travel without a copy of a unit's gradient on the native-collective path
-    (FULL_SHARD, NO_SHARD, HYBRID_SHARD); the stream checks see the flags' own all-reduce."""
+    (FULL_SHARD, NO_SHARD, HYBRID_SHARD)."""
     assert audit["no_unit_sized_copy_for_the_flags"] == "ok", audit["no_unit_sized_copy_for_the_flags"]
+
+
+def test_no_device_collective_for_the_presence_flags(audit: dict[str, str]) -> None:
+    """Off the CPU the flags are summed on the host: a unit's reduction issues no device all-reduce for
+    them (FULL_SHARD: the reduce-scatter alone; HYBRID_SHARD: and the shard's all-reduce across
+    replicas). It issued one per unit before, whose result nothing read."""
+    assert audit["no_device_collective_for_the_flags"] == "ok", audit["no_device_collective_for_the_flags"]
 
 
 def test_root_inputs_moved_to_the_compute_device(audit: dict[str, str]) -> None:

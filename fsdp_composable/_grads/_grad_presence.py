@@ -20,11 +20,13 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   it reduces the flags with the shard. Never a copy of the unit's gradient to carry them:
   - gloo (point-to-point exchange): the flags end every rank's chunk of the reduce-scatter input
     (`with_presence`), sent as pieces as they are; no collective of their own.
-  - NCCL and other backends reduce-scatter the flat gradient buffer as it is and all-reduce the flags
-    (written into the output's tail) right after it, on the same stream, waited for with it: a
-    second, tiny collective per unit. The alternative, a chunk-by-chunk input with the flags after
-    every chunk, is a concatenation of the whole gradient and a second unit-sized buffer alive
-    during every reduce-scatter.
+  - Other backends on the CPU (torch's fake process group, gloo's own collectives) reduce-scatter the
+    flat gradient buffer as it is and all-reduce the flags (written into the output's tail) right
+    after it, on the same stream, waited for with it: a second, tiny collective per unit. The
+    alternative, a chunk-by-chunk input with the flags after every chunk, is a concatenation of the
+    whole gradient and a second unit-sized buffer alive during every reduce-scatter. Off the CPU
+    (NCCL) the flags are summed on the host (below), so the device has no flags and no second
+    collective.
   - NO_SHARD with other ranks: the unit's gradient buffer is allocated with room for the flags after
     the padded gradient (``_reduce_utils._grad_buffer``; ``.grad`` views cover its front), so the one
     all-reduce takes the whole buffer, flags included: no second collective, which on gloo would
@@ -38,7 +40,7 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   (`present_of_many`; a rank whose own backward gave every parameter a gradient knows the answer
   without reading). Off the CPU that read would be a device synchronisation, so there every rank's
   flags are summed on the host over a CPU group instead ([Note: presence flags agreed on the host]
-  in `_host_flags`), and the device flags are not read.
+  in `_host_flags`), and the device holds none (NO_SHARD's ride in its buffer, unread).
 - A user's communication hook replaces the reduction and sees only the gradient: with one, every
   trainable parameter of a unit whose backward ran is treated as having a gradient (zeros).
 - Between steps `UnitGrads.missing` lists the parameters whose slice of ``flat_param.grad`` holds

@@ -335,11 +335,15 @@ def start_reduce(
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 return _collectives.reduce_scatter(out, full, group, async_op)
 
-        else:  # the flat gradient as it is, then the flags by a small all-reduce on the same stream
+        else:  # the flat gradient as it is, then (on the CPU) the flags by a small all-reduce on the same stream
             assert len(send) == 1
-            out = torch.empty(numel + len(got), dtype=rdtype, device=handle.device)
+            # off the CPU the host sums the flags ([Note: presence flags agreed on the host]), and a partial
+            # sum kept apart reads none: no device all-reduce (nor host-to-device copy) for them
+            device_flags = not (_host_flags.on_host(handle.device) or pending.partial_only)
+            out = torch.empty(numel + (len(got) if device_flags else 0), dtype=rdtype, device=handle.device)
             reduced, flags = out[:numel], out[numel:]
-            _grad_presence.write_flags(got, flags)
+            if device_flags:
+                _grad_presence.write_flags(got, flags)
             grad = send[0]
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
@@ -347,6 +351,8 @@ def start_reduce(
                     scatter = lambda: _custom_comms.reduce_scatter(custom, reduced, grad, group, async_op)  # noqa: E731
                 else:
                     scatter = lambda: _collectives.reduce_scatter(reduced, grad, group, async_op)  # noqa: E731
+                if not device_flags:
+                    return scatter()
                 return _collectives.in_order(
                     scatter,
                     lambda: _collectives.all_reduce(flags, group, dist.ReduceOp.SUM, async_op),
