@@ -159,6 +159,19 @@ def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
 Message = tuple[Callable[..., Any], torch.Tensor, int]  # (dist.isend or dist.irecv, tensor, group rank)
 
 
+@dataclass(frozen=True)
+class LatePlan:
+    """What a reduce-scatter over more than 3 ranks receives and sends late, in group ranks: `_start`
+    posts the sends under the late tag and turns the rest into the exchange's `LateChunks`."""
+
+    sends: list[Message]  # this rank's chunks for the peers that receive them late
+    sources: list[int]  # the peers this rank receives from late, in the order their chunks are added
+    temporary: torch.Tensor
+    sizes: list[int]
+    add_mine: Optional[Callable[[], None]]
+    mine_before: int
+
+
 def _start(
     group: dist.ProcessGroup,
     tag: int,
@@ -167,15 +180,12 @@ def _start(
     numel: int = 0,
     output: Optional[torch.Tensor] = None,
     origin: Optional[torch.dtype] = None,
-    late: Optional[
-        tuple[list[Message], list[int], torch.Tensor, list[int], Optional[Callable[[], None]], int]
-    ] = None,
+    late: Optional[LatePlan] = None,
 ) -> Exchange:
     """Post ``messages`` with this rank's header; `Exchange.wait` checks the peers' headers before it
     waits for the payload (``numel``: the exchange's whole size, the same on every rank; see [Note:
-    agreement without a round trip] in `_rank_agreement`). ``late``: a reduce-scatter's sends of the
-    chunks its peers receive late, the sources this rank receives late from, and the temporary
-    ([Note: one temporary])."""
+    agreement without a round trip] in `_rank_agreement`). ``late``: what a reduce-scatter sends and
+    receives late ([Note: one temporary])."""
     requests: list[dist.Work] = []
     generation = _rank_agreement.generation(group)
     agreement = None
@@ -189,12 +199,12 @@ def _start(
         for post, tensor, peer in messages:
             requests.append(post(tensor, global_ranks[peer], group=group, tag=payload_tag))
         if late is not None:
-            sends, sources, temporary, sizes, add_mine, mine_before = late
             late_tag = _rank_agreement.payload_tag(agreement, _REDUCE_SCATTER_LATE_TAG)
             assert output is not None
-            sources = [global_ranks[p] for p in sources]
-            chunks = LateChunks(group, sources, late_tag, temporary, output.view(-1), sizes, [], add_mine, mine_before)
-            for post, tensor, peer in sends:
+            sources = [global_ranks[p] for p in late.sources]
+            out, temporary, sizes = output.view(-1), late.temporary, late.sizes
+            chunks = LateChunks(group, sources, late_tag, temporary, out, sizes, [], late.add_mine, late.mine_before)
+            for post, tensor, peer in late.sends:
                 chunks.sends.append(post(tensor, global_ranks[peer], group=group, tag=late_tag))
     except RuntimeError as e:  # the step was abandoned, or gloo noticed a dead peer while posting
         requests += chunks.sends if chunks is not None else []
@@ -308,7 +318,7 @@ def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor]
     if late_sources:
         mine_before = next((i for i, r in enumerate(late_sources) if r > me), len(late_sources))
         then = add_mine if me > late_sources[0] else None  # this rank's own chunk comes among the late ones
-        late = (late_sends, late_sources, extra, sizes, then, mine_before)
+        late = LatePlan(late_sends, late_sources, extra, sizes, then, mine_before)
     return _start(
         group, _REDUCE_SCATTER_TAG, messages, add_early, numel=output.numel() * size, output=output, late=late
     )
