@@ -261,9 +261,13 @@ def _unsharded_at_backward_start(units: Sequence[_UnitCost]) -> int:
     return sum(_post_forward_bytes(u) if u.post_forward_ranks is not None else _unsharded_bytes(u) for u in kept)
 
 
+def _flat_unsharded_bytes(unit: _UnitCost) -> int:
+    """The unit's unsharded flat parameter (none when its compute uses the shard itself)."""
+    return unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
+
+
 def _unsharded_bytes(unit: _UnitCost) -> int:
-    flat = unit.plan.padded_numel * _itemsize(unit.compute_dtype) if unit.needs_unsharded_buffer else 0
-    return flat + unit.extension.unsharded_bytes
+    return _flat_unsharded_bytes(unit) + unit.extension.unsharded_bytes
 
 
 def _in_flight_units(units: Sequence[_UnitCost], in_flight: int) -> tuple[list[_UnitCost], list[_UnitCost]]:
@@ -282,8 +286,7 @@ def _unsharded_param_bytes(units: Sequence[_UnitCost], in_flight: int) -> int:
 def _copy_out_bytes(units: Sequence[_UnitCost]) -> int:
     """The largest buffer an all-gather lands in before its copy-out (one at a time): a unit's flat
     parameter, or its subclass parameters' bytes, copied out into one output per inner tensor."""
-    gathered = [u for u in units if u.copied_out and u.needs_unsharded_buffer]
-    flat = [u.plan.padded_numel * _itemsize(u.compute_dtype) for u in gathered]
+    flat = [_flat_unsharded_bytes(u) for u in units if u.copied_out]
     return max(flat + [u.extension.unsharded_bytes for u in units], default=0)
 
 
