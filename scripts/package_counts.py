@@ -123,8 +123,8 @@ LAYERS: Layers = [
         "a unit's gradients: exposure as .grad, presence flags (agreed on the host off the CPU), reductions, CPU "
         "offload copies, communication hooks' call-out, the gradient scaler",
         {
-            "_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_utils "
-            "_grad_scaler _extension_grads"
+            "_grads": "_exposed_grads _grad_presence _host_flags _offload_copies _comm_hooks _reduce_inputs "
+            "_reduce_utils _grad_scaler _extension_grads"
         },
     ),
     (

@@ -4,13 +4,17 @@ buffer): forced here on gloo, because CI has no GPU."""
 
 from __future__ import annotations
 
-from typing import Any
+import copy
+from typing import Any, Optional
 
 import pytest
 import torch
 import torch.distributed as dist
 from test_parity import _check, _gpt_policy, _mlp_manual_nesting
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
+from fsdp_composable import MixedPrecision, fully_shard
 from fsdp_composable._comm import _collectives, _exchanges, _rank_agreement
 
 
@@ -66,6 +70,59 @@ def _with_native_collectives(fn: Any, *args: Any) -> Any:
 def test_native_collectives_flat_gradient_buffer_parity(dist_run, world_size: int) -> None:
     _check(dist_run(world_size, _with_native_collectives, _gpt_policy, "FULL_SHARD", True, "adamw"), tol=1e-5)
     _check(dist_run(world_size, _with_native_collectives, _mlp_manual_nesting, "FULL_SHARD", "sgd"), tol=1e-5)
+
+
+class _BackwardOps(TorchDispatchMode):
+    """Every op of the backward, with the number of elements it wrote."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, int]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((str(func.overloadpacket.__name__), out.numel() if isinstance(out, torch.Tensor) else 0))
+        return out
+
+
+_FILLS = ("zeros", "zero_", "fill_", "new_zeros")
+
+
+def _autograd_grads_into_the_input(reduce_dtype: Optional[torch.dtype]) -> dict[str, Any]:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    ref = nn.Sequential(nn.Linear(5, 3), nn.ReLU(), nn.Linear(3, 7))  # rows not divisible by 2 or 4: padded chunks
+    model = copy.deepcopy(ref)
+    mp = MixedPrecision(reduce_dtype=reduce_dtype) if reduce_dtype is not None else None
+    fully_shard(model, mixed_precision=mp)  # one unit of four parameters
+    x = torch.randn(4 * world, 5)
+    model(x.view(world, 4, 5)[rank]).sum().backward()  # the first step: the order check
+    model.zero_grad()
+    with _BackwardOps() as seen:
+        model(x.view(world, 4, 5)[rank]).sum().backward()
+    ref(x).sum().backward()
+    padded = fully_shard.state(model).handles[0].layout.padded_numel
+    return {
+        "chunk_cats": sum(1 for name, _ in seen.ops if name == "_chunk_cat"),
+        "fills": [(name, n) for name, n in seen.ops if name in _FILLS and n >= padded],
+        "error": max(
+            (p.grad.full_tensor() - r.grad / world).abs().max().item()
+            for p, r in zip(model.parameters(), ref.parameters())
+        ),
+    }
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("reduce_dtype", [None, torch.float64])
+def test_native_collectives_take_autograd_grads_into_one_rank_major_input(
+    dist_run, world_size: int, reduce_dtype: Optional[torch.dtype]
+) -> None:
+    """A unit of several parameters, on the path other backends take: no zeroed unit-sized gradient
+    buffer; autograd's gradients go into the reduce-scatter input by one ``_chunk_cat`` (padding and
+    the reduce dtype's cast included), and the gradients are DDP's."""
+    for r in dist_run(world_size, _with_native_collectives, _autograd_grads_into_the_input, reduce_dtype):
+        assert r["chunk_cats"] == 1 and r["fills"] == [], r
+        assert r["error"] < 1e-6, r
 
 
 def _failing_post_is_reported_at_wait() -> str:

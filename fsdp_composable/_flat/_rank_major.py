@@ -16,7 +16,8 @@ same padded size ``world * shard_numel`` meet at every unshard and every reducti
 
 Viewed as a (world, shard_numel) matrix the rank-major flat's columns are the parameters' chunks,
 and each parameter's region is a (world, chunk_numel) matrix: `copy_out` is one
-``split_with_sizes_copy`` along the columns and `copy_in` one ``cat``. A unit whose chunks are all
+``split_with_sizes_copy`` along the columns and `copy_in` one ``cat`` (or, from autograd's
+per-parameter gradients, `cat_in` one ``_chunk_cat``, which pads each by the same rule). A unit whose chunks are all
 one parameter's (one parameter, or one rank) needs neither: both orders are the same tensor.
 
 A 0-dim parameter has no dim 0 to cut: every rank's chunk holds it whole (``replicated``), the
@@ -162,6 +163,21 @@ class FlatLayout:
         if out is None:
             out = torch.empty(self.padded_numel, dtype=full.dtype, device=full.device)
         torch.cat(self._regions(full, expand=True), dim=1, out=out.view(self.world_size, self.shard_numel))
+        return out
+
+    @functools.cached_property
+    def cats_params_in(self) -> bool:
+        """Whether `cat_in` can build the rank-major flat from the parameters' own tensors: each is
+        cut by ``torch._chunk_cat``'s rule, which is ours for every parameter that is not empty,
+        replicated or tensor-parallel."""
+        return self.tail == 0 and not any(i.numel == 0 or i.replicated or i.tp is not None for i in self.infos)
+
+    def cat_in(self, parts: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """Every parameter's own tensor (in its shape: autograd's gradients) into the rank-major
+        ``out`` (1-D ``padded_numel``, or a (world, shard_numel) view; any dtype): one kernel, padding
+        included, no param-major copy first. Only where `cats_params_in`."""
+        rows = out if out.dim() == 2 else out.view(self.world_size, self.shard_numel)
+        torch._chunk_cat(parts, 0, self.world_size, out=rows)
         return out
 
     def ranks_of(self, full: torch.Tensor, first: int, last: int) -> torch.Tensor:

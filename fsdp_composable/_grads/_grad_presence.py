@@ -20,15 +20,16 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   it reduces the flags with the shard. Never a copy of the unit's gradient to carry them:
   - gloo (point-to-point exchange): the flags end every rank's chunk of the reduce-scatter input
     (`with_presence`), sent as pieces as they are; no collective of their own.
-  - Other backends on the CPU (torch's fake process group, gloo's own collectives) reduce-scatter the
-    flat gradient buffer as it is and all-reduce the flags (written into the output's tail) right
-    after it, on the same stream, waited for with it: a second, tiny collective per unit. The
-    alternative, a chunk-by-chunk input with the flags after every chunk, is a concatenation of the
-    whole gradient and a second unit-sized buffer alive during every reduce-scatter. Off the CPU
-    (NCCL) the flags are summed on the host (below), so the device has no flags and no second
-    collective.
+  - Other backends on the CPU (torch's fake process group, gloo's own collectives, oneCCL): where
+    the reduce-scatter input is built from autograd's gradients anyway (one ``_chunk_cat``, a unit
+    of several parameters), it is built with room for the flags after every rank's chunk, and they
+    ride in the reduce-scatter. Where the input is the gradient buffer as it is (a unit of one
+    parameter, FLAT), the flags are all-reduced (written into the output's tail) right after it, on
+    the same stream, waited for with it: a second, tiny collective per unit, rather than a copy of
+    the whole gradient to make room. Off the CPU (NCCL) the flags are summed on the host (below),
+    so the device has no flags and no second collective.
   - NO_SHARD with other ranks: the unit's gradient buffer is allocated with room for the flags after
-    the padded gradient (``_reduce_utils._grad_buffer``; ``.grad`` views cover its front), so the one
+    the padded gradient (``_reduce_inputs.grad_buffer``; ``.grad`` views cover its front), so the one
     all-reduce takes the whole buffer, flags included: no second collective, which on gloo would
     also cost a header round trip.
   - Alone (world size 1 without replicas): no collective at all, and the gradient buffer itself

@@ -4,25 +4,26 @@ divide factors, the reduce-scatter / all-reduce, and `PendingReduce`.
 Every function takes the handle first; the per-unit record is `UnitGrads` (``handle.grads``).
 
 [Note: gradients land in the flat buffer]
-Two ways, chosen by what the reduction can send (`_collectives.point_to_point`):
-- FLAT: NCCL and other backends reduce one flat tensor. Before a unit's backward we point each
-  trainable original parameter's ``.grad`` at a view of one zeroed, padded, unsharded gradient
-  buffer; autograd accumulates in place into it, and it is exactly the reduce-scatter input: no
-  gather-into-flat copy. A gradient autograd created some other way (the user replaced ``.grad``) is
+Two ways, chosen by what the reduction sends (`_collectives.point_to_point`) and by the layout:
+- FLAT, on every backend but our gloo exchange, for a unit whose param-major buffer is the
+  reduce-scatter input itself (`FlatLayout.same_order_in`: one parameter, or NO_SHARD, where this
+  was about 1% ahead of AUTOGRAD plus a concatenation on the benchmark GPT), whose reduction takes
+  the param-major buffer (a ``no_sync`` sum kept so far, a communication hook), or with a parameter
+  ``_chunk_cat`` cannot cut (0-dim, empty, tensor-parallel): before the unit's backward each
+  trainable original parameter's ``.grad`` is pointed at a view of one zeroed, padded, unsharded
+  gradient buffer, which autograd accumulates into in place. A ``.grad`` the user replaced is
   copied in before the reduction.
-- AUTOGRAD: gloo (our point-to-point exchange) sends any list of pieces. ``.grad`` is left to
-  autograd, which allocates each gradient when it is produced (no zero fill, no read-modify-write
-  accumulation), and post-backward hands the gradients themselves, plus a zero tail for the padding,
-  to `_collectives.reduce_scatter`. So a unit's gradient memory grows parameter by parameter during
-  its backward instead of being allocated whole at its start.
+- AUTOGRAD: ``.grad`` is left to autograd, which allocates each gradient when it is produced (no
+  zero fill, no read-modify-write through a temporary). Our gloo exchange sends the gradients
+  themselves, plus a zero tail for the padding. Elsewhere one ``_chunk_cat`` (`FlatLayout.cat_in`)
+  writes them straight into the rank-major reduce-scatter input, padding and reduce-dtype cast
+  included: one kernel instead of zero fill, accumulation and copy-in, and none of the buffer's
+  views or accumulation hooks on the host. A unit's gradient memory grows parameter by parameter
+  instead of being allocated whole at its start, and peaks as FLAT's (gradients plus input).
 Units reduced in the final callback (their trigger never fires) take AUTOGRAD on any backend (nothing could be
-reduced before the end of backward, so there is no point holding a buffer through it); on NCCL their gradients are
-concatenated into one flat tensor there (one write per element, no zero fill). World size 1 keeps FLAT, the buffer
-becoming the gradient uncopied: against AUTOGRAD plus one concatenation (benchmark GPT, one CPU thread) zero fill
-and accumulation took about 25 ms a step, the concatenation about 29 ms, and FLAT's step medians were ahead by
-about 1%. On CUDA every tensor a reduction reads is made on the compute stream before it is issued and kept until
-the compute stream waited for it ([Note: streams without record_stream]), which is why only CPU tensors on gloo are
-sent in parts.
+reduced before the end of backward, so there is no point holding a buffer through it). On CUDA every tensor a
+reduction reads is made on the compute stream before it is issued and kept until the compute stream waited for it
+([Note: streams without record_stream]), which is why only CPU tensors on gloo are sent in parts.
 
 [Note: the gradient lifecycle]
 ``GradState`` says where a unit's *unsharded* gradient is; the sharded gradient is always
@@ -60,6 +61,7 @@ from fsdp_composable._comm._header_fields import for_unit
 from fsdp_composable._comm._tensor_parallel import as_local_grad
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._grads import _comm_hooks, _grad_presence, _host_flags
+from fsdp_composable._grads import _reduce_inputs as inputs
 from fsdp_composable._grads._exposed_grads import accumulate_sharded_grad, stash_sharded_grads
 from fsdp_composable._grads._offload_copies import offload_copy, sync_offload_copies
 
@@ -104,9 +106,13 @@ def divide_factors(world: int, reduce_dtype: torch.dtype, factor: Optional[float
 
 
 def takes_autograd_grads(handle: FlatParamHandle) -> bool:
-    """Whether backward leaves gradients where autograd puts them, to be sent piece by piece
-    (see [Note: gradients land in the flat buffer])."""
-    return handle.layout.world_size > 1 and _collectives.point_to_point(handle.process_group, handle.device)
+    """Whether backward leaves gradients where autograd puts them, to be sent piece by piece or
+    concatenated once into the rank-major reduce-scatter input ([Note: gradients land in the flat buffer])."""
+    layout = handle.layout
+    if layout.world_size == 1 or _collectives.point_to_point(handle.process_group, handle.device):
+        return layout.world_size > 1
+    kept_or_hooked = handle.grads.kept is not None or _comm_hooks.registered(handle) is not None
+    return not (layout.same_order_in or kept_or_hooked) and layout.cats_params_in
 
 
 # ---------------------------------------------------------------------------- one backward
@@ -129,7 +135,7 @@ def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[tor
         return
     _set_state(handle, GradState.FLAT)
     _grad_presence.watch_accumulation(handle, grads.touched, grads.hooks)
-    grads.buffer = _grad_buffer(handle, handle.compute_dtype)
+    grads.buffer = inputs.grad_buffer(handle, handle.compute_dtype)
     views = handle.views_of(grads.buffer)
     grads.views = (grads.buffer, views)
     for i, (param, view) in enumerate(zip(handle.params, views)):
@@ -139,29 +145,6 @@ def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[tor
         if grad is not None:
             view.copy_(grad)
             grads.touched[i] = True
-
-
-def _zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(numel, dtype=dtype, device=handle.device)
-
-
-def _flag_room(handle: FlatParamHandle) -> int:
-    """Elements a NO_SHARD unit's gradient buffer keeps after the padded gradient for the flags, which
-    its all-reduce sends with it (0: sharded, or no rank to agree with); see [Note: which parameters
-    got a gradient]."""
-    alone = handle.group_size == 1 and handle.replicate_group is None
-    if handle.layout.world_size > 1 or alone:
-        return 0
-    return len(handle.params)
-
-
-def _grad_buffer(handle: FlatParamHandle, dtype: torch.dtype, zero: bool = True) -> torch.Tensor:
-    """A padded unsharded gradient buffer (zeroed unless ``zero`` is False); under NO_SHARD with other
-    ranks, the view of the front of a tensor whose tail holds the flags (`_flag_room`)."""
-    numel, room = handle.layout.padded_numel, _flag_room(handle)
-    make = torch.zeros if zero else torch.empty
-    whole = make(numel + room, dtype=dtype, device=handle.device)
-    return whole[:numel] if room else whole
 
 
 def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
@@ -207,35 +190,11 @@ def _same_memory(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _flat_of(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> torch.Tensor:
-    """This backward's gradient as one padded unsharded tensor (FLAT: the buffer itself; AUTOGRAD: one
-    concatenation of autograd's gradients, which writes each element once, with no zero fill first),
-    laid out as `_grad_buffer`."""
-    grads = handle.grads
-    if grads.buffer is not None:
-        return grads.buffer
-    dtype, numel, room = handle.compute_dtype, handle.layout.padded_numel, _flag_room(handle)
-    pieces: list[torch.Tensor] = []
-    at = 0
-    with NoGrad():
-        for info, grad in zip(handle.layout.infos, parts):
-            if info.offset > at:  # the padding of the previous parameter's region
-                pieces.append(_zeros(handle, info.offset - at, dtype))
-            if grad is None:
-                pieces.append(_zeros(handle, info.numel, dtype))
-            else:
-                pieces.append(grad.reshape(-1).to(device=handle.device, dtype=dtype))
-            at = info.offset + info.numel
-        pieces.append(_zeros(handle, numel + room - at, dtype))  # the padding (and the flags' room)
-        whole = torch.cat(pieces)
-    return whole[:numel] if room else whole
-
-
 def stage_for_no_sync(handle: FlatParamHandle) -> None:
     """Post-backward inside ``no_sync``: hold this backward's gradient until the backward succeeds."""
     grads = handle.grads
     parts, grads.staged_got = _take_backward_grads(handle)
-    grads.buffer = _flat_of(handle, parts)
+    grads.buffer = inputs.flat_of(handle, parts)
     _set_state(handle, GradState.STAGED)
 
 
@@ -269,9 +228,10 @@ def start_reduce(
         parts, mine = _take_backward_grads(handle)
         got = _grad_presence.union(mine, grads.kept_got)
         flat = None
-        one_tensor = hook is not None or custom is not None
-        if grads.buffer is not None or grads.kept is not None or not takes_autograd_grads(handle) or one_tensor:
-            flat = _flat_of(handle, parts)
+        sends_pieces = _collectives.point_to_point(handle.process_group, handle.device)
+        as_they_are = grads.buffer is None and grads.kept is None and takes_autograd_grads(handle)
+        if not as_they_are or hook is not None or (custom is not None and sends_pieces):
+            flat = inputs.flat_of(handle, parts)
             if grads.kept is not None:  # a fresh tensor: the kept sum itself stays as it is
                 flat = _plus_kept(handle, flat, grads.kept)
     _set_state(handle, GradState.REDUCING)
@@ -288,33 +248,42 @@ def start_reduce(
         # gloo sends each parameter's rows from where they are ([Note: moving chunks]), kept sum or not alike
         p2p = custom is None and _collectives.point_to_point(group, handle.device)
         pieces = layout.world_size > 1 and layout.direct and p2p
-        if flat is None:  # AUTOGRAD on gloo: autograd's gradients in rank-major order, as they are or in one copy
-            send = _rank_major_pieces(handle, [_part(handle, g, i, pre) for i, g in enumerate(parts)])
+        rides = False  # the flags in the reduce-scatter's input
+        if flat is None and p2p:  # AUTOGRAD on gloo: the gradients in rank-major order, as they are or in one copy
+            scaled: list[Optional[torch.Tensor]] = [inputs.scaled_part(handle, g, i, pre) for i, g in enumerate(parts)]
+            send = inputs.rank_major_pieces(handle, scaled)
             send = send if layout.direct else [torch.cat(send)]
+        elif flat is None:  # AUTOGRAD elsewhere: autograd's gradients into the rank-major input, one kernel
+            # on the CPU the flags ride at the end of every rank's chunk: [Note: which parameters got a gradient]
+            rides = custom is None and not (_host_flags.on_host(handle.device) or _partial_only(handle))
+            one = inputs.cat_in(handle, parts, rdtype, got if rides else None)
+            if pre != 1:
+                one.div_(pre)
+            send = [one]
         else:
             one = flat
             if not (layout.same_order_in or pieces):  # the one copy-in: [Note: rank-major flat shards]
-                one = layout.copy_in(flat, out=_grad_buffer(handle, rdtype, zero=False))
+                one = layout.copy_in(flat, out=inputs.grad_buffer(handle, rdtype, zero=False))
             elif flat.dtype != rdtype or flat is grads.kept:  # a copy: the kept sum itself stays as it is
-                one = _grad_buffer(handle, rdtype, zero=False)
+                one = inputs.grad_buffer(handle, rdtype, zero=False)
                 one.copy_(flat)
             if pre != 1:
                 one.div_(pre)
             send = [one]
             if pieces:
-                send = _rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
+                send = inputs.rank_major_pieces(handle, [one[i.offset : i.offset + i.numel] for i in layout.infos])
         assert got is not None
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
-        pending.partial_only = handle.replicate_group is not None and replicas is None
+        pending.partial_only = _partial_only(handle)
         # CPU: in `wait`/`finish`; CUDA: on the last stream; once, on the all-reduced sum (as FSDP2)
         pending.hook = None if pending.partial_only else grads.controls.all_reduce_hook
         pending.got = got
         numel = pending.numel = handle.layout.shard_numel
         # how the flags travel: [Note: which parameters got a gradient]
         if handle.layout.world_size == 1:  # NO_SHARD: every rank keeps the whole, all-reduced
-            room = _flag_room(handle)
+            room = inputs.flag_room(handle)
             whole = _grad_presence.with_room(send[0], room) if room else send[0]
             assert whole is not None, "a NO_SHARD gradient buffer without room for the flags"
             out = whole
@@ -342,13 +311,15 @@ def start_reduce(
             device_flags = not (_host_flags.on_host(handle.device) or pending.partial_only)
             out = torch.empty(numel + (len(got) if device_flags else 0), dtype=rdtype, device=handle.device)
             reduced, flags = out[:numel], out[numel:]
-            if device_flags:
-                _grad_presence.write_flags(got, flags)
             grad = send[0]
+            if device_flags and not rides:
+                _grad_presence.write_flags(got, flags)
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
                 if custom is not None:
                     scatter = lambda: _custom_comms.reduce_scatter(custom, reduced, grad, group, async_op)  # noqa: E731
+                elif rides:
+                    return _collectives.reduce_scatter(out, grad, group, async_op)
                 else:
                     scatter = lambda: _collectives.reduce_scatter(reduced, grad, group, async_op)  # noqa: E731
                 if not device_flags:
@@ -426,19 +397,9 @@ def _reads_flags(r: "PendingReduce") -> bool:
     return not (r.partial_only or r.own_flags or r.got is None or all(r.got) or r.host_flags is not None)
 
 
-def _rank_major_pieces(handle: FlatParamHandle, parts: list[Optional[torch.Tensor]]) -> list[torch.Tensor]:
-    """The rank-major reduce-scatter input as views of ``parts`` (each parameter's flat gradient) and
-    of one zero tensor for the padding: what gloo's point-to-point exchange sends as it is."""
-    layout = handle.layout
-    padding = _zeros(handle, max([i.chunk_numel for i in layout.infos] + [layout.tail]), handle.reduce_dtype)
-    return layout.rank_major_pieces(parts, padding)
-
-
-def _part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, pre: float) -> torch.Tensor:
-    if grad is None:  # unused in this backward: zero, as for every other unit
-        return _zeros(handle, handle.layout.infos[i].numel, handle.reduce_dtype)
-    part = grad.reshape(-1).to(handle.reduce_dtype)
-    return part / pre if pre != 1 else part
+def _partial_only(handle: FlatParamHandle) -> bool:
+    """A partial sum kept apart from the replicas' all-reduce (``set_requires_all_reduce(False)``)."""
+    return handle.replicate_group is not None and not handle.switches.all_reduce_grads
 
 
 @dataclass(eq=False)
@@ -532,7 +493,7 @@ def _plus_kept(handle: FlatParamHandle, flat: torch.Tensor, kept: torch.Tensor) 
     """``flat`` plus the ``no_sync`` sum, in the sum's dtype: the reduce dtype, as FSDP2 accumulates."""
     if flat.dtype == kept.dtype:
         return flat.add_(kept)
-    return torch.add(kept, flat, out=_grad_buffer(handle, kept.dtype, zero=False))
+    return torch.add(kept, flat, out=inputs.grad_buffer(handle, kept.dtype, zero=False))
 
 
 def commit_staged(handle: FlatParamHandle) -> None:

@@ -177,9 +177,11 @@ def _subclass_compute_bytes(params: Sequence[nn.Parameter]) -> int:
 # - unsharded_grads: one unit's padded gradient buffer, P*c, plus its P*r reduce-dtype copy when r
 #   differs from c; the largest such unit. This assumes a unit's reduction input is freed before
 #   the next unit's backward allocates its buffer; a runtime that holds every reduction until the
-#   end of backward has all units' buffers live at once (their sum, not the largest). On gloo there
-#   is no flat buffer: autograd's per-parameter gradients reach this size only at the end of the
-#   unit's backward, while the previous unit's are still being sent; the two roughly cancel.
+#   end of backward has all units' buffers live at once (their sum, not the largest). Where autograd's
+#   gradients are sent as they are (gloo) or concatenated into the rank-major input (a unit of
+#   several parameters elsewhere) there is no flat buffer: autograd's per-parameter gradients reach
+#   this size only at the end of the unit's backward, while the previous unit's are still being
+#   sent; the two roughly cancel.
 # - activations: see [Note: measuring activations]; only with a batch_example.
 # - output_and_loss: the forward's output, the loss and the loss's backward down to the output's
 #   gradient, at their peak ([Note: measuring the loss]); only with a batch_example. Without loss_fn,
