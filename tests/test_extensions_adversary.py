@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from parity import global_mean
-from test_extensions import Float8Block, Int8Block, Int8Gathered, LoRALinear, QLoRABlock, _batch
+from test_extensions import Float8Block, Int8Block, Int8Gathered, LoRALinear, QLoRABlock, _batch, _whole
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -130,7 +130,7 @@ def _train(
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
-    t = t.full_tensor() if isinstance(t, DTensor) else t
+    t = _whole(t) if isinstance(t, DTensor) else t
     return t.get_original_weight() if type(t).__name__ == "NF4Tensor" else t  # type: ignore[operator]
 
 
@@ -154,7 +154,13 @@ def _error(fn: Callable[[], Any]) -> str:
     return ""
 
 
-def _check_parity(r: dict[str, Any], tol: float = 1e-5, diff: float = 1e-5, trained: bool = True) -> None:
+# AdamW's first steps move every element by about lr whatever its gradient's size, so where a gradient
+# element is near zero the rounding of the sum (another order of reduction, another CPU's kernels)
+# shows in the parameter at 1e-5 (AVX2 machines: up to 4e-5); a wrong gradient moves it by ~lr = 1e-2
+ADAM_DIFF = 1e-4
+
+
+def _check_parity(r: dict[str, Any], tol: float = 1e-5, diff: float = ADAM_DIFF, trained: bool = True) -> None:
     for a, b, _ in r["losses"]:
         assert abs(a - b) <= tol * abs(a), r["losses"]
     if trained:  # from the start, on one batch, the loss goes down
@@ -297,9 +303,9 @@ def recoveries() -> dict[str, Any]:
     first = _train(model, ref, batch, per_rank, steps=1)
     ref[0].up.weight.requires_grad_(False)
     model[0].up.weight.requires_grad_(False)
-    before = model[0].up.weight.full_tensor().clone()
+    before = _whole(model[0].up.weight).clone()
     losses = first + _train(model, ref, batch, per_rank, steps=2)
-    frozen = torch.equal(before, model[0].up.weight.full_tensor()) and model[0].up.weight.grad is None
+    frozen = torch.equal(before, _whole(model[0].up.weight)) and model[0].up.weight.grad is None
     out["freeze_fp8"] = {"losses": losses, "diff": _diff(model, ref), "frozen": frozen}
     # QLoRA whose root unit holds an NF4 weight (the head), and one with no policy (everything in the root)
     torch.manual_seed(0)
@@ -432,9 +438,9 @@ def full_state_dict() -> dict[str, Any]:
     sd = model.state_dict()  # FULL by default
     out["types"] = {k: type(v).__name__ for k, v in sd.items()}
     saved = sd["0.up.weight"]
-    before = (saved.full_tensor() if isinstance(saved, DTensor) else saved).clone()
+    before = (_whole(saved) if isinstance(saved, DTensor) else saved).clone()
     _train(model, ref, batch, per_rank, steps=1)  # the optimizer steps the live parameters in place
-    out["unchanged_after_a_step"] = torch.equal(before, saved.full_tensor() if isinstance(saved, DTensor) else saved)
+    out["unchanged_after_a_step"] = torch.equal(before, _whole(saved) if isinstance(saved, DTensor) else saved)
     out["plain_load"] = _error(lambda: MODELS["fp8"](5)[0].load_state_dict(sd))
     return out
 
@@ -476,14 +482,14 @@ def summon_and_optim_state() -> dict[str, Any]:
     x, y = batch(0, world)
     F.mse_loss(model(x.chunk(world)[rank]), y.chunk(world)[rank]).backward()
     opt.step()
-    before = model.get_parameter("0.up.weight").full_tensor()
+    before = _whole(model.get_parameter("0.up.weight"))
     with fc.summon_full_params(model):
         inside = {n: type(p).__name__ for n, p in model.named_parameters()}
         whole = model.get_parameter("0.up.weight")
         same = torch.equal(whole.detach(), before)
         with torch.no_grad():
             whole.mul_(0.5)  # written back on exit
-    halved = torch.equal(model.get_parameter("0.up.weight").full_tensor(), before * 0.5)
+    halved = torch.equal(_whole(model.get_parameter("0.up.weight")), before * 0.5)
     osd = fc.optim_state_dict(model, opt)
     states = {k: type(s["exp_avg"]).__name__ for k, s in osd["state"].items()}
     # the FULL optimizer state loads back into a fresh optimizer in the faces' layout
@@ -493,7 +499,7 @@ def summon_and_optim_state() -> dict[str, Any]:
     loaded = all(
         isinstance(fresh.state[p]["exp_avg"], DTensor)
         and fresh.state[p]["exp_avg"].placements == p.placements
-        and torch.equal(fresh.state[p]["exp_avg"].full_tensor(), opt.state[p]["exp_avg"].full_tensor())
+        and torch.equal(_whole(fresh.state[p]["exp_avg"]), _whole(opt.state[p]["exp_avg"]))
         for p in faces
     )
     return {"summon": inside, "same": same, "halved": halved, "optim": states, "loaded": loaded}
