@@ -17,8 +17,9 @@ same padded size ``world * shard_numel`` meet at every unshard and every reducti
 Viewed as a (world, shard_numel) matrix the rank-major flat's columns are the parameters' chunks,
 and each parameter's region is a (world, chunk_numel) matrix: `copy_out` is one
 ``split_with_sizes_copy`` along the columns and `copy_in` one ``cat`` (or, from autograd's
-per-parameter gradients, `cat_in` one ``_chunk_cat``, which pads each by the same rule). A unit whose chunks are all
-one parameter's (one parameter, or one rank) needs neither: both orders are the same tensor.
+per-parameter gradients, `cat_in` one ``_chunk_cat``, which pads each by the same rule). A unit
+whose chunks are all one parameter's (one parameter, or one rank) needs neither: both orders are
+the same tensor.
 
 A 0-dim parameter has no dim 0 to cut: every rank's chunk holds it whole (``replicated``), the
 copy-out writes ``world`` equal copies of which the parameter views the first, and the copy-in
