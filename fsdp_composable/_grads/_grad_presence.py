@@ -20,7 +20,7 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   it reduces the flags with the shard. Never a copy of the unit's gradient to carry them:
   - gloo (point-to-point exchange): the flags end every rank's chunk of the reduce-scatter input
     (`with_presence`), sent as pieces as they are; no collective of their own.
-  - Other backends on the CPU (torch's fake process group, gloo's own collectives, any other CPU backend): where
+  - Other backends on the CPU (torch's fake process group, gloo's own collectives): where
     the reduce-scatter input is built from autograd's gradients anyway (one ``_chunk_cat``, a unit
     of several parameters), it is built with room for the flags after every rank's chunk, and they
     ride in the reduce-scatter. Where the input is the gradient buffer as it is (a unit of one
