@@ -23,8 +23,8 @@ parameter whose ``.grad`` is a zero tensor, and leave one whose ``.grad`` is Non
   - Other backends on the CPU (torch's fake process group, gloo's own collectives): where
     the reduce-scatter input is built from autograd's gradients anyway (one ``_chunk_cat``, a unit
     of several parameters), it is built with room for the flags after every rank's chunk, and they
-    ride in the reduce-scatter. Where the input is the gradient buffer as it is (a unit of one
-    parameter, FLAT), the flags are all-reduced (written into the output's tail) right after it, on
+    ride in the reduce-scatter. Otherwise (FLAT: the gradient buffer as it is, or its copy-in),
+    the flags are all-reduced (written into the output's tail) right after it, on
     the same stream, waited for with it: a second, tiny collective per unit, rather than a copy of
     the whole gradient to make room. Off the CPU (NCCL) the flags are summed on the host (below),
     so the device has no flags and no second collective.
