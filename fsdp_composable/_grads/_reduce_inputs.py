@@ -77,13 +77,13 @@ def cat_in(
     """Autograd's gradients (None: zeros) as the rank-major reduce-scatter input in ``dtype``: one
     ``_chunk_cat``, which wants one input dtype (a unit of several dtypes: each cast first). With
     ``got``, every rank's chunk is followed by these flags (one element per parameter)."""
+    layout = handle.layout
     dtypes = {g.dtype for g in parts if g is not None}
     like = dtypes.pop() if len(dtypes) == 1 else dtype
     whole = [
         (g if g.dtype == like else g.to(like)) if g is not None else zeros(handle, info.numel, like).view(info.shape)
-        for g, info in zip(parts, handle.layout.infos)
+        for g, info in zip(parts, layout.infos)
     ]
-    layout = handle.layout
     if got is None:
         return layout.cat_in(whole, grad_buffer(handle, dtype, zero=False))
     rows = torch.empty(layout.world_size, layout.shard_numel + len(got), dtype=dtype, device=handle.device)

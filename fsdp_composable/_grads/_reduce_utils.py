@@ -220,6 +220,7 @@ def start_reduce(
     hook = _comm_hooks.registered(handle)  # a user's hook replaces the collective: [Note: communication hooks]
     # the user's reduce-scatter ([Note: custom collectives]): it takes one rank-major tensor
     custom = grads.controls.reduce_scatter_comm if handle.layout.world_size > 1 else None
+    sends_pieces = _collectives.point_to_point(handle.process_group, handle.device)
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
@@ -228,7 +229,6 @@ def start_reduce(
         parts, mine = _take_backward_grads(handle)
         got = _grad_presence.union(mine, grads.kept_got)
         flat = None
-        sends_pieces = _collectives.point_to_point(handle.process_group, handle.device)
         as_they_are = grads.buffer is None and grads.kept is None and takes_autograd_grads(handle)
         if not as_they_are or hook is not None or (custom is not None and sends_pieces):
             flat = inputs.flat_of(handle, parts)
@@ -246,8 +246,12 @@ def start_reduce(
     with NoGrad():
         layout = handle.layout
         # gloo sends each parameter's rows from where they are ([Note: moving chunks]), kept sum or not alike
-        p2p = custom is None and _collectives.point_to_point(group, handle.device)
+        p2p = custom is None and sends_pieces
         pieces = layout.world_size > 1 and layout.direct and p2p
+        partial_only = _partial_only(handle)
+        # off the CPU the host sums the flags ([Note: presence flags agreed on the host]), and a partial
+        # sum kept apart reads none: no device all-reduce (nor host-to-device copy) for them
+        device_flags = not (_host_flags.on_host(handle.device) or partial_only)
         rides = False  # the flags in the reduce-scatter's input
         if flat is None and p2p:  # AUTOGRAD on gloo: the gradients in rank-major order, as they are or in one copy
             scaled: list[Optional[torch.Tensor]] = [inputs.scaled_part(handle, g, i, pre) for i, g in enumerate(parts)]
@@ -255,7 +259,7 @@ def start_reduce(
             send = send if layout.direct else [torch.cat(send)]
         elif flat is None:  # AUTOGRAD elsewhere: autograd's gradients into the rank-major input, one kernel
             # on the CPU the flags ride at the end of every rank's chunk: [Note: which parameters got a gradient]
-            rides = custom is None and not (_host_flags.on_host(handle.device) or _partial_only(handle))
+            rides = custom is None and device_flags
             one = inputs.cat_in(handle, parts, rdtype, got if rides else None)
             if pre != 1:
                 one.div_(pre)
@@ -276,7 +280,7 @@ def start_reduce(
         # set_requires_all_reduce(False): no all-reduce across replicas; the result is kept apart
         replicas = handle.replicate_group if handle.switches.all_reduce_grads else None
         pending = PendingReduce(handle, _collectives.InFlight(), send[0], send, replicas, post)
-        pending.partial_only = _partial_only(handle)
+        pending.partial_only = partial_only
         # CPU: in `wait`/`finish`; CUDA: on the last stream; once, on the all-reduced sum (as FSDP2)
         pending.hook = None if pending.partial_only else grads.controls.all_reduce_hook
         pending.got = got
@@ -306,9 +310,6 @@ def start_reduce(
 
         else:  # the flat gradient as it is, then (on the CPU) the flags by a small all-reduce on the same stream
             assert len(send) == 1
-            # off the CPU the host sums the flags ([Note: presence flags agreed on the host]), and a partial
-            # sum kept apart reads none: no device all-reduce (nor host-to-device copy) for them
-            device_flags = not (_host_flags.on_host(handle.device) or pending.partial_only)
             out = torch.empty(numel + (len(got) if device_flags else 0), dtype=rdtype, device=handle.device)
             reduced, flags = out[:numel], out[numel:]
             grad = send[0]
