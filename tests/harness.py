@@ -70,9 +70,12 @@ def _worker(rank: int, world_size: int, port: int, tasks: Any, results: Any, pg_
 def _context() -> Any:
     """Workers forked by a server that imported torch and the package once: a worker then starts in
     well under a second instead of importing them again (seconds of CPU per rank and per restart). The
-    server is a fresh interpreter with no threads or process group of its own to inherit."""
+    server is a fresh interpreter with no threads or process group of its own to inherit. ``torch._dynamo``
+    is among them: torch imports it on the first ``DTensor`` built (its constructor is dynamo-disabled),
+    which cost each worker seconds more."""
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "torch.distributed", "torch.distributed.tensor", "fsdp_composable"])
+    preload = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.tensor", "fsdp_composable"]
+    ctx.set_forkserver_preload(preload)
     return ctx
 
 

@@ -63,6 +63,10 @@ RUNS: dict[str, tuple[list[str], float]] = {
         ["bench_optimizer_step.py", "--small", "--rounds", "2", "--warmup", "0"],
         120,
     ),
+    "test_bench_first_step_small_runs": (
+        ["bench_first_step.py", "--d", "16", "--layers", "1", "--steps", "2"],
+        120,
+    ),
     "test_bench_before_after_small_runs": (
         ["bench_before_after.py", "--before", "HEAD", "--small", "--rounds", "2"],
         150,
@@ -451,6 +455,15 @@ def test_bench_optimizer_step_small_runs(bench_runs: dict[str, Future]) -> None:
     assert [r["variant"] for r in rows] == ["faces", "faces, foreach", "plain", "plain, foreach"]
     assert all(len(r["step_times_s"]) == 2 and r["median_s"] > 0 and r["params"] > 0 for r in rows)
     assert rows[2]["vs_plain"] == 1.0 and "| AdamW over |" in proc.stdout
+
+
+def test_bench_first_step_small_runs(bench_runs: dict[str, Future]) -> None:
+    proc, rows = _finished(bench_runs, "test_bench_first_step_small_runs")
+    got = [(r["impl"], r["foreach"]) for r in rows]
+    assert got == [("ours", True), ("ours", False), ("torch-fsdp2", True), ("torch-fsdp2", False)]
+    assert all(len(r["step_times_s"]) == 2 and r["first_s"] > 0 and r["later_median_s"] > 0 for r in rows)
+    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 0  # the model's parameters, all four
+    assert "| first step (s) |" in proc.stdout
 
 
 def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:

@@ -118,9 +118,9 @@ def write_case(mode: str, kind: str) -> float:
         return max((p - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def write_table(world: int) -> dict[str, str]:
+def write_table(modes: tuple[str, ...]) -> dict[str, str]:
     out = {}
-    for mode in MODES:
+    for mode in modes:
         for kind in WRITES:
             if kind == "p.data = full" and mode.endswith("False"):
                 continue  # the registered parameters are the flat shards themselves
@@ -141,9 +141,11 @@ def _expected(key: str) -> str:
     return "raised ModelEditedAfterShardingError" if refused else "kept"
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_every_write_kind_in_every_mode_is_kept_or_refused(dist_run, world: int) -> None:
-    for table in dist_run(world, write_table, world):
+# at 4 ranks (the output bias leaves one rank an empty chunk) the sharded model alone: the wrapper's
+# modes keep or refuse a write by the same rules whatever the world size
+@pytest.mark.parametrize("world, modes", [(2, MODES), (4, MODES[:1])])
+def test_every_write_kind_in_every_mode_is_kept_or_refused(dist_run, world: int, modes: tuple[str, ...]) -> None:
+    for table in dist_run(world, write_table, modes):
         wrong = {k: v for k, v in table.items() if v != _expected(k)}
         assert wrong == {}, "\n".join(f"{k} {v}" for k, v in wrong.items())
 
