@@ -396,7 +396,8 @@ def test_docs_give_a_quick_test_subset_and_say_checkpoints_must_be_trusted() -> 
     section = text.split("## Running the tests", 1)[1].split("\n## ", 1)[0]
     # the whole suite's time, as the README gives it
     readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert "8 to 9 minutes on 2 CPU cores" in section and "8 to 9 minutes on 2 CPU cores" in readme, section
+    suite_time = "8 to 9 minutes on 2 CPU cores of a fast VM, 15 to 17 on a slower one"
+    assert suite_time in " ".join(section.split()) and suite_time in " ".join(readme.split()), section
     commands = [shlex.split(line.split("#")[0]) for line in section.splitlines() if line.startswith("python -m pytest")]
     assert len(commands) >= 1, section
     markers = (REPO / "pyproject.toml").read_text(encoding="utf-8").split("markers = [", 1)[1].split("]")[0]
