@@ -143,7 +143,7 @@ def _expected(key: str) -> str:
 
 # at 4 ranks (`out` leaves rank 3 a chunk of padding alone): the faces of fully_shard, and the wrapper's
 # flat parameters (use_orig_params=True has fully_shard's faces: at 2 ranks only)
-@pytest.mark.parametrize("world, modes", [(2, MODES), (4, (MODES[0], MODES[2]))])
+@pytest.mark.parametrize("world, modes", [(2, MODES), (4, (MODES[0], MODES[2]))], ids=["2", "4"])
 def test_every_write_kind_in_every_mode_is_kept_or_refused(dist_run, world: int, modes: tuple[str, ...]) -> None:
     for table in dist_run(world, write_table, modes):
         wrong = {k: v for k, v in table.items() if v != _expected(k)}
