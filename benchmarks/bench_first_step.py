@@ -30,8 +30,8 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
-from benchmarks._model import DEFAULT, ModelConfig, _heads, gpt_loss, make_batch  # noqa: E402
-from benchmarks._ranks import run_ranks  # noqa: E402
+from benchmarks._model import DEFAULT, ModelConfig, _heads, _width, gpt_loss, make_batch  # noqa: E402
+from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import pyplot, save_run, wrote  # noqa: E402
 
 # (impl, AdamW's foreach); plain tensors against the faces: bench_optimizer_step.py
@@ -51,7 +51,7 @@ def _rank(rank: int, world: int, model: dict[str, int], impl: str, foreach: bool
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)
-    return {"times": times, "params": len(params)}
+    return {"times": {"step": times}, "params": len(params)}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -60,7 +60,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
         cfg = replace(DEFAULT, d=args.d, heads=_heads(args.d), n_layers=n_layers)
         for impl, foreach in VARIANTS:
             ranks = run_ranks(args.world_size, _rank, (cfg.as_dict(), impl, foreach, args.steps), args.threads)
-            slowest = [max(t) for t in zip(*(r["times"] for r in ranks))]
+            slowest = slowest_steps(ranks, "step")["step_times_s"]
             row = {
                 "impl": impl,
                 "foreach": foreach,
@@ -115,7 +115,7 @@ def write_chart(rows: list[dict[str, Any]], path: str, title: str) -> None:
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_first_step.py", description=__doc__.splitlines()[0])
     p.add_argument("--world-size", type=int, default=2, help="gloo ranks (forked afresh for every row)")
-    p.add_argument("--d", type=int, default=128, help="block width")
+    p.add_argument("--d", type=_width, default=128, help="block width")
     p.add_argument("--layers", default="16,32,64", help="comma-separated block counts")
     p.add_argument("--steps", type=int, default=4, help="training steps per row (the first, then the later ones)")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
@@ -125,8 +125,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         args.layers = [int(x) for x in args.layers.split(",")]
     except ValueError:
         p.error(f"--layers must be comma-separated integers, got {args.layers!r}")
-    if min([args.world_size, args.d, args.threads, *args.layers]) < 1 or args.steps < 2:
-        p.error("--world-size, --d, --threads and --layers must be positive and --steps at least 2")
+    if min([args.world_size, args.threads, *args.layers]) < 1 or args.steps < 2:
+        p.error("--world-size, --threads and --layers must be positive and --steps at least 2")
     return args
 
 

@@ -19,7 +19,6 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import replace
 from typing import Any, Optional
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -32,7 +31,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from benchmarks._impls import build  # noqa: E402
-from benchmarks._model import DEFAULT, SMALL, ModelConfig  # noqa: E402
+from benchmarks._model import ModelConfig, add_shape_args, config_of  # noqa: E402
 from benchmarks._ranks import run_ranks, slowest_steps  # noqa: E402
 from benchmarks._report import save_run, write_time_bars, wrote  # noqa: E402
 
@@ -77,13 +76,8 @@ def _rank(rank: int, world: int, model: dict[str, int], rounds: int, warmup: int
     return {"times": times, "params": count}
 
 
-def _config(args: argparse.Namespace) -> ModelConfig:
-    cfg = SMALL if args.small else DEFAULT
-    return replace(cfg, d=args.d or cfg.d, n_layers=args.n_layers or cfg.n_layers)
-
-
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
-    cfg = _config(args)
+    cfg = config_of(args)
     ranks = run_ranks(args.world_size, _rank, (cfg.as_dict(), args.rounds, args.warmup), args.threads)
     rows = []
     for name in VARIANTS:
@@ -111,9 +105,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=20, help="rounds; each times one step of each optimizer")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps of each first")
     p.add_argument("--threads", type=int, default=1, help="torch.set_num_threads per rank")
-    p.add_argument("--small", action="store_true", help="the tiny model (smoke test)")
-    p.add_argument("--d", type=int, default=0, help="block width (default: the model's)")
-    p.add_argument("--n-layers", type=int, default=0, help="blocks (default: the model's)")
+    add_shape_args(p)
     p.add_argument("--out", default=os.path.join("benchmarks", "results", "optimizer_step_ws2.json"), help="JSON path")
     args = p.parse_args(argv)
     if min(args.world_size, args.rounds, args.threads) < 1 or args.warmup < 0:
@@ -125,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     rows = measure(args)
     png = save_run(__file__, {k: v for k, v in vars(args).items() if k != "out"}, rows, args.out)
-    cfg = _config(args)
+    cfg = config_of(args)
     title = f"AdamW step alone, d={cfg.d} x {cfg.n_layers} blocks, world size {args.world_size}: median"
     colors = ["tab:blue", "tab:blue", "tab:gray", "tab:gray"]
     millis = [r["median_s"] * 1e3 for r in rows]

@@ -498,7 +498,16 @@ def test_command_line_carries_the_allocator_environment(monkeypatch: pytest.Monk
 
 
 def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -> None:
-    from benchmarks import bench_collectives, bench_compile, bench_overhead, bench_paired, bench_safety, bench_scaling
+    from benchmarks import (
+        bench_collectives,
+        bench_compile,
+        bench_first_step,
+        bench_optimizer_step,
+        bench_overhead,
+        bench_paired,
+        bench_safety,
+        bench_scaling,
+    )
 
     for parse, argv in (
         (bench_collectives.parse_args, ["--world-size", "1"]),
@@ -514,6 +523,10 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_scaling.parse_args, ["--sizes", "1T"]),
         (bench_scaling.parse_args, ["--steps", "0"]),
         (bench_scaling.parse_args, ["--world-sizes", "1,2"]),
+        (bench_optimizer_step.parse_args, ["--d", "100"]),
+        (bench_first_step.parse_args, ["--d", "100"]),
+        (bench_first_step.parse_args, ["--layers", "16,x"]),
+        (bench_first_step.parse_args, ["--steps", "1"]),
     ):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -531,4 +544,8 @@ bench_paired.py: error: argument --d: must be positive and divisible by its 6 he
 bench_safety.py: error: argument --n-layers: must be positive, got 0
 bench_scaling.py: error: unknown --sizes ['1T']; choose from 10M, 34M, 97M, 218M, 305M
 bench_scaling.py: error: --steps, --unit-steps, --rounds and --threads must be positive, --warmup not negative, --fake-world-size at least 2
-bench_scaling.py: error: --world-sizes must each be at least 2 (the sizes part shards across ranks), got 1,2""")  # noqa: E501
+bench_scaling.py: error: --world-sizes must each be at least 2 (the sizes part shards across ranks), got 1,2
+bench_optimizer_step.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
+bench_first_step.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
+bench_first_step.py: error: --layers must be comma-separated integers, got '16,x'
+bench_first_step.py: error: --world-size, --threads and --layers must be positive and --steps at least 2""")  # noqa: E501
