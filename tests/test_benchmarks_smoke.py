@@ -64,7 +64,7 @@ RUNS: dict[str, tuple[list[str], float]] = {
         120,
     ),
     "test_bench_first_step_small_runs": (
-        ["bench_first_step.py", "--d", "16", "--layers", "1", "--steps", "2"],
+        ["bench_first_step.py", "--d", "16", "--layers", "1", "--steps", "2", "--group-size", "4"],
         120,
     ),
     "test_bench_before_after_small_runs": (
@@ -459,11 +459,12 @@ def test_bench_optimizer_step_small_runs(bench_runs: dict[str, Future]) -> None:
 
 def test_bench_first_step_small_runs(bench_runs: dict[str, Future]) -> None:
     proc, rows = _finished(bench_runs, "test_bench_first_step_small_runs")
-    got = [(r["impl"], r["foreach"]) for r in rows]
-    assert got == [("ours", True), ("ours", False), ("torch-fsdp2", True), ("torch-fsdp2", False)]
+    got = [(r["impl"], r["mode"], r["group_size"]) for r in rows]
+    modes = [("foreach", None), ("groups", 4), ("loop", None)]
+    assert got == [(impl, *mode) for impl in ("ours", "torch-fsdp2") for mode in modes]
     assert all(len(r["step_times_s"]) == 2 and r["first_s"] > 0 and r["later_median_s"] > 0 for r in rows)
-    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 0  # the model's parameters, all four
-    assert "| first step (s) |" in proc.stdout
+    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 4  # the model's, in several groups of 4
+    assert "| first step (s) |" in proc.stdout and "| foreach, groups of <= 4 |" in proc.stdout
 
 
 def test_bench_paired_small_runs(bench_runs: dict[str, Future]) -> None:
@@ -527,6 +528,7 @@ def test_small_benchmarks_reject_bad_input(capsys: pytest.CaptureFixture[str]) -
         (bench_first_step.parse_args, ["--d", "100"]),
         (bench_first_step.parse_args, ["--layers", "16,x"]),
         (bench_first_step.parse_args, ["--steps", "1"]),
+        (bench_first_step.parse_args, ["--group-size", "0"]),
     ):
         with pytest.raises(SystemExit):
             parse(argv)
@@ -548,4 +550,5 @@ bench_scaling.py: error: --world-sizes must each be at least 2 (the sizes part s
 bench_optimizer_step.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
 bench_first_step.py: error: argument --d: must be positive and divisible by its 6 heads, got 100
 bench_first_step.py: error: --layers must be comma-separated integers, got '16,x'
-bench_first_step.py: error: --world-size, --threads and --layers must be positive and --steps at least 2""")  # noqa: E501
+bench_first_step.py: error: --world-size, --threads, --group-size and --layers must be positive and --steps at least 2
+bench_first_step.py: error: --world-size, --threads, --group-size and --layers must be positive and --steps at least 2""")  # noqa: E501
