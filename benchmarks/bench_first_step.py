@@ -59,7 +59,7 @@ def _rank(
         t0 = time.perf_counter()
         optimizer.step()
         times.append(time.perf_counter() - t0)
-    return {"times": {"step": times}, "params": len(params)}
+    return {"times": {"step": times}, "params": len(params), "groups": len(optimizer.param_groups)}
 
 
 def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -76,6 +76,7 @@ def measure(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "group_size": args.group_size if mode == "groups" else None,
                 "blocks": n_layers,
                 "params": ranks[0]["params"],
+                "param_groups": ranks[0]["groups"],
                 "first_s": slowest[0],
                 "later_median_s": statistics.median(slowest[1:]),
                 "step_times_s": slowest,

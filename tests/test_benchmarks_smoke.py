@@ -463,7 +463,9 @@ def test_bench_first_step_small_runs(bench_runs: dict[str, Future]) -> None:
     modes = [("foreach", None), ("groups", 4), ("loop", None)]
     assert got == [(impl, *mode) for impl in ("ours", "torch-fsdp2") for mode in modes]
     assert all(len(r["step_times_s"]) == 2 and r["first_s"] > 0 and r["later_median_s"] > 0 for r in rows)
-    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 4  # the model's, in several groups of 4
+    assert len({r["params"] for r in rows}) == 1 and rows[0]["params"] > 4  # the model's parameters, all six
+    groups = [-(-r["params"] // 4) if r["mode"] == "groups" else 1 for r in rows]
+    assert [r["param_groups"] for r in rows] == groups and max(groups) > 1  # AdamW's groups as asked
     assert "| first step (s) |" in proc.stdout and "| foreach, groups of <= 4 |" in proc.stdout
 
 
