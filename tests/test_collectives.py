@@ -230,10 +230,12 @@ def test_refused_exchange_keeps_its_posted_receive(dist_run) -> None:
     assert r0["again"] == r1["again"] == [0.0, 0.0, 1.0, 1.0]
 
 
-# ---------------------------------------------------------------- reduce-scatter: one temporary at any size
+# ---------------------------------------------------------------- reduce-scatter: no temporary when it may reuse
 def _reduce_scatter_memory() -> dict[str, Any]:
-    """The bytes a reduce-scatter allocates beyond its output, over 4 ranks: one chunk (the lowest
-    peer's lands in the output, the others' pass one at a time through one temporary)."""
+    """The bytes a reduce-scatter allocates beyond its output, over 4 ranks: one chunk when it may
+    not write into its input (the lowest peer's lands in the output, the others' pass one at a time
+    through one temporary), none when it may (the others' pass through this rank's own chunk of the
+    input, once that is summed)."""
     import os
     import sys
 
@@ -250,6 +252,13 @@ def _reduce_scatter_memory() -> dict[str, Any]:
         _collectives.wait(_collectives.reduce_scatter(output, parts, dist.group.WORLD), "test")
     expected = torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.float32) * world + sum(range(world))
     extra = tracker.peak_bytes - 4 * chunk * (world + 1)  # beyond the parts and the output
+    reused = torch.empty(chunk)
+    with LiveBytesTracker() as tracker:
+        tracker.add_existing([*parts, reused])
+        _collectives.wait(_collectives.reduce_scatter(reused, parts, dist.group.WORLD, writable=parts), "test")
+    extra_reused = tracker.peak_bytes - 4 * chunk * (world + 1)
+    mine = full[rank * chunk : (rank + 1) * chunk]  # written into: each element of it is summed here alone
+    overwritten = not torch.equal(mine, torch.arange(rank * chunk, (rank + 1) * chunk, dtype=torch.float32) + rank)
     # every rank's chunks alike (a 0-dim parameter's gradient repeated into each): every rank adds the
     # same terms, and in the same order, so the sums are bit for bit the same on every rank
     gen = torch.Generator().manual_seed(rank)
@@ -259,14 +268,29 @@ def _reduce_scatter_memory() -> dict[str, Any]:
     everyone = [torch.empty(1000) for _ in range(world)]
     dist.all_gather(everyone, same)
     identical = all(torch.equal(everyone[0], other) for other in everyone)
-    return {"extra": extra, "chunk": 4 * chunk, "equal": torch.equal(output, expected), "identical": identical}
+    # the same tensor in every chunk (how a 0-dim gradient is sent), writable: never reused, same order
+    _collectives.wait(_collectives.reduce_scatter(same, [values] * world, dist.group.WORLD, writable=[values]), "t")
+    dist.all_gather(everyone, same)
+    aliased = all(torch.equal(everyone[0], other) for other in everyone)
+    return {
+        "extra": extra,
+        "extra_reused": extra_reused,
+        "overwritten": overwritten,
+        "chunk": 4 * chunk,
+        "equal": torch.equal(output, expected),
+        "equal_reused": torch.equal(reused, expected),
+        "identical": identical,
+        "aliased_identical": aliased,
+    }
 
 
-def test_reduce_scatter_holds_one_chunk_beyond_its_output_and_sums_in_rank_order(dist_run) -> None:
+def test_reduce_scatter_reuses_its_own_chunk_or_holds_one_and_sums_in_rank_order(dist_run) -> None:
     for r in dist_run(4, _reduce_scatter_memory):
-        assert r["equal"] and r["identical"], r
-        # before, N-2 chunks: two at 4 ranks
+        assert r["equal"] and r["equal_reused"] and r["identical"] and r["aliased_identical"], r
+        # not writable: one chunk (before, N-2 chunks: two at 4 ranks)
         assert r["chunk"] <= r["extra"] < 1.1 * r["chunk"], r
+        # writable: the headers' few bytes, no chunk; this rank's own chunk of the input took the others'
+        assert r["extra_reused"] < 0.01 * r["chunk"] and r["overwritten"], r
 
 
 def _refused_reduce_scatter_after_posting() -> dict[str, Any]:
@@ -293,3 +317,80 @@ def test_refused_reduce_scatter_posts_its_late_receives(dist_run) -> None:
     for r in results[1:]:
         assert r["outcome"] == "completed, then RankMismatchError" and r["out"] == [10.0] * 3, r
     assert all(r["again"] == [6.0, 6.0] for r in results), results
+
+
+# ---------------------------------------------------------------- the gradient reduction reuses autograd's gradients
+def _reuse_in_training(keep: bool) -> dict[str, Any]:
+    """A unit whose chunks move directly (two 512 x 512 layers), with a 0-dim parameter (sent whole in
+    every chunk) and an unused one (shared zeros), against the unsharded model; ``keep``: a hook keeps
+    autograd's gradient of one weight (``p.grad``) beyond the reduction."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a, self.b = nn.Linear(512, 512), nn.Linear(512, 512)
+            self.scale = nn.Parameter(torch.tensor(0.5))
+            self.unused = nn.Parameter(torch.ones(512, 40))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.b(torch.relu(self.a(x))) * self.scale
+
+    torch.manual_seed(0)
+    ref = Net()
+    model = copy.deepcopy(ref)
+    fully_shard(model)
+    reused: list[tuple[int, int]] = []
+    original = _exchanges.reusable_pieces
+
+    def counting(pieces: Any, me: int, writable: Any) -> list[bool]:
+        out = original(pieces, me, writable)
+        reused.append((sum(out), len(out)))
+        return out
+
+    kept: list[tuple[torch.Tensor, torch.Tensor]] = []
+    if keep:
+
+        def keep_grad(module: nn.Module, args: Any) -> None:  # on the unsharded weight, in forward
+            module.a.weight.register_post_accumulate_grad_hook(lambda p: kept.append((p.grad, p.grad.clone())))
+
+        model.register_forward_pre_hook(keep_grad)
+    opt, ref_opt = torch.optim.SGD(model.parameters(), lr=0.1), torch.optim.SGD(ref.parameters(), lr=0.1)
+    gen = torch.Generator().manual_seed(1)
+    scale_grads = []
+    _exchanges.reusable_pieces = counting  # type: ignore[assignment]
+    try:
+        for _ in range(3):
+            x = torch.randn(world * 4, 512, generator=gen)
+            model(x[rank * 4 : (rank + 1) * 4]).pow(2).mean().backward()
+            scale_grads.append(model.scale.grad.to_local().clone())
+            opt.step()
+            opt.zero_grad()
+            ref(x).pow(2).mean().backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    finally:
+        _exchanges.reusable_pieces = original  # type: ignore[assignment]
+    everyone: list[Any] = [None] * world
+    dist.all_gather_object(everyone, torch.stack(scale_grads))
+    full = model.state_dict()  # FULL: the unsharded values
+    return {
+        "reused": sorted(set(reused)),
+        "diff": max((full[k] - v).abs().max().item() for k, v in ref.state_dict().items()),
+        "scale_identical": all(torch.equal(everyone[0], other) for other in everyone),
+        "kept": len(kept),
+        "kept_intact": all(torch.equal(g, c) for g, c in kept),
+    }
+
+
+@pytest.mark.parametrize("world_size", [3, 4])
+def test_gradient_reduction_reuses_autograd_gradients_nothing_else_holds(dist_run, world_size: int) -> None:
+    for r in dist_run(world_size, _reuse_in_training, False):
+        # the two weights and biases: reused; the 0-dim gradient, the unused one's zeros, the flags and
+        # the padding (at 3 ranks): not
+        assert [n for n, _ in r["reused"]] == [4], r
+        assert r["diff"] < 1e-6 and r["scale_identical"], r
+    for r in dist_run(world_size, _reuse_in_training, True):
+        # a gradient a hook kept is left alone (and keeps autograd's values)
+        assert [n for n, _ in r["reused"]] == [3] and r["kept"] >= 3 and r["kept_intact"], r
+        assert r["diff"] < 1e-6 and r["scale_identical"], r

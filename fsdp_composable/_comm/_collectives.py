@@ -197,19 +197,22 @@ def reduce_scatter(
     full: torch.Tensor | Sequence[torch.Tensor],
     group: dist.ProcessGroup,
     async_op: bool = True,
+    writable: Sequence[torch.Tensor] = (),
 ) -> Optional[Waitable]:
     """Sum ``full`` over ranks and leave this rank's slice in ``output`` (async).
 
     ``full`` may be given as 1-D parts whose concatenation it is (a unit's gradients, one per
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
-    concatenated first (the gradient reductions give parts to the point-to-point exchange only)."""
+    concatenated first (the gradient reductions give parts to the point-to-point exchange only).
+    ``writable``: tensors whose memory the gloo exchange may receive into once this rank's own part of
+    them was added ([Note: one temporary] in `_exchanges`): nothing else may hold them."""
     if isinstance(full, torch.Tensor):
         parts = [full if full.dim() == 1 else full.view(-1)]  # 1-D already (a unit's buffer): as it is
     else:
         parts = list(full)
     with _trace.span("reduce_scatter", None, output):
         if point_to_point(group, output.device):
-            return _reduce_scatter_exchange(output, parts, group)
+            return _reduce_scatter_exchange(output, parts, group, writable)
         flat = parts[0] if len(parts) == 1 else torch.cat(parts)
         return _checked(
             group,

@@ -15,12 +15,12 @@ order, which the first iteration's order check enforces), and gloo matches the m
 peer sent it. A reduce-scatter given parts (autograd's gradients, one per parameter) sends each
 part's slice of a peer's chunk as its own message; the slice boundaries depend only on the sizes, so
 both sides agree on them. A reduce-scatter receives the lowest other rank's chunk into the output
-itself and the others' through one temporary ([Note: one temporary]), so at 2 ranks it needs no memory
-beyond its output. A send request holds the tensor it sends until the request itself is dropped,
-and a gradient reduction is kept to the end of backward (its result is committed there), so a
-completed exchange drops its requests at once: otherwise every reduced unit's gradients, the slices
-sent to peers, stay alive through the whole backward. NCCL and other backends use their native
-collectives.
+itself and the others' through its own chunk's memory once that is summed ([Note: one temporary]),
+so it usually needs no memory beyond its output. A send request holds the tensor it sends until
+the request itself is dropped, and a gradient reduction is kept to the end of backward (its result
+is committed there), so a completed exchange drops its requests at once: otherwise every reduced
+unit's gradients, the slices sent to peers, stay alive through the whole backward. NCCL and other
+backends use their native collectives.
 
 [Note: receives before sends]
 gloo's point-to-point messages meet by rendezvous: a send's bytes go out once the receiving side
@@ -111,32 +111,37 @@ class Exchange:
 
 @dataclass
 class LateChunks:
-    """The chunks a reduce-scatter over more than 3 ranks receives after its first two, one at a time
-    into one temporary and added to the output ([Note: one temporary])."""
+    """The chunks a reduce-scatter over more than 2 ranks receives after its first, one at a time
+    into its scratch and added to the output ([Note: one temporary])."""
 
     group: dist.ProcessGroup
     sources: list[int]  # global ranks, in the order their chunks are received
     tag: int
-    temporary: torch.Tensor
+    scratch: list[torch.Tensor]  # where each message of a chunk lands: [Note: one temporary]
     output: torch.Tensor
     sizes: list[int]  # a chunk's messages, as its sender cut it (`_pieces_by_chunk`)
     # this rank's late sends: waited for after its late receives, since a peer posts the receive of
     # one only once its own early chunks arrived (waiting for them first could wait in a circle)
     sends: list[Any]
-    # this rank's own chunk, when it comes among the late ones: added before ``sources[mine_before]``
+    # this rank's own chunk, when it comes among the late ones: its pieces that are not scratch are
+    # added before ``sources[mine_before]``, the scratch ones (`free_mine`) before the first receive
     add_mine: Optional[Callable[[], None]] = None
     mine_before: int = 0
+    free_mine: Optional[Callable[[], None]] = None
 
-    def _post(self, source: int, into: torch.Tensor) -> list[Any]:
-        return [dist.irecv(piece, source, group=self.group, tag=self.tag) for piece in into.split(self.sizes)]
+    def _post(self, source: int, into: list[torch.Tensor]) -> list[Any]:
+        return [dist.irecv(piece, source, group=self.group, tag=self.tag) for piece in into]
 
     def receive(self) -> None:
+        if self.free_mine is not None:
+            self.free_mine()
+        outputs = list(self.output.split(self.sizes))
         for i, source in enumerate(self.sources):
             if i == self.mine_before and self.add_mine is not None:
                 self.add_mine()
-            for request in self._post(source, self.temporary):
+            for request in self._post(source, self.scratch):
                 request.wait()
-            self.output.add_(self.temporary)
+            torch._foreach_add_(outputs, self.scratch)
         if self.mine_before == len(self.sources) and self.add_mine is not None:
             self.add_mine()
         sends, self.sends = self.sends, []
@@ -146,8 +151,40 @@ class LateChunks:
     def abandon(self) -> list[Any]:
         """The exchange failed: post the receives anyway, into memory of their own (kept with the
         unmatched requests, as the late sends are), so a peer that sent its chunk is not left waiting."""
-        own = [self._post(source, torch.empty_like(self.temporary)) for source in self.sources]
+
+        def memory() -> list[torch.Tensor]:
+            like = self.output
+            return list(torch.empty(sum(self.sizes), dtype=like.dtype, device=like.device).split(self.sizes))
+
+        own = [self._post(source, memory()) for source in self.sources]
         return [request for requests in own for request in requests] + self.sends
+
+
+def reusable_pieces(pieces: list[list[torch.Tensor]], me: int, writable: Sequence[torch.Tensor]) -> list[bool]:
+    """For each piece of this rank's chunk (``pieces[me]``): whether its memory may take a later
+    chunk once it was added to the output ([Note: one temporary]): inside a tensor of ``writable``
+    (memory nothing else holds) and in no piece of another chunk (a 0-dim parameter's gradient, sent
+    whole in every chunk; shared zeros and flags are not ``writable``)."""
+    owned = {t.untyped_storage().data_ptr() for t in writable if t.numel()}
+    if not owned:
+        return [False] * len(pieces[me])
+
+    def span(t: torch.Tensor) -> tuple[int, int, int]:
+        start = int(t.storage_offset()) * t.element_size()
+        return t.untyped_storage().data_ptr(), start, start + t.numel() * t.element_size()
+
+    sent: dict[int, list[tuple[int, int]]] = {}
+    for r, chunk in enumerate(pieces):
+        if r != me:
+            for piece in chunk:
+                ptr, lo, hi = span(piece)
+                if ptr in owned:
+                    sent.setdefault(ptr, []).append((lo, hi))
+    out = []
+    for piece in pieces[me]:
+        ptr, lo, hi = span(piece)
+        out.append(ptr in owned and piece.is_contiguous() and not any(a < hi and lo < b for a, b in sent.get(ptr, ())))
+    return out
 
 
 def _peers(group: dist.ProcessGroup) -> tuple[int, int, list[tuple[int, int]]]:
@@ -161,15 +198,16 @@ Message = tuple[Callable[..., Any], torch.Tensor, int]  # (dist.isend or dist.ir
 
 @dataclass(frozen=True)
 class LatePlan:
-    """What a reduce-scatter over more than 3 ranks receives and sends late, in group ranks: `_start`
+    """What a reduce-scatter over more than 2 ranks receives and sends late, in group ranks: `_start`
     posts the sends under the late tag and turns the rest into the exchange's `LateChunks`."""
 
     sends: list[Message]  # this rank's chunks for the peers that receive them late
     sources: list[int]  # the peers this rank receives from late, in the order their chunks are added
-    temporary: torch.Tensor
+    scratch: list[torch.Tensor]
     sizes: list[int]
     add_mine: Optional[Callable[[], None]]
     mine_before: int
+    free_mine: Optional[Callable[[], None]] = None
 
 
 def _start(
@@ -202,8 +240,10 @@ def _start(
             late_tag = _rank_agreement.payload_tag(agreement, _REDUCE_SCATTER_LATE_TAG)
             assert output is not None
             sources = [global_ranks[p] for p in late.sources]
-            out, temporary, sizes = output.view(-1), late.temporary, late.sizes
-            chunks = LateChunks(group, sources, late_tag, temporary, out, sizes, [], late.add_mine, late.mine_before)
+            out, scratch, sizes = output.view(-1), late.scratch, late.sizes
+            chunks = LateChunks(
+                group, sources, late_tag, scratch, out, sizes, [], late.add_mine, late.mine_before, late.free_mine
+            )
             for post, tensor, peer in late.sends:
                 chunks.sends.append(post(tensor, global_ranks[peer], group=group, tag=late_tag))
     except RuntimeError as e:  # the step was abandoned, or gloo noticed a dead peer while posting
@@ -262,63 +302,81 @@ def _pieces_by_chunk(parts: Sequence[torch.Tensor], size: int) -> list[list[torc
     return pieces
 
 
-def _reduce_scatter_exchange(output: torch.Tensor, parts: Sequence[torch.Tensor], group: dist.ProcessGroup) -> Exchange:
+def _reduce_scatter_exchange(
+    output: torch.Tensor,
+    parts: Sequence[torch.Tensor],
+    group: dist.ProcessGroup,
+    writable: Sequence[torch.Tensor] = (),
+) -> Exchange:
     """[Note: one temporary]
-    Every rank adds the chunks it receives in the same order, the ranks' order (so an element every
-    rank holds, a 0-dim parameter's gradient repeated into each chunk, comes out bit for bit the
-    same everywhere). A rank receives the two lowest other ranks' chunks first, into the output and
-    one temporary, both posted with the exchange; at 4 ranks and more the higher ranks' chunks are
-    received once those arrived and were added, one at a time into the same temporary
-    (`LateChunks`), when the exchange is waited for. So a reduce-scatter holds one chunk beyond its
-    output at any group size (N-2 chunks, and their sum, were live together before: at 4 ranks the
-    step peaked above FSDP2's). A late chunk travels under a tag of its own (both sides know it is late: the
-    sender is not among the receiver's two lowest peers), so a late receive can never take an early
-    message, nor a later exchange's; the late sends are posted with the others and waited for after
-    the late receives (a peer posts its late receive only once its early chunks arrived, so waiting
-    for a late send first could wait in a circle of ranks). Exchanges are waited for in the order
-    they were issued, so the late receives of one come before any later exchange's. An exchange that
-    fails still posts its late receives, into memory of their own kept with its unmatched requests,
-    so no peer waits forever for a late send to complete."""
+    A rank receives its lowest peer's chunk straight into the output, posted with the exchange, and
+    the other peers' chunks once that one arrived and was added (`LateChunks`, when the exchange is
+    waited for), one at a time into one scratch chunk, each added before the next is posted. The
+    scratch is this rank's own chunk of the input, once it is in the output, wherever nothing else
+    holds that memory (``writable``: autograd's gradients that no one else references, or our own
+    copy; `reusable_pieces`), and a temporary only for the rest (shared zeros, the flags, a 0-dim
+    parameter's gradient, which every chunk sends whole): so at any group size a reduce-scatter
+    usually needs no memory beyond its output (a temporary of a whole chunk at 4 ranks made the
+    step's peak a block's shard above FSDP2's; N-2 chunks and their sum, before that).
+
+    Every rank adds what it receives in the ranks' order, so an element every rank holds (the 0-dim
+    gradient repeated into each chunk) comes out bit for bit the same everywhere; only pieces the
+    scratch reuses may take this rank's own term early (each of their elements is summed by this
+    rank alone). A late chunk travels under a tag of its own (both sides know it is late: the sender
+    is not the receiver's lowest peer), so a late receive can never take an early message, nor a
+    later exchange's; the late sends are posted with the others and waited for after the late
+    receives (a peer posts its late receive only once its early chunk arrived, so waiting for a late
+    send first could wait in a circle of ranks). Exchanges are waited for in the order they were
+    issued, so the late receives of one come before any later exchange's. An exchange that fails
+    still posts its late receives, into memory of their own kept with its unmatched requests, so no
+    peer waits forever for a late send to complete."""
     size, me, _ = _rank_agreement.group_ranks(group)
     pieces = _pieces_by_chunk(parts, size)
     mine = pieces[me]
     sizes = [piece.numel() for piece in mine]
     out = output.view(-1)
+    outs = list(out.split(sizes))
     sources = [r for r in range(size) if r != me]  # in the ranks' order: the order of the sum
-    early, late_sources = sources[:2], sources[2:]
-    extra = torch.empty(output.numel() if size > 2 else 0, dtype=output.dtype, device=output.device)
+    early, late_sources = sources[:1], sources[1:]
     messages: list[Message] = []  # receives first (see [Note: receives before sends])
-    for src, target in zip(early, (out, extra)):
-        messages += [(dist.irecv, piece, src) for piece in target.split(sizes)]
+    for src in early:
+        messages += [(dist.irecv, piece, src) for piece in outs]
     late_sends: list[Message] = []
     for dst in range(size):
         if dst != me:
-            is_late = me not in [r for r in range(size) if r != dst][:2]
+            is_late = me != min(r for r in range(size) if r != dst)
             (late_sends if is_late else messages).extend((dist.isend, piece, dst) for piece in pieces[dst])
 
-    def add_mine() -> None:
-        torch._foreach_add_(list(out.split(sizes)), mine)
+    def add(indices: list[int]) -> Optional[Callable[[], None]]:
+        if not indices:
+            return None
+        return lambda: torch._foreach_add_([outs[j] for j in indices], [mine[j] for j in indices])
+
+    every = list(range(len(mine)))
 
     def add_early() -> None:
-        """The output holds the lowest other rank's chunk: add the rest of the ranks below the first
-        late one, in order (the first two in either order: a + b is b + a)."""
+        """The output holds the lowest peer's chunk: this rank's own follows it when it comes before
+        every late one (the first two in either order: a + b is b + a)."""
         if size == 1:  # nothing was received into the output: it is just this rank's chunk
-            torch._foreach_copy_(list(out.split(sizes)), mine)
-            return
-        below = list(range(late_sources[0] if late_sources else size))
-        if below[0] == me:  # the output holds below[1]'s: this rank's chunk is the sum's first term
-            add_mine()
-        for r in below[2:] if below[0] == me else below[1:]:
-            if r == me:
-                add_mine()
-            else:
-                out.add_(extra)
+            torch._foreach_copy_(outs, mine)
+        elif not late_sources or me < late_sources[0]:
+            add_all = add(every)
+            if add_all is not None:
+                add_all()
 
     late = None
     if late_sources:
-        mine_before = next((i for i, r in enumerate(late_sources) if r > me), len(late_sources))
-        then = add_mine if me > late_sources[0] else None  # this rank's own chunk comes among the late ones
-        late = LatePlan(late_sends, late_sources, extra, sizes, then, mine_before)
+        reuse = reusable_pieces(pieces, me, writable)
+        rest = [j for j in every if not reuse[j]]
+        temporary = torch.empty(sum(sizes[j] for j in rest), dtype=output.dtype, device=output.device)
+        spare = iter(temporary.split([sizes[j] for j in rest]) if rest else ())
+        scratch = [mine[j] if reuse[j] else next(spare) for j in every]
+        if me < late_sources[0]:  # already in the output (`add_early`)
+            late = LatePlan(late_sends, late_sources, scratch, sizes, None, 0)
+        else:
+            mine_before = next((i for i, r in enumerate(late_sources) if r > me), len(late_sources))
+            free = add([j for j in every if reuse[j]])
+            late = LatePlan(late_sends, late_sources, scratch, sizes, add(rest), mine_before, free)
     return _start(
         group, _REDUCE_SCATTER_TAG, messages, add_early, numel=output.numel() * size, output=output, late=late
     )

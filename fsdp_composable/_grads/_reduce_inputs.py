@@ -5,7 +5,8 @@ buffer] in `_reduce_utils`)."""
 
 from __future__ import annotations
 
-from typing import Optional
+import sys
+from typing import Optional, Sequence
 
 import torch
 
@@ -13,7 +14,17 @@ from fsdp_composable._base._grad_mode import NoGrad
 from fsdp_composable._flat_param import FlatParamHandle
 from fsdp_composable._grads import _grad_presence
 
-__all__ = ["cat_in", "flag_room", "flat_of", "grad_buffer", "rank_major_pieces", "scaled_part", "zeros"]
+__all__ = [
+    "cat_in",
+    "flag_room",
+    "flat_of",
+    "grad_buffer",
+    "held_here_alone",
+    "rank_major_pieces",
+    "scaled_part",
+    "writable_parts",
+    "zeros",
+]
 
 
 def zeros(handle: FlatParamHandle, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -97,3 +108,34 @@ def scaled_part(handle: FlatParamHandle, grad: Optional[torch.Tensor], i: int, p
         return zeros(handle, handle.layout.infos[i].numel, handle.reduce_dtype)
     part = grad.reshape(-1).to(handle.reduce_dtype)
     return part / pre if pre != 1 else part
+
+
+def held_here_alone(grad: torch.Tensor, refs: int) -> bool:
+    """Whether autograd's gradient ``grad``, just taken from its parameter, is held by nothing but the
+    caller's ``refs`` references: no other reference to it (a hook that kept ``p.grad``), no other
+    tensor on its memory (a view kept), not itself a view. Then the reduce-scatter may reuse its memory
+    once this rank's own rows of it were summed ([Note: one temporary] in `_exchanges`), as autograd
+    itself takes over a gradient nothing else holds. Three references beyond the caller's: this
+    function's argument, `sys.getrefcount`'s, and (for the memory) the storage object asked for."""
+    return (
+        grad._base is None
+        and sys.getrefcount(grad) == refs + 2
+        and grad._use_count() == 1  # type: ignore[attr-defined]
+        and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2  # type: ignore[attr-defined]
+    )
+
+
+def writable_parts(
+    grads: Sequence[Optional[torch.Tensor]], scaled: Sequence[Optional[torch.Tensor]], alone: Sequence[bool]
+) -> list[torch.Tensor]:
+    """Of the reduce-scatter's parts (``scaled``, made by `scaled_part` from ``grads``), those whose
+    memory nothing else holds: a copy (a cast, a division, a non-contiguous gradient), or autograd's
+    gradient itself when it is held here ``alone``; never the shared zeros of a missing gradient."""
+    out = []
+    for grad, part, only_here in zip(grads, scaled, alone):
+        if grad is None or part is None:
+            continue
+        same = part.untyped_storage().data_ptr() == grad.untyped_storage().data_ptr()
+        if only_here or not same:
+            out.append(part)
+    return out

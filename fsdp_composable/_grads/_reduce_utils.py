@@ -147,10 +147,13 @@ def begin_backward(handle: FlatParamHandle, lazy: bool, early: list[Optional[tor
             grads.touched[i] = True
 
 
-def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
+def _take_backward_grads(
+    handle: FlatParamHandle, alone: Optional[list[bool]] = None
+) -> tuple[list[Optional[torch.Tensor]], list[bool]]:
     """This backward's gradient of each original parameter (None: it got none), detached from the
     parameters, and whether it got one (see [Note: which parameters got a gradient]). In FLAT mode
-    a gradient that is not the buffer's view is copied into the buffer."""
+    a gradient that is not the buffer's view is copied into the buffer. ``alone`` gets, for each,
+    whether nothing else holds autograd's gradient (`_reduce_inputs.held_here_alone`)."""
     grads = handle.grads
     out: list[Optional[torch.Tensor]] = []
     got: list[bool] = []
@@ -164,6 +167,8 @@ def _take_backward_grads(handle: FlatParamHandle) -> tuple[list[Optional[torch.T
             grad, param.grad = param.grad, None
             if grad is not None:
                 grad = as_local_grad(param, grad)
+            if alone is not None:  # this frame's ``grad`` is the one reference expected
+                alone.append(views is None and grad is not None and inputs.held_here_alone(grad, 1))
             if views is not None:
                 # the view pre-backward set, accumulated into: the same object (else compare memory)
                 replaced = grad is not None and grad is not views[i] and not _same_memory(grad, views[i])
@@ -221,12 +226,14 @@ def start_reduce(
     # the user's reduce-scatter ([Note: custom collectives]): it takes one rank-major tensor
     custom = grads.controls.reduce_scatter_comm if handle.layout.world_size > 1 else None
     sends_pieces = _collectives.point_to_point(handle.process_group, handle.device)
+    alone: list[bool] = []  # per parameter: autograd's gradient is held by nothing else
+    writable: list[torch.Tensor] = []  # what the exchange may receive into ([Note: one temporary])
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
         got = grads.kept_got
     else:
-        parts, mine = _take_backward_grads(handle)
+        parts, mine = _take_backward_grads(handle, alone)
         got = _grad_presence.union(mine, grads.kept_got)
         flat = None
         as_they_are = grads.buffer is None and grads.kept is None and takes_autograd_grads(handle)
@@ -256,7 +263,12 @@ def start_reduce(
         if flat is None and p2p:  # AUTOGRAD on gloo: the gradients in rank-major order, as they are or in one copy
             scaled: list[Optional[torch.Tensor]] = [inputs.scaled_part(handle, g, i, pre) for i, g in enumerate(parts)]
             send = inputs.rank_major_pieces(handle, scaled)
-            send = send if layout.direct else [torch.cat(send)]
+            if layout.direct:
+                writable = inputs.writable_parts(parts, scaled, alone)
+            else:
+                send = [torch.cat(send)]
+                # our copy, but a 0-dim gradient's copies no longer share memory: keep them out
+                writable = [] if any(i.replicated for i in layout.infos) else send
         elif flat is None:  # AUTOGRAD elsewhere: autograd's gradients into the rank-major input, one kernel
             # on the CPU the flags ride at the end of every rank's chunk: [Note: which parameters got a gradient]
             rides = custom is None and device_flags
@@ -306,7 +318,7 @@ def start_reduce(
             send = [*send, flag]
 
             def collective(async_op: bool) -> Optional[_collectives.Waitable]:
-                return _collectives.reduce_scatter(out, full, group, async_op)
+                return _collectives.reduce_scatter(out, full, group, async_op, writable)
 
         else:  # the flat gradient as it is, then (on the CPU) the flags by a small all-reduce on the same stream
             assert len(send) == 1
