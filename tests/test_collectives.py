@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Any, Optional
 
+import expecttest
 import pytest
 import torch
 import torch.distributed as dist
@@ -394,3 +395,42 @@ def test_gradient_reduction_reuses_autograd_gradients_nothing_else_holds(dist_ru
         # a gradient a hook kept is left alone (and keeps autograd's values)
         assert [n for n, _ in r["reused"]] == [3] and r["kept"] >= 3 and r["kept_intact"], r
         assert r["diff"] < 1e-6 and r["scale_identical"], r
+
+
+def test_held_here_alone_table() -> None:
+    """When autograd's gradient may take a later chunk: only when nothing but the caller holds it."""
+    from fsdp_composable._grads._reduce_inputs import held_here_alone
+
+    def alone() -> bool:
+        grad = torch.randn(8)
+        return held_here_alone(grad, 1)
+
+    def another_name() -> bool:
+        grad = torch.randn(8)
+        kept = [grad]  # a hook that kept p.grad
+        return held_here_alone(grad, 1) and bool(kept)
+
+    def a_view_kept() -> bool:
+        grad = torch.randn(8)
+        view = grad[:4]
+        return held_here_alone(grad, 1) and bool(view.numel())
+
+    def itself_a_view() -> bool:
+        grad = torch.randn(8)[2:]
+        return held_here_alone(grad, 1)
+
+    def two_names_expected() -> bool:
+        grad = torch.randn(8)
+        also = grad
+        return held_here_alone(grad, 2) and also is grad
+
+    cases = [alone, another_name, a_view_kept, itself_a_view, two_names_expected]
+    expecttest.TestCase().assertExpectedInline(
+        "\n".join(f"{case.__name__}: {case()}" for case in cases),
+        """\
+alone: True
+another_name: False
+a_view_kept: False
+itself_a_view: False
+two_names_expected: True""",
+    )

@@ -5,6 +5,7 @@ buffer] in `_reduce_utils`)."""
 
 from __future__ import annotations
 
+import functools
 import sys
 from typing import Optional, Sequence
 
@@ -115,14 +116,30 @@ def held_here_alone(grad: torch.Tensor, refs: int) -> bool:
     caller's ``refs`` references: no other reference to it (a hook that kept ``p.grad``), no other
     tensor on its memory (a view kept), not itself a view. Then the reduce-scatter may reuse its memory
     once this rank's own rows of it were summed ([Note: one temporary] in `_exchanges`), as autograd
-    itself takes over a gradient nothing else holds. Three references beyond the caller's: this
-    function's argument, `sys.getrefcount`'s, and (for the memory) the storage object asked for."""
+    itself takes over a gradient nothing else holds. The memory's count is the tensor and the storage
+    object asked for; the reference count is compared with a probe's taken the same way (`_held_once`),
+    not with a number: interpreters count a call's arguments differently."""
     return (
         grad._base is None
-        and sys.getrefcount(grad) == refs + 2
+        and _references(grad) == _held_once() + refs - 1
         and grad._use_count() == 1  # type: ignore[attr-defined]
         and torch._C._storage_Use_Count(grad.untyped_storage()._cdata) == 2  # type: ignore[attr-defined]
     )
+
+
+def _references(t: torch.Tensor) -> int:
+    return sys.getrefcount(t)
+
+
+def _through(t: torch.Tensor) -> int:  # one call deep, as `held_here_alone` asks `_references`
+    return _references(t)
+
+
+@functools.cache
+def _held_once() -> int:
+    """`_references` of a tensor one local name holds, asked as `held_here_alone` asks it."""
+    probe = torch.empty(0)
+    return _through(probe)
 
 
 def writable_parts(
