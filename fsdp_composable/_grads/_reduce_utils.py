@@ -233,7 +233,9 @@ def start_reduce(
         flat: Optional[torch.Tensor] = grads.kept
         got = grads.kept_got
     else:
-        parts, mine = _take_backward_grads(handle, alone)
+        # only gloo's exchange over 3 ranks or more has later chunks to receive into them
+        late_chunks = sends_pieces and custom is None and handle.layout.world_size > 2 and handle.layout.direct
+        parts, mine = _take_backward_grads(handle, alone if late_chunks else None)
         got = _grad_presence.union(mine, grads.kept_got)
         flat = None
         as_they_are = grads.buffer is None and grads.kept is None and takes_autograd_grads(handle)
@@ -264,7 +266,7 @@ def start_reduce(
             scaled: list[Optional[torch.Tensor]] = [inputs.scaled_part(handle, g, i, pre) for i, g in enumerate(parts)]
             send = inputs.rank_major_pieces(handle, scaled)
             if layout.direct:
-                writable = inputs.writable_parts(parts, scaled, alone)
+                writable = inputs.writable_parts(parts, scaled, alone) if alone else []
             else:
                 send = [torch.cat(send)]
                 # our copy, but a 0-dim gradient's copies no longer share memory: keep them out
