@@ -205,7 +205,7 @@ def reduce_scatter(
     parameter, then its padding): on gloo the parts are sent as they are, elsewhere they are
     concatenated first (the gradient reductions give parts to the point-to-point exchange only).
     ``writable``: tensors whose memory the gloo exchange may receive into once this rank's own part of
-    them was added ([Note: one temporary] in `_exchanges`): nothing else may hold them."""
+    them was added ([Note: the reduce-scatter's scratch] in `_exchanges`): nothing else may hold them."""
     if isinstance(full, torch.Tensor):
         parts = [full if full.dim() == 1 else full.view(-1)]  # 1-D already (a unit's buffer): as it is
     else:

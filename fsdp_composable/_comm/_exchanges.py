@@ -15,7 +15,7 @@ order, which the first iteration's order check enforces), and gloo matches the m
 peer sent it. A reduce-scatter given parts (autograd's gradients, one per parameter) sends each
 part's slice of a peer's chunk as its own message; the slice boundaries depend only on the sizes, so
 both sides agree on them. A reduce-scatter receives the lowest other rank's chunk into the output
-itself and the others' through its own chunk's memory once that is summed ([Note: one temporary]),
+itself and the others' through its own chunk's memory once that is summed ([Note: the reduce-scatter's scratch]),
 so it usually needs no memory beyond its output. A send request holds the tensor it sends until
 the request itself is dropped, and a gradient reduction is kept to the end of backward (its result
 is committed there), so a completed exchange drops its requests at once: otherwise every reduced
@@ -49,7 +49,7 @@ __all__: list[str] = []
 # Tags far from the small numbers user code picks for its own isend/irecv on the same group.
 _ALL_GATHER_TAG = 0x46530001
 _REDUCE_SCATTER_TAG = 0x46530002
-_REDUCE_SCATTER_LATE_TAG = 0x46530003  # the chunks a reduce-scatter receives late: [Note: one temporary]
+_REDUCE_SCATTER_LATE_TAG = 0x46530003  # the chunks a reduce-scatter receives late: [Note: the reduce-scatter's scratch]
 
 
 @dataclass
@@ -70,7 +70,7 @@ class Exchange:
     agreement: Optional[_rank_agreement.Agreement] = None
     # refused with its payload posted: a receive may still write into ``output`` (see `left_posted`)
     unmatched: bool = False
-    # a reduce-scatter's chunks received after the first ones, through one temporary ([Note: one temporary])
+    # a reduce-scatter's chunks received after its first one ([Note: the reduce-scatter's scratch])
     late: Optional["LateChunks"] = None
 
     def wait(self) -> bool:
@@ -112,12 +112,12 @@ class Exchange:
 @dataclass
 class LateChunks:
     """The chunks a reduce-scatter over more than 2 ranks receives after its first, one at a time
-    into its scratch and added to the output ([Note: one temporary])."""
+    into its scratch and added to the output ([Note: the reduce-scatter's scratch])."""
 
     group: dist.ProcessGroup
     sources: list[int]  # global ranks, in the order their chunks are received
     tag: int
-    scratch: list[torch.Tensor]  # where each message of a chunk lands: [Note: one temporary]
+    scratch: list[torch.Tensor]  # where each message of a chunk lands: [Note: the reduce-scatter's scratch]
     output: torch.Tensor
     sizes: list[int]  # a chunk's messages, as its sender cut it (`_pieces_by_chunk`)
     # this rank's late sends: waited for after its late receives, since a peer posts the receive of
@@ -162,7 +162,7 @@ class LateChunks:
 
 def reusable_pieces(pieces: list[list[torch.Tensor]], me: int, writable: Sequence[torch.Tensor]) -> list[bool]:
     """For each piece of this rank's chunk (``pieces[me]``): whether its memory may take a later
-    chunk once it was added to the output ([Note: one temporary]): inside a tensor of ``writable``
+    chunk once it was added to the output ([Note: the reduce-scatter's scratch]): inside a tensor of ``writable``
     (memory nothing else holds) and in no piece of another chunk (a 0-dim parameter's gradient, sent
     whole in every chunk; shared zeros and flags are not ``writable``)."""
     owned = {t.untyped_storage().data_ptr() for t in writable if t.numel()}
@@ -223,7 +223,7 @@ def _start(
     """Post ``messages`` with this rank's header; `Exchange.wait` checks the peers' headers before it
     waits for the payload (``numel``: the exchange's whole size, the same on every rank; see [Note:
     agreement without a round trip] in `_rank_agreement`). ``late``: what a reduce-scatter sends and
-    receives late ([Note: one temporary])."""
+    receives late ([Note: the reduce-scatter's scratch])."""
     requests: list[dist.Work] = []
     generation = _rank_agreement.generation(group)
     agreement = None
@@ -308,7 +308,7 @@ def _reduce_scatter_exchange(
     group: dist.ProcessGroup,
     writable: Sequence[torch.Tensor] = (),
 ) -> Exchange:
-    """[Note: one temporary]
+    """[Note: the reduce-scatter's scratch]
     A rank receives its lowest peer's chunk straight into the output, posted with the exchange, and
     the other peers' chunks once that one arrived and was added (`LateChunks`, when the exchange is
     waited for), one at a time into one scratch chunk, each added before the next is posted. The

@@ -115,7 +115,7 @@ def held_here_alone(grad: torch.Tensor, refs: int) -> bool:
     """Whether autograd's gradient ``grad``, just taken from its parameter, is held by nothing but the
     caller's ``refs`` references: no other reference to it (a hook that kept ``p.grad``), no other
     tensor on its memory (a view kept), not itself a view. Then the reduce-scatter may reuse its memory
-    once this rank's own rows of it were summed ([Note: one temporary] in `_exchanges`), as autograd
+    once this rank's own rows of it were summed ([Note: the reduce-scatter's scratch] in `_exchanges`), as autograd
     itself takes over a gradient nothing else holds. The memory's count is the tensor and the storage
     object asked for; the reference count is compared with a probe's taken the same way (`_held_once`),
     not with a number: interpreters count a call's arguments differently."""

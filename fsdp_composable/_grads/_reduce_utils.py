@@ -227,7 +227,7 @@ def start_reduce(
     custom = grads.controls.reduce_scatter_comm if handle.layout.world_size > 1 else None
     sends_pieces = _collectives.point_to_point(handle.process_group, handle.device)
     alone: list[bool] = []  # per parameter: autograd's gradient is held by nothing else
-    writable: list[torch.Tensor] = []  # what the exchange may receive into ([Note: one temporary])
+    writable: list[torch.Tensor] = []  # what the exchange may receive into ([Note: the reduce-scatter's scratch])
     if grads.state is GradState.KEPT_FOR_NO_SYNC:  # a unit not run in this synced backward
         parts: list[Optional[torch.Tensor]] = []
         flat: Optional[torch.Tensor] = grads.kept
