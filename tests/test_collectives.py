@@ -296,9 +296,9 @@ def test_reduce_scatter_reuses_its_own_chunk_or_holds_one_and_sums_in_rank_order
 
 def _refused_reduce_scatter_after_posting() -> dict[str, Any]:
     """As `_refused_after_posting`, for a reduce-scatter over 4 ranks: rank 0 leaves the step before
-    waiting for it, so it never receives its late chunk (from rank 1) as a completed exchange would;
-    the late receive is still posted, so rank 1, whose exchange agreed and completes, does not wait
-    forever for that send."""
+    waiting for it, so it never receives its late chunks (from ranks 2 and 3) as a completed exchange
+    would; the late receives are still posted, so ranks 2 and 3, whose exchanges agreed and complete,
+    do not wait forever for those sends."""
     rank, world = dist.get_rank(), dist.get_world_size()
     group = dist.group.WORLD
     out = torch.zeros(3)
