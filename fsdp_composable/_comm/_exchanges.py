@@ -151,12 +151,7 @@ class LateChunks:
     def abandon(self) -> list[Any]:
         """The exchange failed: post the receives anyway, into memory of their own (kept with the
         unmatched requests, as the late sends are), so a peer that sent its chunk is not left waiting."""
-
-        def memory() -> list[torch.Tensor]:
-            like = self.output
-            return list(torch.empty(sum(self.sizes), dtype=like.dtype, device=like.device).split(self.sizes))
-
-        own = [self._post(source, memory()) for source in self.sources]
+        own = [self._post(source, list(torch.empty_like(self.output).split(self.sizes))) for source in self.sources]
         return [request for requests in own for request in requests] + self.sends
 
 
@@ -359,10 +354,8 @@ def _reduce_scatter_exchange(
         every late one (the first two in either order: a + b is b + a)."""
         if size == 1:  # nothing was received into the output: it is just this rank's chunk
             torch._foreach_copy_(outs, mine)
-        elif not late_sources or me < late_sources[0]:
-            add_all = add(every)
-            if add_all is not None:
-                add_all()
+        elif (not late_sources or me < late_sources[0]) and mine:
+            torch._foreach_add_(outs, mine)
 
     late = None
     if late_sources:
