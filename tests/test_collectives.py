@@ -321,11 +321,12 @@ def test_refused_reduce_scatter_posts_its_late_receives(dist_run) -> None:
 
 
 # ---------------------------------------------------------------- the gradient reduction reuses autograd's gradients
-def _reuse_in_training(keep: bool) -> dict[str, Any]:
+def _reuse_in_training(keep: bool, only_rank: Optional[int] = None) -> dict[str, Any]:
     """A unit whose chunks move directly (two 512 x 512 layers), with a 0-dim parameter (sent whole in
     every chunk) and an unused one (shared zeros), against the unsharded model; ``keep``: a hook keeps
-    autograd's gradient of one weight (``p.grad``) beyond the reduction."""
+    autograd's gradient of one weight (``p.grad``) beyond the reduction (on ``only_rank`` alone if given)."""
     rank, world = dist.get_rank(), dist.get_world_size()
+    keep = keep and only_rank in (None, rank)
 
     class Net(nn.Module):
         def __init__(self) -> None:
@@ -394,6 +395,10 @@ def test_gradient_reduction_reuses_autograd_gradients_nothing_else_holds(dist_ru
     for r in dist_run(world_size, _reuse_in_training, True):
         # a gradient a hook kept is left alone (and keeps autograd's values)
         assert [n for n, _ in r["reused"]] == [3] and r["kept"] >= 3 and r["kept_intact"], r
+        assert r["diff"] < 1e-6 and r["scale_identical"], r
+    # one rank's hook only: the ranks decide apart (what travels under which tag does not depend on it)
+    for rank, r in enumerate(dist_run(world_size, _reuse_in_training, True, 1)):
+        assert [n for n, _ in r["reused"]] == [3 if rank == 1 else 4] and r["kept_intact"], r
         assert r["diff"] < 1e-6 and r["scale_identical"], r
 
 
